@@ -1,0 +1,44 @@
+"""DeepSpeed-Ulysses attention over the context-parallel (CP) group (`parallel.cp_comm_type: a2a`).
+
+Each CP rank holds a contiguous sequence slice. An all-to-all turns [s/cp, b, n, d] into
+[s, b, n/cp, d] (whole sequences, a subset of heads), any local attention runs on that, and the
+conjugate all-to-all restores the sequence split. The backward of each all-to-all is the
+all-to-all with split and concat dims swapped (see parallel/mappings.py).
+
+Per layer and rank the forward moves (2 + 2·g/n)·s·b·h/(tp·cp) elements (q, k, v, out; g/n =
+KV heads over query heads), of which (cp−1)/cp leaves the rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from megatron_lite.parallel import mappings
+
+
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group,
+                      attn_fn: Callable) -> torch.Tensor:
+    """q [s/cp, b, n, d], k/v [s/cp, b, g, d] -> [s/cp, b, n, d], with `attn_fn(q, k, v)`
+    computing causal attention on [s, b, heads, d] tensors.
+
+    When g < cp the KV heads are replicated up to cp so every rank gets whole KV groups for
+    its query heads (g must divide cp; n must be divisible by cp).
+    """
+    cp = mappings.size(cp_group)
+    n, g = q.shape[2], k.shape[2]
+    if n % cp:
+        raise ValueError(f"Ulysses: {n} query heads per rank not divisible by cp={cp}")
+    if g < cp:
+        if cp % g:
+            raise ValueError(f"Ulysses: {g} KV heads per rank neither divide nor are divisible "
+                             f"by cp={cp}")
+        k, v = k.repeat_interleave(cp // g, dim=2), v.repeat_interleave(cp // g, dim=2)
+    elif g % cp:
+        raise ValueError(f"Ulysses: {g} KV heads per rank not divisible by cp={cp}")
+    # [s/cp, b, heads, d] -> [s, b, heads/cp, d]
+    q, k, v = (mappings.all_to_all(t, split_dim=2, concat_dim=0, group=cp_group)
+               for t in (q, k, v))
+    out = attn_fn(q, k, v)  # [s, b, n/cp, d]
+    return mappings.all_to_all(out, split_dim=0, concat_dim=2, group=cp_group)  # [s/cp, b, n, d]

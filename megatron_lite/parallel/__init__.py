@@ -1,0 +1,1 @@
+"""Process groups, autograd collectives and tensor-parallel layers."""

@@ -1,0 +1,117 @@
+"""Tensor-parallel layers on plain tensors: ColumnParallelLinear, RowParallelLinear and
+VocabParallelEmbedding, with optional sequence parallelism (activations [s/tp, b, h] outside
+the tensor-parallel region)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_lite.parallel import mappings
+from megatron_lite.parallel.params import set_meta
+
+
+def _tp(group) -> tuple[int, int]:
+    return (mappings.size(group), torch.distributed.get_rank(group) if group is not None else 0)
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = X Aᵀ + b with A split along its output dim: [s(/tp), b, in] -> [s, b, out/tp].
+
+    `out_features` may be a list of segments (e.g. [q, k, v] or [gate, up]); each segment is
+    split across TP separately, so rank r holds its slice of every segment. With
+    `sequence_parallel`, the input is the sequence shard and is all-gathered first (backward:
+    reduce-scatter); otherwise the input is replicated and its gradient is all-reduced.
+    """
+
+    def __init__(self, in_features: int, out_features: int | list[int], tp_group, *,
+                 bias: bool = True, sequence_parallel: bool = False, gather_output: bool = False,
+                 init_std: float = 0.02, skip_weight: bool = False):
+        super().__init__()
+        self.tp_group, self.sequence_parallel, self.gather_output = (
+            tp_group, sequence_parallel, gather_output)
+        tp, rank = _tp(tp_group)
+        segments = list(out_features) if isinstance(out_features, list | tuple) else [out_features]
+        for seg in segments:
+            if seg % tp:
+                raise ValueError(f"output segment {seg} not divisible by tp={tp}")
+        out_local, out_full = sum(segments) // tp, sum(segments)
+        shard = dict(tp_dim=0, tp_rank=rank, tp_size=tp, segments=tuple(segments))
+        self.weight = None
+        if not skip_weight:  # the tied output layer borrows the embedding's weight
+            self.weight = set_meta(nn.Parameter(torch.empty(out_local, in_features)),
+                                   full_shape=(out_full, in_features), std=init_std, **shard)
+        self.bias = None
+        if bias:
+            self.bias = set_meta(nn.Parameter(torch.empty(out_local)), full_shape=(out_full,),
+                                 init="zeros", **shard)
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        if self.sequence_parallel:
+            x = mappings.gather_from_sequence_parallel_region(x, self.tp_group)  # [s/tp]->[s]
+        else:
+            x = mappings.copy_to_tensor_parallel_region(x, self.tp_group)
+        y = F.linear(x, self.weight if weight is None else weight, self.bias)  # [s, b, out/tp]
+        if self.gather_output:
+            y = mappings.gather_from_tensor_parallel_region(y, self.tp_group)
+        return y
+
+
+class RowParallelLinear(nn.Module):
+    """Y = X Aᵀ + b with A split along its input dim: [s, b, in/tp] -> [s(/tp), b, out].
+
+    The partial products are all-reduced, or reduce-scattered along the sequence with
+    `sequence_parallel`. The bias is replicated and added after the reduction (its gradient is
+    summed over TP when it sees only a sequence shard).
+    """
+
+    def __init__(self, in_features: int, out_features: int, tp_group, *, bias: bool = True,
+                 sequence_parallel: bool = False, init_std: float = 0.02):
+        super().__init__()
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
+        tp, rank = _tp(tp_group)
+        if in_features % tp:
+            raise ValueError(f"input size {in_features} not divisible by tp={tp}")
+        self.weight = set_meta(nn.Parameter(torch.empty(out_features, in_features // tp)),
+                               full_shape=(out_features, in_features), tp_dim=1, tp_rank=rank,
+                               tp_size=tp, std=init_std)
+        self.bias = None
+        if bias:
+            self.bias = set_meta(nn.Parameter(torch.empty(out_features)),
+                                 full_shape=(out_features,), init="zeros",
+                                 sequence_parallel=sequence_parallel and tp > 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)  # [s, b, out] partial sums over TP
+        if self.sequence_parallel:
+            y = mappings.reduce_scatter_to_sequence_parallel_region(y, self.tp_group)  # [s/tp]
+        else:
+            y = mappings.reduce_from_tensor_parallel_region(y, self.tp_group)
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token ids [s, b] -> [s, b, h] partial sums (rows owned by this rank, zeros elsewhere).
+
+    The vocabulary is padded to `padded_vocab_size` (zeros, never looked up) and split evenly
+    across TP. The caller reduces the partial sums (all-reduce, or reduce-scatter into
+    sequence shards), so it can add replicated terms after the reduction.
+    """
+
+    def __init__(self, vocab_size: int, padded_vocab_size: int, hidden_size: int, tp_group, *,
+                 init_std: float = 0.02):
+        super().__init__()
+        tp, rank = _tp(tp_group)
+        self.tp_group = tp_group
+        self.per_rank = padded_vocab_size // tp
+        self.vocab_start = rank * self.per_rank
+        self.weight = set_meta(nn.Parameter(torch.empty(self.per_rank, hidden_size)),
+                               full_shape=(vocab_size, hidden_size), tp_dim=0, tp_rank=rank,
+                               tp_size=tp, padded=padded_vocab_size, std=init_std)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.per_rank)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)  # [s, b, h]
+        return out.masked_fill(outside.unsqueeze(-1), 0.0)

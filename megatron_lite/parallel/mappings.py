@@ -1,0 +1,274 @@
+"""Autograd collectives in conjugate pairs. Every function takes the group it communicates over.
+
+| forward                                  | backward                         |
+|------------------------------------------|----------------------------------|
+| copy_to_tensor_parallel_region           | all-reduce                       |
+| reduce_from_tensor_parallel_region       | identity                         |
+| scatter_to_tensor_parallel_region (-1)   | all-gather along the last dim    |
+| gather_from_tensor_parallel_region (-1)  | split along the last dim         |
+| scatter_to_sequence_parallel_region (0)  | all-gather along dim 0           |
+| gather_from_sequence_parallel_region (0) | reduce-scatter along dim 0       |
+| reduce_scatter_to_sequence_parallel (0)  | all-gather along dim 0           |
+| all_to_all (split dim a, concat dim b)   | all_to_all (split b, concat a)   |
+| all_to_all_uneven (splits in, out)       | all_to_all_uneven (out, in)      |
+
+Each collective reports its payload to `comm_stats.STATS` and turns a backend failure (timeout,
+dead peer) into a `CollectiveError` naming rank, step, op and group.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_lite.parallel.comm_stats import STATS
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out; the message names rank, step, op and group."""
+
+
+def group_name(group: dist.ProcessGroup | None) -> str:
+    desc = getattr(group, "group_desc", None) if group is not None else "world"
+    return f"{desc} ranks={dist.get_process_group_ranks(group) if group is not None else 'all'}"
+
+
+def _run(kind: str, payload: torch.Tensor, group, fn):
+    STATS.record(kind, payload, getattr(group, "group_desc", "world"))
+    try:
+        return fn()
+    except RuntimeError as e:  # gloo/NCCL raise RuntimeError (or subclasses) on timeout/peer loss
+        raise CollectiveError(
+            f"rank {dist.get_rank()} step {STATS.step}: {kind} of shape {tuple(payload.shape)} "
+            f"on group {group_name(group)} failed: {e}"
+        ) from e
+
+
+def size(group) -> int:
+    return dist.get_world_size(group) if group is not None else 1
+
+
+# ---------------------------------------------------------------- raw (non-autograd) collectives
+def all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM, kind: str = "all_reduce"):
+    """In-place all-reduce that reports to comm stats; a no-op on a group of one."""
+    if size(group) > 1:
+        _run(kind, t, group, lambda: dist.all_reduce(t, op=op, group=group))
+    return t
+
+
+def all_gather_dim0(t: torch.Tensor, group) -> torch.Tensor:
+    """[n, ...] -> [n·size, ...] in rank order."""
+    world = size(group)
+    if world == 1:
+        return t
+    t = t.contiguous()
+    out = torch.empty((t.shape[0] * world, *t.shape[1:]), dtype=t.dtype, device=t.device)
+    _run("all_gather", t, group, lambda: dist.all_gather_into_tensor(out, t, group=group))
+    return out
+
+
+def reduce_scatter_dim0(t: torch.Tensor, group) -> torch.Tensor:
+    """[n·size, ...] -> [n, ...]: the sum over ranks of this rank's chunk."""
+    world = size(group)
+    if world == 1:
+        return t
+    if t.shape[0] % world:
+        raise ValueError(f"reduce_scatter: dim 0 ({t.shape[0]}) not divisible by {world}")
+    t = t.contiguous()
+    out = torch.empty((t.shape[0] // world, *t.shape[1:]), dtype=t.dtype, device=t.device)
+    _run("reduce_scatter", t, group, lambda: dist.reduce_scatter_tensor(out, t, group=group))
+    return out
+
+
+def _split(t: torch.Tensor, dim: int, group) -> torch.Tensor:
+    world = size(group)
+    if world == 1:
+        return t
+    if t.shape[dim] % world:
+        raise ValueError(f"cannot split dim {dim} of size {t.shape[dim]} into {world} parts")
+    return t.chunk(world, dim=dim)[dist.get_rank(group)].contiguous()
+
+
+def _gather_last(t: torch.Tensor, group) -> torch.Tensor:
+    world = size(group)
+    if world == 1:
+        return t
+    g = all_gather_dim0(t.movedim(-1, 0), group)  # [size·h_local, ...]
+    g = g.reshape(world, t.shape[-1], *t.shape[:-1])  # [size, h_local, ...]
+    return g.permute(*range(2, g.dim()), 0, 1).flatten(-2).contiguous()  # [..., size·h_local]
+
+
+def _all_to_all(t: torch.Tensor, split_dim: int, concat_dim: int, group) -> torch.Tensor:
+    world = size(group)
+    if world == 1:
+        return t
+    if t.shape[split_dim] % world:
+        raise ValueError(f"all_to_all: dim {split_dim} of size {t.shape[split_dim]} not divisible "
+                         f"by group size {world}")
+    inp = t.movedim(split_dim, 0).contiguous()  # chunk i of dim 0 goes to rank i
+    out = torch.empty_like(inp)
+    _run("all_to_all", inp, group, lambda: dist.all_to_all_single(out, inp, group=group))
+    # out: [world·chunk, ...] where block i came from rank i; concat the blocks along concat_dim
+    out = out.movedim(0, split_dim)
+    parts = out.chunk(world, dim=split_dim)
+    return torch.cat(parts, dim=concat_dim).contiguous()
+
+
+def _all_to_all_uneven(t: torch.Tensor, out_splits: list[int], in_splits: list[int], group):
+    out = t.new_empty((sum(out_splits), *t.shape[1:]))
+    t = t.contiguous()
+    _run("all_to_all", t, group, lambda: dist.all_to_all_single(
+        out, t, output_split_sizes=out_splits, input_split_sizes=in_splits, group=group))
+    return out
+
+
+# ---------------------------------------------------------------- autograd functions
+class _CopyToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return all_reduce(g.contiguous().clone(), ctx.group), None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return all_reduce(x.contiguous().clone(), group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _ScatterLast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split(x, -1, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather_last(g, ctx.group), None
+
+
+class _GatherLast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_last(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _split(g, -1, ctx.group), None
+
+
+class _ScatterSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split(x, 0, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return all_gather_dim0(g, ctx.group), None
+
+
+class _GatherSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, grad_reduce_scatter):
+        ctx.group, ctx.rs = group, grad_reduce_scatter
+        return all_gather_dim0(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.rs:
+            return reduce_scatter_dim0(g, ctx.group), None, None
+        return _split(g, 0, ctx.group), None, None
+
+
+class _ReduceScatterSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return reduce_scatter_dim0(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return all_gather_dim0(g, ctx.group), None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, split_dim, concat_dim, group):
+        ctx.dims, ctx.group = (split_dim, concat_dim), group
+        return _all_to_all(x, split_dim, concat_dim, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        split_dim, concat_dim = ctx.dims
+        return _all_to_all(g, concat_dim, split_dim, ctx.group), None, None, None
+
+
+class _AllToAllUneven(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        return _all_to_all_uneven(x, out_splits, in_splits, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        out_splits, in_splits = ctx.splits
+        return _all_to_all_uneven(g, in_splits, out_splits, ctx.group), None, None, None
+
+
+# ---------------------------------------------------------------- public wrappers
+def copy_to_tensor_parallel_region(x, group):
+    """Identity forward; all-reduce of the gradient over `group`."""
+    return _CopyToRegion.apply(x, group) if size(group) > 1 else x
+
+
+def reduce_from_tensor_parallel_region(x, group):
+    """All-reduce forward; identity backward."""
+    return _ReduceFromRegion.apply(x, group) if size(group) > 1 else x
+
+
+def scatter_to_tensor_parallel_region(x, group):
+    """Keep this rank's chunk of the last dim; backward all-gathers it."""
+    return _ScatterLast.apply(x, group) if size(group) > 1 else x
+
+
+def gather_from_tensor_parallel_region(x, group):
+    """All-gather along the last dim; backward keeps this rank's chunk."""
+    return _GatherLast.apply(x, group) if size(group) > 1 else x
+
+
+def scatter_to_sequence_parallel_region(x, group):
+    """[s, ...] -> [s/size, ...] (this rank's chunk); backward all-gathers along dim 0."""
+    return _ScatterSeq.apply(x, group) if size(group) > 1 else x
+
+
+def gather_from_sequence_parallel_region(x, group, grad_reduce_scatter: bool = True):
+    """[s/size, ...] -> [s, ...]. Backward reduce-scatters (the gathered tensor feeds
+    tensor-parallel compute whose grads are partial sums) or, if not, just splits."""
+    return _GatherSeq.apply(x, group, grad_reduce_scatter) if size(group) > 1 else x
+
+
+def reduce_scatter_to_sequence_parallel_region(x, group):
+    """[s, ...] partial sums -> [s/size, ...] reduced; backward all-gathers along dim 0."""
+    return _ReduceScatterSeq.apply(x, group) if size(group) > 1 else x
+
+
+def all_to_all(x, split_dim: int, concat_dim: int, group):
+    """Split `split_dim` across ranks and concatenate what arrives along `concat_dim`."""
+    return _AllToAll.apply(x, split_dim, concat_dim, group) if size(group) > 1 else x
+
+
+def all_to_all_uneven(x, out_splits: list[int], in_splits: list[int], group):
+    """all_to_all_single along dim 0 with per-rank split sizes; backward swaps the splits."""
+    if size(group) == 1:
+        return x
+    return _AllToAllUneven.apply(x, list(out_splits), list(in_splits), group)

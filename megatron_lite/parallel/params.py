@@ -1,0 +1,78 @@
+"""Parameter metadata and layout-independent initialization.
+
+Every parameter carries a `ParamMeta` saying how its full (logical) tensor is sharded. The
+initializer draws the FULL tensor from a generator seeded by (seed, init name) and keeps this
+rank's shard, so the same seed gives the same model whatever the layout. Gradient finalization
+and grad-norm clipping read the same metadata.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ParamMeta:
+    full_shape: tuple[int, ...]  # logical shape before vocabulary padding and sharding
+    tp_dim: int | None = None  # dim split across the TP group, None = replicated
+    tp_rank: int = 0
+    tp_size: int = 1
+    segments: tuple[int, ...] | None = None  # sizes along tp_dim, each sharded separately
+    padded: int | None = None  # size of tp_dim after vocabulary padding (zeros)
+    init: str = "normal"  # normal | zeros | ones
+    std: float = 0.02
+    sequence_parallel: bool = False  # replicated over TP but fed sequence shards: TP grad sum
+    is_expert: bool = False  # sharded over EP; grads reduce over expert-data-parallel
+    tied_copy: bool = False  # second copy of a tied weight (last pipeline stage)
+    init_name: str | None = None  # seed key override (tied copies share the original's)
+
+
+def set_meta(p: torch.nn.Parameter, **kw) -> torch.nn.Parameter:
+    p.meta = ParamMeta(**kw)
+    return p
+
+
+def _generator(seed: int, name: str) -> torch.Generator:
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+
+
+def full_tensor(meta: ParamMeta, name: str, seed: int) -> torch.Tensor:
+    """The logical full tensor (fp32, CPU) for a parameter, identical on every layout."""
+    if meta.init == "zeros":
+        return torch.zeros(meta.full_shape)
+    if meta.init == "ones":
+        return torch.ones(meta.full_shape)
+    return torch.randn(meta.full_shape, generator=_generator(seed, meta.init_name or name)) * meta.std
+
+
+def shard(full: torch.Tensor, meta: ParamMeta) -> torch.Tensor:
+    """This rank's piece of `full`: pad `tp_dim` to `padded`, then take chunk tp_rank of each
+    segment along it."""
+    if meta.tp_dim is None:
+        return full
+    dim = meta.tp_dim
+    if meta.padded is not None and meta.padded > full.shape[dim]:
+        pad_shape = list(full.shape)
+        pad_shape[dim] = meta.padded - full.shape[dim]
+        full = torch.cat([full, full.new_zeros(pad_shape)], dim=dim)
+    segments = meta.segments or (full.shape[dim],)
+    pieces = [seg.chunk(meta.tp_size, dim=dim)[meta.tp_rank]
+              for seg in full.split(list(segments), dim=dim)]
+    return torch.cat(pieces, dim=dim)
+
+
+@torch.no_grad()
+def init_parameters(module: torch.nn.Module, seed: int) -> None:
+    """Fill every parameter from its seeded full tensor (see module docstring)."""
+    for name, p in module.named_parameters():
+        p.copy_(shard(full_tensor(p.meta, name, seed), p.meta))
+
+
+def scaled_std(std: float, num_layers: int) -> float:
+    """Megatron's init for the output projections of residual branches."""
+    return std / math.sqrt(2.0 * num_layers)

@@ -1,0 +1,98 @@
+"""Training entry point.
+
+    torchrun --nproc-per-node N -m megatron_lite.train --config FILE [section.key=value ...]
+    python -m megatron_lite.train --config FILE [...]            # one rank
+
+Parses and validates the config and prepares the data before any process group exists, so a
+bad config or data file ends with a one-paragraph error (exit code 2) instead of a traceback or
+a hang.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from megatron_lite.config import Config, ConfigError, load_config, save_config, validate
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m megatron_lite.train",
+        description="Train a decoder-only transformer with DP x TP x PP x CP x EP parallelism. "
+                    "Run under torchrun for several ranks; the world size must equal "
+                    "tp·pp·cp·dp from the config.")
+    p.add_argument("--config", default=None, help="YAML config file (e.g. configs/quickstart.yaml)")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value",
+                   help="config overrides, YAML-typed, e.g. train.steps=100 parallel.tp=2")
+    return p.parse_args(argv)
+
+
+def prepare(argv=None, world_size: int | None = None):
+    """Config + data, no process groups: returns (cfg, dataset, vocab_size) or raises
+    ConfigError / DataFileError with a user-facing message."""
+    from megatron_lite.data import build_dataset
+
+    args = parse_args(argv)
+    world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    cfg = validate(load_config(args.config, args.overrides), world_size)
+    dataset, vocab_size = build_dataset(cfg)
+    if cfg.model.vocab_size is None:
+        cfg.model.vocab_size = vocab_size
+    return cfg, dataset, cfg.model.vocab_size
+
+
+def user_error(e: Exception) -> None:
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+
+
+def init_distributed(cfg: Config) -> None:
+    timeout = datetime.timedelta(seconds=cfg.parallel.timeout_s)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        backend = "nccl"
+    else:
+        backend = "gloo"
+    if "RANK" in os.environ:
+        dist.init_process_group(backend, timeout=timeout)
+    else:  # plain `python -m`: a world of one
+        store = dist.HashStore()
+        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+
+
+def main(argv=None) -> None:
+    from megatron_lite.data import DataFileError
+
+    try:
+        cfg, dataset, vocab_size = prepare(argv)
+    except (ConfigError, DataFileError) as e:
+        user_error(e)
+    init_distributed(cfg)
+    from megatron_lite.parallel.mesh import ParallelMesh, RankLayout
+    from megatron_lite.training.trainer import Trainer
+
+    p = cfg.parallel
+    layout = RankLayout(dist.get_world_size(), tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, order=p.order)
+    mesh = ParallelMesh(layout, timeout_s=p.timeout_s)
+    if dist.get_rank() == 0:
+        os.makedirs(cfg.train.out_dir, exist_ok=True)
+        save_config(cfg, os.path.join(cfg.train.out_dir, "config.yaml"))
+        print(layout.rank_map(), flush=True)
+    trainer = Trainer(cfg, mesh, dataset, vocab_size)
+    n_params = trainer.num_parameters()
+    if dist.get_rank() == 0:
+        print(f"model: {cfg.model.arch}, {n_params / 1e6:.2f}M parameters, vocab {vocab_size}; "
+              f"writing {cfg.train.out_dir}/metrics.jsonl", flush=True)
+    trainer.train()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

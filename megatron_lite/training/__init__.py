@@ -1,0 +1,1 @@
+"""Trainer loop, optimizer and LR schedule, gradient finalization, logging."""

@@ -1,0 +1,66 @@
+"""Gradient finalization after the last backward of a step, and grad-norm clipping.
+
+Reads each parameter's `meta` (see parallel/params.py):
+- sequence-parallel replicas (SP norms, row-parallel biases, GPT positions): sum over TP;
+- tied embedding copies: sum over the embedding group (first and last pipeline stage);
+- dense grads: sum over dp×cp; expert grads: sum over expert-data-parallel.
+The loss is already divided by the global token count, so sums (not means) are right.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_lite.parallel import mappings
+from megatron_lite.parallel.mesh import ParallelMesh
+
+
+def _all_reduce_flat(grads: list[torch.Tensor], group) -> None:
+    """One collective for many tensors: flatten, all-reduce, copy back."""
+    if not grads or mappings.size(group) == 1:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    mappings.all_reduce(flat, group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+@torch.no_grad()
+def finalize_grads(params: list[torch.nn.Parameter], mesh: ParallelMesh, tie_embeddings: bool,
+                   embedding_param: torch.nn.Parameter | None) -> None:
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    _all_reduce_flat([p.grad for p in params if p.meta.sequence_parallel], mesh.tp_group)
+    if tie_embeddings and mesh.pp_size > 1:
+        tied = [p for p in params if p.meta.tied_copy or p is embedding_param]
+        _all_reduce_flat([p.grad for p in tied], mesh.embedding_group)
+    _all_reduce_flat([p.grad for p in params if not p.meta.is_expert], mesh.dp_cp_group)
+    _all_reduce_flat([p.grad for p in params if p.meta.is_expert], mesh.edp_group)
+
+
+@torch.no_grad()
+def clip_grad_norm(params: list[torch.nn.Parameter], mesh: ParallelMesh, max_norm: float) -> float:
+    """Global L2 norm with every element counted once, then scale grads if it exceeds max_norm.
+
+    Each rank adds sum(g²) divided by how many ranks hold an identical copy of that element
+    (dp·cp replicas, TP replicas of unsharded params, the tied embedding's last-stage copy
+    counted zero times), and one all-reduce over the world sums it.
+    """
+    total = torch.zeros((), dtype=torch.float64, device=params[0].device)
+    for p in params:
+        if p.meta.tied_copy:
+            continue
+        replicas = mesh.edp_size if p.meta.is_expert else mesh.dp_cp_size
+        if p.meta.tp_dim is None:
+            replicas *= mesh.tp_size
+        total += p.grad.double().pow(2).sum() / replicas
+    mappings.all_reduce(total, torch.distributed.group.WORLD)
+    norm = total.sqrt().item()
+    if max_norm > 0 and norm > max_norm:
+        scale = max_norm / (norm + 1e-6)
+        for p in params:
+            p.grad.mul_(scale)
+    return norm

@@ -1,0 +1,80 @@
+"""Run a function on N gloo ranks forked from a clean forkserver, with a hard timeout.
+
+    results = run_ranks(4, fn, arg1, arg2, timeout=60)   # fn(rank, world_size, *args) -> value
+
+`fn` must be a module-level function (it is pickled by reference). Each child initializes a gloo
+process group over a FileStore, runs `fn`, and sends back its return value (keep it small: floats,
+lists, CPU tensors). If any rank raises, the first error (with its traceback) is raised here; if
+the ranks don't finish within `timeout` seconds they are killed and the test fails with the
+ranks that were still running, so a hang fails fast instead of stalling CI.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import tempfile
+import time
+import traceback
+
+_CTX = None
+
+
+def _context():
+    # forkserver: children fork from a small clean process, never from the pytest parent whose
+    # torch thread pools may already be running (forking those can deadlock).
+    global _CTX
+    if _CTX is None:
+        _CTX = mp.get_context("forkserver")
+        _CTX.set_forkserver_preload(["torch", "torch.distributed"])
+    return _CTX
+
+
+def _child(rank, world_size, store_path, fn, args, queue, timeout):
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.setdefault("MEGATRON_LITE_QUIET", "1")
+    try:
+        store = dist.FileStore(store_path, world_size)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout))
+        out = fn(rank, world_size, *args)
+        dist.destroy_process_group()
+        queue.put((rank, "ok", out))
+    except BaseException as e:  # report everything, including KeyboardInterrupt/SystemExit
+        queue.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+def run_ranks(world_size: int, fn, *args, timeout: float = 120.0) -> list:
+    ctx = _context()
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        store_path = os.path.join(tmp, "store")
+        procs = [ctx.Process(target=_child, args=(r, world_size, store_path, fn, args, queue,
+                                                  timeout), daemon=True)
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        results, deadline = {}, time.monotonic() + timeout
+        while len(results) < world_size:
+            remaining = deadline - time.monotonic()
+            try:
+                rank, status, value = queue.get(timeout=max(remaining, 0.01))
+            except Exception:
+                for p in procs:
+                    p.kill()
+                missing = sorted(set(range(world_size)) - set(results))
+                raise TimeoutError(f"ranks {missing} of {world_size} did not finish within "
+                                   f"{timeout:.0f}s (hang?)") from None
+            if status == "error":
+                for p in procs:
+                    p.kill()
+                raise RuntimeError(f"rank {rank} failed: {value}")
+            results[rank] = value
+        for p in procs:
+            p.join(timeout=10)
+    return [results[r] for r in range(world_size)]

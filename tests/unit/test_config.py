@@ -1,0 +1,67 @@
+"""Config loading, overrides and validation messages (no processes)."""
+
+import pytest
+
+from megatron_lite.config import ConfigError, load_config, validate
+
+
+def _cfg(*overrides):
+    return load_config(None, ["data.mock=true", "model.vocab_size=128", *overrides])
+
+
+def _error(world, *overrides) -> str:
+    with pytest.raises(ConfigError) as e:
+        validate(_cfg(*overrides), world)
+    return str(e.value)
+
+
+def test_overrides_are_typed_and_dp_is_derived():
+    cfg = validate(_cfg("parallel.tp=2", "train.lr=1e-3", "train.steps=7"), 8)
+    assert cfg.parallel.tp == 2 and cfg.parallel.dp == 4
+    assert cfg.train.lr == 1e-3 and cfg.train.steps == 7
+    assert cfg.model.num_query_groups == cfg.model.num_attention_heads
+
+
+def test_unknown_key_suggests_the_nearest():
+    with pytest.raises(ConfigError, match="Did you mean 'model.hidden_size'"):
+        load_config(None, ["model.hiden_size=3"])
+    with pytest.raises(ConfigError, match="Did you mean 'train'"):
+        load_config(None, ["trian.steps=3"])
+
+
+def test_wrong_type_names_key():
+    with pytest.raises(ConfigError, match="train.steps"):
+        load_config(None, ["train.steps=abc"])
+
+
+@pytest.mark.parametrize("world, overrides, needle", [
+    (3, ["parallel.tp=3"], "parallel.tp=3: model.num_attention_heads=4 must be divisible by tp"),
+    (6, ["parallel.tp=2", "parallel.dp=2"], "world size 6 must equal tp·pp·cp·dp"),
+    (6, ["parallel.tp=4"], "world size 6 must be divisible by tp·pp·cp"),
+    (2, ["model.num_query_groups=3"], "model.num_query_groups=3: must divide"),
+    (4, ["parallel.pp=4", "model.num_layers=6"], "model.num_layers=6: must be divisible by pp"),
+    (2, ["train.global_batch_size=6", "train.micro_batch_size=2"], "multiple of micro_batch"),
+    (4, ["parallel.pp=4", "model.num_layers=4", "train.global_batch_size=4",
+         "train.micro_batch_size=2"], "fewer than the 4 pipeline stages"),
+    (2, ["parallel.tp=2", "parallel.sequence_parallel=true", "model.seq_length=63"],
+     "model.seq_length=63: must be divisible by cp·tp"),
+    (1, ["model.arch=bert"], "model.arch='bert': must be one of llama, gpt"),
+    (1, ["parallel.ep=2"], "needs an MoE model"),
+    (1, ["data.mock=false", "data.paths=[/nonexistent/x]"], "/nonexistent/x.bin does not exist"),
+])
+def test_rules_name_key_value_rule_and_fix(world, overrides, needle):
+    msg = _error(world, *overrides)
+    assert needle in msg, msg
+    assert "Fix:" in msg, msg
+
+
+def test_yaml_file_and_missing_file(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("model:\n  hidden_size: 32\ntrain:\n  steps: 3\n")
+    cfg = load_config(str(path), ["train.steps=5"])
+    assert cfg.model.hidden_size == 32 and cfg.train.steps == 5
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(str(tmp_path / "nope.yaml"))
+    path.write_text("model:\n  hidden_sise: 32\n")
+    with pytest.raises(ConfigError, match="Did you mean 'model.hidden_size'"):
+        load_config(str(path))
