@@ -129,8 +129,9 @@ def _unknown_key(key: str, choices: list[str]) -> ConfigError:
 def _set(cfg: Config, key: str, value, source: str) -> None:
     parts = key.split(".")
     if len(parts) != 2:
-        raise ConfigError(f"{source}: key {key!r} must be <section>.<name>, sections: "
-                          f"{', '.join(_known(cfg))}")
+        raise ConfigError(
+            f"{source}: key {key!r} must be <section>.<name>, sections: {', '.join(_known(cfg))}"
+        )
     section, name = parts
     if section not in _known(cfg):
         raise _unknown_key(section, _known(cfg))
@@ -160,8 +161,10 @@ def _coerce(key: str, value, ftype: str, current):
         return value if isinstance(value, list) else [value]
     t = _SCALARS[base]
     if not isinstance(value, t) or (t is int and isinstance(value, bool)):
-        raise ConfigError(f"{key}={value!r}: expected {base}, got {type(value).__name__}. "
-                          f"Fix: e.g. {key}={current!r}")
+        raise ConfigError(
+            f"{key}={value!r}: expected {base}, got {type(value).__name__}. "
+            f"Fix: e.g. {key}={current!r}"
+        )
     return value
 
 
@@ -170,8 +173,10 @@ def load_config(path: str | None = None, overrides: list[str] | tuple = ()) -> C
     cfg = Config()
     if path is not None:
         if not os.path.isfile(path):
-            raise ConfigError(f"config file {path!r} does not exist. Fix: pass --config with the "
-                              f"path of a YAML file, e.g. configs/quickstart.yaml")
+            raise ConfigError(
+                f"config file {path!r} does not exist. Fix: pass --config with the "
+                f"path of a YAML file, e.g. configs/quickstart.yaml"
+            )
         try:
             with open(path) as f:
                 raw = yaml.safe_load(f) or {}
@@ -186,8 +191,9 @@ def load_config(path: str | None = None, overrides: list[str] | tuple = ()) -> C
                 _set(cfg, f"{section}.{name}", value, path)
     for item in overrides:
         if "=" not in item:
-            raise ConfigError(f"override {item!r} must look like section.key=value, "
-                              f"e.g. train.steps=100")
+            raise ConfigError(
+                f"override {item!r} must look like section.key=value, e.g. train.steps=100"
+            )
         key, text = item.split("=", 1)
         try:
             value = yaml.safe_load(text) if text != "" else None
@@ -209,8 +215,13 @@ def _rule(ok: bool, key: str, value, rule: str, fix: str) -> None:
 
 
 def _choice(key: str, value, choices: tuple) -> None:
-    _rule(value in choices, key, value, f"must be one of {', '.join(map(str, choices))}",
-          f"set {key} to one of them")
+    _rule(
+        value in choices,
+        key,
+        value,
+        f"must be one of {', '.join(map(str, choices))}",
+        f"set {key} to one of them",
+    )
 
 
 def num_microbatches(cfg: Config) -> int:
@@ -228,104 +239,213 @@ def validate(cfg: Config, world_size: int) -> Config:
     _choice("parallel.cp_comm_type", p.cp_comm_type, ("a2a",))
     _choice("log.wandb_mode", cfg.log.wandb_mode, ("offline", "online", "disabled"))
     for key in ("tp", "pp", "vpp", "cp", "ep"):
-        _rule(getattr(p, key) >= 1, f"parallel.{key}", getattr(p, key), "must be >= 1",
-              f"set parallel.{key}=1 or more")
+        _rule(
+            getattr(p, key) >= 1,
+            f"parallel.{key}",
+            getattr(p, key),
+            "must be >= 1",
+            f"set parallel.{key}=1 or more",
+        )
     for key in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
-        _rule(getattr(m, key) >= 1, f"model.{key}", getattr(m, key), "must be >= 1",
-              "use a positive integer")
+        _rule(
+            getattr(m, key) >= 1,
+            f"model.{key}",
+            getattr(m, key),
+            "must be >= 1",
+            "use a positive integer",
+        )
 
     # world size = tp·pp·cp·dp
     mp = p.tp * p.pp * p.cp
     if p.dp is None:
-        _rule(world_size % mp == 0, "parallel.tp·pp·cp", mp,
-              f"world size {world_size} must be divisible by tp·pp·cp = {p.tp}·{p.pp}·{p.cp}",
-              f"launch a multiple of {mp} ranks or change the degrees")
+        _rule(
+            world_size % mp == 0,
+            "parallel.tp·pp·cp",
+            mp,
+            f"world size {world_size} must be divisible by tp·pp·cp = {p.tp}·{p.pp}·{p.cp}",
+            f"launch a multiple of {mp} ranks or change the degrees",
+        )
         p.dp = world_size // mp
     else:
-        _rule(p.tp * p.pp * p.cp * p.dp == world_size, "parallel.dp", p.dp,
-              f"world size {world_size} must equal tp·pp·cp·dp = "
-              f"{p.tp}·{p.pp}·{p.cp}·{p.dp} = {mp * p.dp}",
-              f"launch {mp * p.dp} ranks, or set parallel.dp={world_size // mp if world_size % mp == 0 else 'null'}")
-    _rule(sorted(p.order.split("-")) == sorted(["tp", "cp", "ep", "dp", "pp"]), "parallel.order",
-          p.order, "must name tp, cp, ep, dp and pp once each, joined by '-'",
-          "use the default tp-cp-ep-dp-pp")
+        suggested_dp = world_size // mp if world_size % mp == 0 else "null"
+        _rule(
+            p.tp * p.pp * p.cp * p.dp == world_size,
+            "parallel.dp",
+            p.dp,
+            f"world size {world_size} must equal tp·pp·cp·dp = "
+            f"{p.tp}·{p.pp}·{p.cp}·{p.dp} = {mp * p.dp}",
+            f"launch {mp * p.dp} ranks, or set parallel.dp={suggested_dp}",
+        )
+    _rule(
+        sorted(p.order.split("-")) == sorted(["tp", "cp", "ep", "dp", "pp"]),
+        "parallel.order",
+        p.order,
+        "must name tp, cp, ep, dp and pp once each, joined by '-'",
+        "use the default tp-cp-ep-dp-pp",
+    )
 
     # attention heads and query groups
-    _rule(m.hidden_size % m.num_attention_heads == 0, "model.hidden_size", m.hidden_size,
-          f"must be divisible by model.num_attention_heads={m.num_attention_heads}",
-          "pick a hidden size that is a multiple of the head count")
-    _rule(m.num_attention_heads % p.tp == 0, "parallel.tp", p.tp,
-          f"model.num_attention_heads={m.num_attention_heads} must be divisible by tp",
-          f"use a tp that divides {m.num_attention_heads}")
+    _rule(
+        m.hidden_size % m.num_attention_heads == 0,
+        "model.hidden_size",
+        m.hidden_size,
+        f"must be divisible by model.num_attention_heads={m.num_attention_heads}",
+        "pick a hidden size that is a multiple of the head count",
+    )
+    _rule(
+        m.num_attention_heads % p.tp == 0,
+        "parallel.tp",
+        p.tp,
+        f"model.num_attention_heads={m.num_attention_heads} must be divisible by tp",
+        f"use a tp that divides {m.num_attention_heads}",
+    )
     if m.num_query_groups is None:
         m.num_query_groups = m.num_attention_heads
-    _rule(m.num_attention_heads % m.num_query_groups == 0, "model.num_query_groups",
-          m.num_query_groups, f"must divide model.num_attention_heads={m.num_attention_heads}",
-          "use a divisor of the head count")
-    _rule(m.num_query_groups % p.tp == 0, "model.num_query_groups", m.num_query_groups,
-          f"must be divisible by parallel.tp={p.tp} (each TP rank owns whole KV groups)",
-          "use more query groups or a smaller tp")
+    _rule(
+        m.num_attention_heads % m.num_query_groups == 0,
+        "model.num_query_groups",
+        m.num_query_groups,
+        f"must divide model.num_attention_heads={m.num_attention_heads}",
+        "use a divisor of the head count",
+    )
+    _rule(
+        m.num_query_groups % p.tp == 0,
+        "model.num_query_groups",
+        m.num_query_groups,
+        f"must be divisible by parallel.tp={p.tp} (each TP rank owns whole KV groups)",
+        "use more query groups or a smaller tp",
+    )
     if p.cp > 1:
         heads_local = m.num_attention_heads // p.tp
-        _rule(heads_local % p.cp == 0, "parallel.cp", p.cp,
-              f"query heads per TP rank ({heads_local}) must be divisible by cp (Ulysses splits "
-              "heads across the CP group)", "use a cp that divides num_attention_heads/tp")
+        _rule(
+            heads_local % p.cp == 0,
+            "parallel.cp",
+            p.cp,
+            f"query heads per TP rank ({heads_local}) must be divisible by cp (Ulysses splits "
+            "heads across the CP group)",
+            "use a cp that divides num_attention_heads/tp",
+        )
         groups_local = m.num_query_groups // p.tp
-        _rule(groups_local % p.cp == 0 or p.cp % groups_local == 0, "model.num_query_groups",
-              m.num_query_groups, f"KV groups per TP rank ({groups_local}) must divide or be "
-              f"divisible by cp={p.cp}", "use a power-of-two number of query groups")
+        _rule(
+            groups_local % p.cp == 0 or p.cp % groups_local == 0,
+            "model.num_query_groups",
+            m.num_query_groups,
+            f"KV groups per TP rank ({groups_local}) must divide or be divisible by cp={p.cp}",
+            "use a power-of-two number of query groups",
+        )
     seq_div = p.cp * (p.tp if p.sequence_parallel else 1)
-    _rule(m.seq_length % seq_div == 0, "model.seq_length", m.seq_length,
-          f"must be divisible by cp{'·tp (sequence parallel)' if p.sequence_parallel else ''}"
-          f" = {seq_div}", f"use a multiple of {seq_div}")
+    _rule(
+        m.seq_length % seq_div == 0,
+        "model.seq_length",
+        m.seq_length,
+        f"must be divisible by cp{'·tp (sequence parallel)' if p.sequence_parallel else ''}"
+        f" = {seq_div}",
+        f"use a multiple of {seq_div}",
+    )
 
     # layers over pipeline stages
-    _rule(p.vpp == 1 or p.pp > 1, "parallel.vpp", p.vpp, "virtual stages need parallel.pp > 1",
-          "set parallel.vpp=1 or parallel.pp >= 2")
-    _rule(m.num_layers % (p.pp * p.vpp) == 0, "model.num_layers", m.num_layers,
-          f"must be divisible by pp·vpp = {p.pp}·{p.vpp}", f"use a multiple of {p.pp * p.vpp}")
+    _rule(
+        p.vpp == 1 or p.pp > 1,
+        "parallel.vpp",
+        p.vpp,
+        "virtual stages need parallel.pp > 1",
+        "set parallel.vpp=1 or parallel.pp >= 2",
+    )
+    _rule(
+        m.num_layers % (p.pp * p.vpp) == 0,
+        "model.num_layers",
+        m.num_layers,
+        f"must be divisible by pp·vpp = {p.pp}·{p.vpp}",
+        f"use a multiple of {p.pp * p.vpp}",
+    )
 
     # batch sizes
-    _rule(t.micro_batch_size >= 1, "train.micro_batch_size", t.micro_batch_size, "must be >= 1",
-          "use a positive integer")
+    _rule(
+        t.micro_batch_size >= 1,
+        "train.micro_batch_size",
+        t.micro_batch_size,
+        "must be >= 1",
+        "use a positive integer",
+    )
     per_step = t.micro_batch_size * p.dp
-    _rule(t.global_batch_size % per_step == 0, "train.global_batch_size", t.global_batch_size,
-          f"must be a multiple of micro_batch_size·dp = {t.micro_batch_size}·{p.dp}",
-          f"use a multiple of {per_step}")
+    _rule(
+        t.global_batch_size % per_step == 0,
+        "train.global_batch_size",
+        t.global_batch_size,
+        f"must be a multiple of micro_batch_size·dp = {t.micro_batch_size}·{p.dp}",
+        f"use a multiple of {per_step}",
+    )
     n_micro = num_microbatches(cfg)
     if p.pp > 1:
-        _rule(n_micro >= p.pp, "train.global_batch_size", t.global_batch_size,
-              f"gives {n_micro} microbatches per step, fewer than the {p.pp} pipeline stages "
-              "(the 1F1B schedule needs at least one microbatch per stage)",
-              f"use global_batch_size >= {p.pp * per_step}")
+        _rule(
+            n_micro >= p.pp,
+            "train.global_batch_size",
+            t.global_batch_size,
+            f"gives {n_micro} microbatches per step, fewer than the {p.pp} pipeline stages "
+            "(the 1F1B schedule needs at least one microbatch per stage)",
+            f"use global_batch_size >= {p.pp * per_step}",
+        )
         if p.vpp > 1:
-            _rule(n_micro % p.pp == 0, "train.global_batch_size", t.global_batch_size,
-                  f"gives {n_micro} microbatches; the interleaved schedule needs a multiple of "
-                  f"pp={p.pp}", f"use a multiple of {p.pp * per_step}")
+            _rule(
+                n_micro % p.pp == 0,
+                "train.global_batch_size",
+                t.global_batch_size,
+                f"gives {n_micro} microbatches; the interleaved schedule needs a multiple of "
+                f"pp={p.pp}",
+                f"use a multiple of {p.pp * per_step}",
+            )
 
     # mixture of experts
     if m.num_experts is not None:
-        _rule(m.num_experts >= 1, "model.num_experts", m.num_experts, "must be >= 1",
-              "use a positive expert count")
-        _rule(m.num_experts % p.ep == 0, "parallel.ep", p.ep,
-              f"model.num_experts={m.num_experts} must be divisible by ep", "use an ep that "
-              "divides the expert count")
-        _rule(1 <= m.moe_router_topk <= m.num_experts, "model.moe_router_topk",
-              m.moe_router_topk, f"must be between 1 and num_experts={m.num_experts}",
-              "lower the top-k")
+        _rule(
+            m.num_experts >= 1,
+            "model.num_experts",
+            m.num_experts,
+            "must be >= 1",
+            "use a positive expert count",
+        )
+        _rule(
+            m.num_experts % p.ep == 0,
+            "parallel.ep",
+            p.ep,
+            f"model.num_experts={m.num_experts} must be divisible by ep",
+            "use an ep that divides the expert count",
+        )
+        _rule(
+            1 <= m.moe_router_topk <= m.num_experts,
+            "model.moe_router_topk",
+            m.moe_router_topk,
+            f"must be between 1 and num_experts={m.num_experts}",
+            "lower the top-k",
+        )
     else:
-        _rule(p.ep == 1, "parallel.ep", p.ep, "expert parallelism needs an MoE model",
-              "set model.num_experts or parallel.ep=1")
-    _rule((p.dp * p.cp) % p.ep == 0, "parallel.ep", p.ep,
-          f"must divide dp·cp = {p.dp}·{p.cp} (experts spread over data/context ranks)",
-          "use an ep that divides dp·cp")
+        _rule(
+            p.ep == 1,
+            "parallel.ep",
+            p.ep,
+            "expert parallelism needs an MoE model",
+            "set model.num_experts or parallel.ep=1",
+        )
+    _rule(
+        (p.dp * p.cp) % p.ep == 0,
+        "parallel.ep",
+        p.ep,
+        f"must divide dp·cp = {p.dp}·{p.cp} (experts spread over data/context ranks)",
+        "use an ep that divides dp·cp",
+    )
 
     # model sizes and training ranges
     if m.ffn_hidden_size is None:
-        m.ffn_hidden_size = (4 * m.hidden_size if m.arch == "gpt"
-                             else 64 * -(-int(8 * m.hidden_size / 3) // 64))
-    _rule(m.ffn_hidden_size % p.tp == 0, "model.ffn_hidden_size", m.ffn_hidden_size,
-          f"must be divisible by parallel.tp={p.tp}", f"use a multiple of {p.tp}")
+        m.ffn_hidden_size = (
+            4 * m.hidden_size if m.arch == "gpt" else 64 * -(-int(8 * m.hidden_size / 3) // 64)
+        )
+    _rule(
+        m.ffn_hidden_size % p.tp == 0,
+        "model.ffn_hidden_size",
+        m.ffn_hidden_size,
+        f"must be divisible by parallel.tp={p.tp}",
+        f"use a multiple of {p.tp}",
+    )
     for key in ("hidden_dropout", "attention_dropout"):
         v = getattr(m, key)
         _rule(0.0 <= v < 1.0, f"model.{key}", v, "must be in [0, 1)", "use e.g. 0.0 or 0.1")
@@ -335,23 +455,46 @@ def validate(cfg: Config, world_size: int) -> Config:
 
     # data
     if d.mock:
-        _rule(m.vocab_size is not None, "model.vocab_size", m.vocab_size,
-              "mock data needs an explicit vocabulary size", "set model.vocab_size, e.g. 512")
+        _rule(
+            m.vocab_size is not None,
+            "model.vocab_size",
+            m.vocab_size,
+            "mock data needs an explicit vocabulary size",
+            "set model.vocab_size, e.g. 512",
+        )
     else:
-        _rule(bool(d.paths) or d.corpus is not None, "data.paths", d.paths,
-              "no training data: give indexed dataset prefixes, a built-in corpus or mock data",
-              "set data.paths=[prefix], data.corpus=shakespeare or data.mock=true")
+        _rule(
+            bool(d.paths) or d.corpus is not None,
+            "data.paths",
+            d.paths,
+            "no training data: give indexed dataset prefixes, a built-in corpus or mock data",
+            "set data.paths=[prefix], data.corpus=shakespeare or data.mock=true",
+        )
         if d.corpus is not None:
             _choice("data.corpus", d.corpus, ("shakespeare",))
         if d.weights is not None:
-            _rule(len(d.weights) == len(d.paths), "data.weights", d.weights,
-                  f"needs one weight per path ({len(d.paths)} paths)", "list one weight per path")
+            _rule(
+                len(d.weights) == len(d.paths),
+                "data.weights",
+                d.weights,
+                f"needs one weight per path ({len(d.paths)} paths)",
+                "list one weight per path",
+            )
         for prefix in d.paths:
             for ext in (".bin", ".idx"):
-                _rule(os.path.isfile(prefix + ext), "data.paths", prefix,
-                      f"file {prefix + ext} does not exist",
-                      "run tools/preprocess_data.py to create it or correct the prefix")
+                _rule(
+                    os.path.isfile(prefix + ext),
+                    "data.paths",
+                    prefix,
+                    f"file {prefix + ext} does not exist",
+                    "run tools/preprocess_data.py to create it or correct the prefix",
+                )
         if d.paths and d.tokenizer_model is not None:
-            _rule(os.path.isfile(d.tokenizer_model), "data.tokenizer_model", d.tokenizer_model,
-                  "file does not exist", "train one with tools/train_tokenizer.py")
+            _rule(
+                os.path.isfile(d.tokenizer_model),
+                "data.tokenizer_model",
+                d.tokenizer_model,
+                "file does not exist",
+                "train one with tools/train_tokenizer.py",
+            )
     return cfg

@@ -21,9 +21,11 @@ def world_size_from_config(argv) -> int:
     args = parse_args(argv)
     p = load_config(args.config, args.overrides).parallel
     if p.dp is None:
-        raise ConfigError("parallel.dp=None: the launcher needs the data-parallel degree to know "
-                          "how many ranks to start. Fix: set parallel.dp in the config or on the "
-                          "command line (e.g. parallel.dp=2)")
+        raise ConfigError(
+            "parallel.dp=None: the launcher needs the data-parallel degree to know "
+            "how many ranks to start. Fix: set parallel.dp in the config or on the "
+            "command line (e.g. parallel.dp=2)"
+        )
     return p.tp * p.pp * p.cp * p.dp
 
 

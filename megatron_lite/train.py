@@ -25,11 +25,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m megatron_lite.train",
         description="Train a decoder-only transformer with DP x TP x PP x CP x EP parallelism. "
-                    "Run under torchrun for several ranks; the world size must equal "
-                    "tp·pp·cp·dp from the config.")
+        "Run under torchrun for several ranks; the world size must equal "
+        "tp·pp·cp·dp from the config.",
+    )
     p.add_argument("--config", default=None, help="YAML config file (e.g. configs/quickstart.yaml)")
-    p.add_argument("overrides", nargs="*", metavar="section.key=value",
-                   help="config overrides, YAML-typed, e.g. train.steps=100 parallel.tp=2")
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="section.key=value",
+        help="config overrides, YAML-typed, e.g. train.steps=100 parallel.tp=2",
+    )
     return p.parse_args(argv)
 
 
@@ -88,8 +93,11 @@ def main(argv=None) -> None:
     trainer = Trainer(cfg, mesh, dataset, vocab_size)
     n_params = trainer.num_parameters()
     if dist.get_rank() == 0:
-        print(f"model: {cfg.model.arch}, {n_params / 1e6:.2f}M parameters, vocab {vocab_size}; "
-              f"writing {cfg.train.out_dir}/metrics.jsonl", flush=True)
+        print(
+            f"model: {cfg.model.arch}, {n_params / 1e6:.2f}M parameters, vocab {vocab_size}; "
+            f"writing {cfg.train.out_dir}/metrics.jsonl",
+            flush=True,
+        )
     trainer.train()
     dist.destroy_process_group()
 

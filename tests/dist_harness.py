@@ -40,8 +40,13 @@ def _child(rank, world_size, store_path, fn, args, queue, timeout):
     os.environ.setdefault("MEGATRON_LITE_QUIET", "1")
     try:
         store = dist.FileStore(store_path, world_size)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout))
+        dist.init_process_group(
+            "gloo",
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout),
+        )
         out = fn(rank, world_size, *args)
         dist.destroy_process_group()
         queue.put((rank, "ok", out))
@@ -54,9 +59,14 @@ def run_ranks(world_size: int, fn, *args, timeout: float = 120.0) -> list:
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         store_path = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_child, args=(r, world_size, store_path, fn, args, queue,
-                                                  timeout), daemon=True)
-                 for r in range(world_size)]
+        procs = [
+            ctx.Process(
+                target=_child,
+                args=(r, world_size, store_path, fn, args, queue, timeout),
+                daemon=True,
+            )
+            for r in range(world_size)
+        ]
         for p in procs:
             p.start()
         results, deadline = {}, time.monotonic() + timeout
@@ -68,8 +78,9 @@ def run_ranks(world_size: int, fn, *args, timeout: float = 120.0) -> list:
                 for p in procs:
                     p.kill()
                 missing = sorted(set(range(world_size)) - set(results))
-                raise TimeoutError(f"ranks {missing} of {world_size} did not finish within "
-                                   f"{timeout:.0f}s (hang?)") from None
+                raise TimeoutError(
+                    f"ranks {missing} of {world_size} did not finish within {timeout:.0f}s (hang?)"
+                ) from None
             if status == "error":
                 for p in procs:
                     p.kill()

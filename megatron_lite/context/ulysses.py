@@ -18,8 +18,9 @@ import torch
 from megatron_lite.parallel import mappings
 
 
-def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group,
-                      attn_fn: Callable) -> torch.Tensor:
+def ulysses_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group, attn_fn: Callable
+) -> torch.Tensor:
     """q [s/cp, b, n, d], k/v [s/cp, b, g, d] -> [s/cp, b, n, d], with `attn_fn(q, k, v)`
     computing causal attention on [s, b, heads, d] tensors.
 
@@ -32,13 +33,13 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_grou
         raise ValueError(f"Ulysses: {n} query heads per rank not divisible by cp={cp}")
     if g < cp:
         if cp % g:
-            raise ValueError(f"Ulysses: {g} KV heads per rank neither divide nor are divisible "
-                             f"by cp={cp}")
+            raise ValueError(
+                f"Ulysses: {g} KV heads per rank neither divide nor are divisible by cp={cp}"
+            )
         k, v = k.repeat_interleave(cp // g, dim=2), v.repeat_interleave(cp // g, dim=2)
     elif g % cp:
         raise ValueError(f"Ulysses: {g} KV heads per rank not divisible by cp={cp}")
     # [s/cp, b, heads, d] -> [s, b, heads/cp, d]
-    q, k, v = (mappings.all_to_all(t, split_dim=2, concat_dim=0, group=cp_group)
-               for t in (q, k, v))
+    q, k, v = (mappings.all_to_all(t, split_dim=2, concat_dim=0, group=cp_group) for t in (q, k, v))
     out = attn_fn(q, k, v)  # [s, b, n/cp, d]
     return mappings.all_to_all(out, split_dim=0, concat_dim=2, group=cp_group)  # [s/cp, b, n, d]

@@ -20,8 +20,9 @@ def chunk_layers(num_layers: int, pp: int, vpp: int, pp_rank: int, chunk: int) -
     return list(range(stage * per_stage, (stage + 1) * per_stage))
 
 
-def build_model(cfg: Config, mesh: ParallelMesh, tracker: RNGStatesTracker,
-                vocab_size: int) -> list[ModelChunk]:
+def build_model(
+    cfg: Config, mesh: ParallelMesh, tracker: RNGStatesTracker, vocab_size: int
+) -> list[ModelChunk]:
     """This rank's model chunks (vpp of them), initialized layout-independently from
     `train.seed`."""
     ctx = Context(cfg, mesh, tracker)
@@ -29,10 +30,14 @@ def build_model(cfg: Config, mesh: ParallelMesh, tracker: RNGStatesTracker,
     chunks = []
     for c in range(vpp):
         stage = c * pp + mesh.pp_rank
-        chunk = ModelChunk(ctx, SPECS[cfg.model.arch],
-                           chunk_layers(cfg.model.num_layers, pp, vpp, mesh.pp_rank, c),
-                           vocab_size, pre_process=stage == 0,
-                           post_process=stage == pp * vpp - 1)
+        chunk = ModelChunk(
+            ctx,
+            SPECS[cfg.model.arch],
+            chunk_layers(cfg.model.num_layers, pp, vpp, mesh.pp_rank, c),
+            vocab_size,
+            pre_process=stage == 0,
+            post_process=stage == pp * vpp - 1,
+        )
         init_parameters(chunk, cfg.train.seed)
         chunks.append(chunk)
     return chunks

@@ -19,10 +19,12 @@ from megatron_lite import kernels
 from megatron_lite.config import Config
 from megatron_lite.parallel import mappings
 from megatron_lite.parallel.cross_entropy import vocab_parallel_cross_entropy
-from megatron_lite.parallel.layers import (ColumnParallelLinear, RowParallelLinear,
-                                           VocabParallelEmbedding)
+from megatron_lite.parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 from megatron_lite.parallel.mesh import ParallelMesh
-from megatron_lite.parallel.norms import LayerNorm, RMSNorm
 from megatron_lite.parallel.params import scaled_std, set_meta
 from megatron_lite.parallel.random import RNGStatesTracker
 
@@ -84,12 +86,22 @@ class Attention(nn.Module):
         self.head_dim = m.hidden_size // m.num_attention_heads
         self.n_local, self.g_local = m.num_attention_heads // tp, m.num_query_groups // tp
         q, kv = m.num_attention_heads * self.head_dim, m.num_query_groups * self.head_dim
-        self.linear_qkv = ColumnParallelLinear(m.hidden_size, [q, kv, kv], ctx.mesh.tp_group,
-                                               bias=spec.bias, sequence_parallel=ctx.sp,
-                                               init_std=m.init_method_std)
-        self.linear_proj = RowParallelLinear(q, m.hidden_size, ctx.mesh.tp_group, bias=spec.bias,
-                                             sequence_parallel=ctx.sp,
-                                             init_std=scaled_std(m.init_method_std, m.num_layers))
+        self.linear_qkv = ColumnParallelLinear(
+            m.hidden_size,
+            [q, kv, kv],
+            ctx.mesh.tp_group,
+            bias=spec.bias,
+            sequence_parallel=ctx.sp,
+            init_std=m.init_method_std,
+        )
+        self.linear_proj = RowParallelLinear(
+            q,
+            m.hidden_size,
+            ctx.mesh.tp_group,
+            bias=spec.bias,
+            sequence_parallel=ctx.sp,
+            init_std=scaled_std(m.init_method_std, m.num_layers),
+        )
 
     def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
         d, n, g = self.head_dim, self.n_local, self.g_local
@@ -111,8 +123,9 @@ def attention_over_cp(q, k, v, dropout_p: float, ctx: Context) -> torch.Tensor:
         return core_attention(q, k, v, dropout_p)
     from megatron_lite.context.ulysses import ulysses_attention
 
-    return ulysses_attention(q, k, v, ctx.mesh.cp_group,
-                             lambda q_, k_, v_: core_attention(q_, k_, v_, dropout_p))
+    return ulysses_attention(
+        q, k, v, ctx.mesh.cp_group, lambda q_, k_, v_: core_attention(q_, k_, v_, dropout_p)
+    )
 
 
 class MLP(nn.Module):
@@ -122,12 +135,22 @@ class MLP(nn.Module):
         ffn = ffn_hidden_size or m.ffn_hidden_size
         self.gated = spec.gated_mlp
         out = [ffn, ffn] if spec.gated_mlp else ffn  # SwiGLU: [gate, up] segments
-        self.linear_fc1 = ColumnParallelLinear(m.hidden_size, out, group, bias=spec.bias,
-                                               sequence_parallel=ctx.sp,
-                                               init_std=m.init_method_std)
-        self.linear_fc2 = RowParallelLinear(ffn, m.hidden_size, group, bias=spec.bias,
-                                            sequence_parallel=ctx.sp,
-                                            init_std=scaled_std(m.init_method_std, m.num_layers))
+        self.linear_fc1 = ColumnParallelLinear(
+            m.hidden_size,
+            out,
+            group,
+            bias=spec.bias,
+            sequence_parallel=ctx.sp,
+            init_std=m.init_method_std,
+        )
+        self.linear_fc2 = RowParallelLinear(
+            ffn,
+            m.hidden_size,
+            group,
+            bias=spec.bias,
+            sequence_parallel=ctx.sp,
+            init_std=scaled_std(m.init_method_std, m.num_layers),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.linear_fc1(x)  # [s, b, ffn/tp] (×2 gated)
@@ -174,35 +197,64 @@ class ModelChunk(nn.Module):
     stage, else the hidden state for the next one.
     """
 
-    def __init__(self, ctx: Context, spec: ModelSpec, layer_ids: list[int], vocab_size: int,
-                 pre_process: bool, post_process: bool):
+    def __init__(
+        self,
+        ctx: Context,
+        spec: ModelSpec,
+        layer_ids: list[int],
+        vocab_size: int,
+        pre_process: bool,
+        post_process: bool,
+    ):
         super().__init__()
         m, mesh = ctx.cfg.model, ctx.mesh
-        self.ctx, self.spec, self.pre_process, self.post_process = ctx, spec, pre_process, post_process
-        self.padded_vocab = padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by,
-                                              mesh.tp_size)
+        self.ctx, self.spec, self.pre_process, self.post_process = (
+            ctx,
+            spec,
+            pre_process,
+            post_process,
+        )
+        self.padded_vocab = padded_vocab_size(
+            vocab_size, m.make_vocab_size_divisible_by, mesh.tp_size
+        )
         self.vocab_size = vocab_size
         s_local = m.seq_length // mesh.cp_size
         if pre_process:
-            self.embedding = VocabParallelEmbedding(vocab_size, self.padded_vocab, m.hidden_size,
-                                                    mesh.tp_group, init_std=m.init_method_std)
+            self.embedding = VocabParallelEmbedding(
+                vocab_size,
+                self.padded_vocab,
+                m.hidden_size,
+                mesh.tp_group,
+                init_std=m.init_method_std,
+            )
             if not spec.rotary:
                 max_pos = m.max_position_embeddings or m.seq_length
                 self.position_embeddings = set_meta(
                     nn.Parameter(torch.empty(max_pos, m.hidden_size)),
-                    full_shape=(max_pos, m.hidden_size), std=m.init_method_std,
-                    sequence_parallel=ctx.sp)
+                    full_shape=(max_pos, m.hidden_size),
+                    std=m.init_method_std,
+                    sequence_parallel=ctx.sp,
+                )
         self.layers = nn.ModuleDict({str(i): TransformerLayer(ctx, spec, i) for i in layer_ids})
         if post_process:
             self.final_norm = spec.norm(m.hidden_size, m.norm_eps, ctx.sp)
             tied_here = m.tie_embeddings and pre_process
             self.output_layer = ColumnParallelLinear(
-                m.hidden_size, self.padded_vocab, mesh.tp_group, bias=False,
-                sequence_parallel=ctx.sp, init_std=m.init_method_std, skip_weight=tied_here)
+                m.hidden_size,
+                self.padded_vocab,
+                mesh.tp_group,
+                bias=False,
+                sequence_parallel=ctx.sp,
+                init_std=m.init_method_std,
+                skip_weight=tied_here,
+            )
             if self.output_layer.weight is not None:  # its own weight, vocabulary-padded
                 meta = self.output_layer.weight.meta
                 meta.full_shape, meta.padded, meta.segments = (
-                    (vocab_size, m.hidden_size), self.padded_vocab, None)
+                    (vocab_size, m.hidden_size),
+                    self.padded_vocab,
+                    None,
+                )
                 if m.tie_embeddings:  # tied copy on the last stage: same init, synced grads
                     meta.tied_copy, meta.init_name = True, "embedding.weight"
             v_local = self.padded_vocab // mesh.tp_size
@@ -219,7 +271,7 @@ class ModelChunk(nn.Module):
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [b, s] -> [s/cp(/tp), b, h]."""
-        ids = ids.t()[self.cp_offset:self.cp_offset + self.s_local]  # [s/cp, b]
+        ids = ids.t()[self.cp_offset : self.cp_offset + self.s_local]  # [s/cp, b]
         x = self.embedding(ids)  # [s/cp, b, h] partial sums over TP
         tp_group = self.ctx.mesh.tp_group
         if self.ctx.sp:
@@ -230,7 +282,7 @@ class ModelChunk(nn.Module):
             start, n = self.cp_offset, x.shape[0]
             if self.ctx.sp:
                 start += self.ctx.mesh.tp_rank * n
-            x = x + self.position_embeddings[start:start + n].unsqueeze(1)
+            x = x + self.position_embeddings[start : start + n].unsqueeze(1)
         return self.ctx.dropout(x, self.ctx.cfg.model.hidden_dropout, self.ctx.sp)
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
@@ -252,5 +304,5 @@ class ModelChunk(nn.Module):
         logits = self.output_layer(x, self.output_weight())  # [s/cp, b, V/tp]
         if self.has_vocab_pad:  # padded vocabulary never takes probability mass
             logits = logits.masked_fill(self.vocab_pad_mask, float("-inf"))
-        labels = labels.t()[self.cp_offset:self.cp_offset + self.s_local]  # [s/cp, b]
+        labels = labels.t()[self.cp_offset : self.cp_offset + self.s_local]  # [s/cp, b]
         return vocab_parallel_cross_entropy(logits.float(), labels, self.ctx.mesh.tp_group)

@@ -25,12 +25,24 @@ class ColumnParallelLinear(nn.Module):
     reduce-scatter); otherwise the input is replicated and its gradient is all-reduced.
     """
 
-    def __init__(self, in_features: int, out_features: int | list[int], tp_group, *,
-                 bias: bool = True, sequence_parallel: bool = False, gather_output: bool = False,
-                 init_std: float = 0.02, skip_weight: bool = False):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int | list[int],
+        tp_group,
+        *,
+        bias: bool = True,
+        sequence_parallel: bool = False,
+        gather_output: bool = False,
+        init_std: float = 0.02,
+        skip_weight: bool = False,
+    ):
         super().__init__()
         self.tp_group, self.sequence_parallel, self.gather_output = (
-            tp_group, sequence_parallel, gather_output)
+            tp_group,
+            sequence_parallel,
+            gather_output,
+        )
         tp, rank = _tp(tp_group)
         segments = list(out_features) if isinstance(out_features, list | tuple) else [out_features]
         for seg in segments:
@@ -40,12 +52,17 @@ class ColumnParallelLinear(nn.Module):
         shard = dict(tp_dim=0, tp_rank=rank, tp_size=tp, segments=tuple(segments))
         self.weight = None
         if not skip_weight:  # the tied output layer borrows the embedding's weight
-            self.weight = set_meta(nn.Parameter(torch.empty(out_local, in_features)),
-                                   full_shape=(out_full, in_features), std=init_std, **shard)
+            self.weight = set_meta(
+                nn.Parameter(torch.empty(out_local, in_features)),
+                full_shape=(out_full, in_features),
+                std=init_std,
+                **shard,
+            )
         self.bias = None
         if bias:
-            self.bias = set_meta(nn.Parameter(torch.empty(out_local)), full_shape=(out_full,),
-                                 init="zeros", **shard)
+            self.bias = set_meta(
+                nn.Parameter(torch.empty(out_local)), full_shape=(out_full,), init="zeros", **shard
+            )
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         if self.sequence_parallel:
@@ -66,21 +83,37 @@ class RowParallelLinear(nn.Module):
     summed over TP when it sees only a sequence shard).
     """
 
-    def __init__(self, in_features: int, out_features: int, tp_group, *, bias: bool = True,
-                 sequence_parallel: bool = False, init_std: float = 0.02):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        tp_group,
+        *,
+        bias: bool = True,
+        sequence_parallel: bool = False,
+        init_std: float = 0.02,
+    ):
         super().__init__()
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         tp, rank = _tp(tp_group)
         if in_features % tp:
             raise ValueError(f"input size {in_features} not divisible by tp={tp}")
-        self.weight = set_meta(nn.Parameter(torch.empty(out_features, in_features // tp)),
-                               full_shape=(out_features, in_features), tp_dim=1, tp_rank=rank,
-                               tp_size=tp, std=init_std)
+        self.weight = set_meta(
+            nn.Parameter(torch.empty(out_features, in_features // tp)),
+            full_shape=(out_features, in_features),
+            tp_dim=1,
+            tp_rank=rank,
+            tp_size=tp,
+            std=init_std,
+        )
         self.bias = None
         if bias:
-            self.bias = set_meta(nn.Parameter(torch.empty(out_features)),
-                                 full_shape=(out_features,), init="zeros",
-                                 sequence_parallel=sequence_parallel and tp > 1)
+            self.bias = set_meta(
+                nn.Parameter(torch.empty(out_features)),
+                full_shape=(out_features,),
+                init="zeros",
+                sequence_parallel=sequence_parallel and tp > 1,
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)  # [s, b, out] partial sums over TP
@@ -99,16 +132,29 @@ class VocabParallelEmbedding(nn.Module):
     sequence shards), so it can add replicated terms after the reduction.
     """
 
-    def __init__(self, vocab_size: int, padded_vocab_size: int, hidden_size: int, tp_group, *,
-                 init_std: float = 0.02):
+    def __init__(
+        self,
+        vocab_size: int,
+        padded_vocab_size: int,
+        hidden_size: int,
+        tp_group,
+        *,
+        init_std: float = 0.02,
+    ):
         super().__init__()
         tp, rank = _tp(tp_group)
         self.tp_group = tp_group
         self.per_rank = padded_vocab_size // tp
         self.vocab_start = rank * self.per_rank
-        self.weight = set_meta(nn.Parameter(torch.empty(self.per_rank, hidden_size)),
-                               full_shape=(vocab_size, hidden_size), tp_dim=0, tp_rank=rank,
-                               tp_size=tp, padded=padded_vocab_size, std=init_std)
+        self.weight = set_meta(
+            nn.Parameter(torch.empty(self.per_rank, hidden_size)),
+            full_shape=(vocab_size, hidden_size),
+            tp_dim=0,
+            tp_rank=rank,
+            tp_size=tp,
+            padded=padded_vocab_size,
+            std=init_std,
+        )
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.vocab_start

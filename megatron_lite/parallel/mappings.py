@@ -23,6 +23,11 @@ import torch.distributed as dist
 
 from megatron_lite.parallel.comm_stats import STATS
 
+# torch 2.13 renamed the *_tensor collectives to *_single; older releases (2.6-2.12) only
+# have the old names.
+_all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 class CollectiveError(RuntimeError):
     """A collective failed or timed out; the message names rank, step, op and group."""
@@ -63,7 +68,7 @@ def all_gather_dim0(t: torch.Tensor, group) -> torch.Tensor:
         return t
     t = t.contiguous()
     out = torch.empty((t.shape[0] * world, *t.shape[1:]), dtype=t.dtype, device=t.device)
-    _run("all_gather", t, group, lambda: dist.all_gather_into_tensor(out, t, group=group))
+    _run("all_gather", t, group, lambda: _all_gather_into(out, t, group=group))
     return out
 
 
@@ -76,7 +81,7 @@ def reduce_scatter_dim0(t: torch.Tensor, group) -> torch.Tensor:
         raise ValueError(f"reduce_scatter: dim 0 ({t.shape[0]}) not divisible by {world}")
     t = t.contiguous()
     out = torch.empty((t.shape[0] // world, *t.shape[1:]), dtype=t.dtype, device=t.device)
-    _run("reduce_scatter", t, group, lambda: dist.reduce_scatter_tensor(out, t, group=group))
+    _run("reduce_scatter", t, group, lambda: _reduce_scatter_into(out, t, group=group))
     return out
 
 
@@ -103,8 +108,10 @@ def _all_to_all(t: torch.Tensor, split_dim: int, concat_dim: int, group) -> torc
     if world == 1:
         return t
     if t.shape[split_dim] % world:
-        raise ValueError(f"all_to_all: dim {split_dim} of size {t.shape[split_dim]} not divisible "
-                         f"by group size {world}")
+        raise ValueError(
+            f"all_to_all: dim {split_dim} of size {t.shape[split_dim]} not divisible "
+            f"by group size {world}"
+        )
     inp = t.movedim(split_dim, 0).contiguous()  # chunk i of dim 0 goes to rank i
     out = torch.empty_like(inp)
     _run("all_to_all", inp, group, lambda: dist.all_to_all_single(out, inp, group=group))
@@ -117,8 +124,14 @@ def _all_to_all(t: torch.Tensor, split_dim: int, concat_dim: int, group) -> torc
 def _all_to_all_uneven(t: torch.Tensor, out_splits: list[int], in_splits: list[int], group):
     out = t.new_empty((sum(out_splits), *t.shape[1:]))
     t = t.contiguous()
-    _run("all_to_all", t, group, lambda: dist.all_to_all_single(
-        out, t, output_split_sizes=out_splits, input_split_sizes=in_splits, group=group))
+    _run(
+        "all_to_all",
+        t,
+        group,
+        lambda: dist.all_to_all_single(
+            out, t, output_split_sizes=out_splits, input_split_sizes=in_splits, group=group
+        ),
+    )
     return out
 
 

@@ -23,8 +23,14 @@ import torch.distributed as dist
 AXES = ("tp", "cp", "ep", "dp", "pp")
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"
 # Named groups: the axes they span in the dense or the expert grid.
-DENSE_GROUPS = {"tp": ("tp",), "cp": ("cp",), "dp": ("dp",), "pp": ("pp",),
-                "dp_cp": ("cp", "dp"), "tp_pp": ("tp", "pp")}
+DENSE_GROUPS = {
+    "tp": ("tp",),
+    "cp": ("cp",),
+    "dp": ("dp",),
+    "pp": ("pp",),
+    "dp_cp": ("cp", "dp"),
+    "tp_pp": ("tp", "pp"),
+}
 EXPERT_GROUPS = {"ep": ("ep",), "edp": ("dp",)}
 
 
@@ -53,8 +59,10 @@ class RankLayout:
     def __post_init__(self):
         tokens = self.order.split("-")
         if sorted(tokens) != sorted(AXES):
-            raise ValueError(f"parallel.order={self.order!r} must name each of {AXES} once, "
-                             f"e.g. {DEFAULT_ORDER!r}")
+            raise ValueError(
+                f"parallel.order={self.order!r} must name each of {AXES} once, "
+                f"e.g. {DEFAULT_ORDER!r}"
+            )
         mp = self.tp * self.pp * self.cp
         if self.world_size % mp:
             raise ValueError(f"world size {self.world_size} is not divisible by tp·pp·cp = {mp}")
@@ -73,12 +81,14 @@ class RankLayout:
         tokens = self.order.split("-")
         if name in DENSE_GROUPS:
             sizes = {"tp": self.tp, "cp": self.cp, "dp": self.dp, "pp": self.pp}
-            return _groups(self.world_size, sizes, [a for a in tokens if a != "ep"],
-                           DENSE_GROUPS[name])
+            return _groups(
+                self.world_size, sizes, [a for a in tokens if a != "ep"], DENSE_GROUPS[name]
+            )
         if name in EXPERT_GROUPS:
             sizes = {"tp": self.tp, "ep": self.ep, "dp": self.edp, "pp": self.pp}
-            return _groups(self.world_size, sizes, [a for a in tokens if a != "cp"],
-                           EXPERT_GROUPS[name])
+            return _groups(
+                self.world_size, sizes, [a for a in tokens if a != "cp"], EXPERT_GROUPS[name]
+            )
         if name == "embedding":  # first and last pipeline stage of each pipeline
             return [sorted({g[0], g[-1]}) for g in self.groups("pp")]
         raise KeyError(f"unknown group {name!r}")
@@ -96,12 +106,16 @@ class RankLayout:
 
     def rank_map(self) -> str:
         """Human-readable table: one line per rank with its coordinates."""
-        lines = [f"rank map (order {self.order}; tp={self.tp} cp={self.cp} ep={self.ep} "
-                 f"dp={self.dp} pp={self.pp})"]
+        lines = [
+            f"rank map (order {self.order}; tp={self.tp} cp={self.cp} ep={self.ep} "
+            f"dp={self.dp} pp={self.pp})"
+        ]
         for r in range(self.world_size):
             c = self.coords(r)
-            lines.append(f"  rank {r:3d}: tp {c['tp']} cp {c['cp']} dp {c['dp']} pp {c['pp']} "
-                         f"ep {c['ep']} edp {c['edp']}")
+            lines.append(
+                f"  rank {r:3d}: tp {c['tp']} cp {c['cp']} dp {c['dp']} pp {c['pp']} "
+                f"ep {c['ep']} edp {c['edp']}"
+            )
         return "\n".join(lines)
 
 
@@ -116,8 +130,9 @@ class ParallelMesh:
         if not dist.is_initialized():
             raise RuntimeError("ParallelMesh needs torch.distributed initialized first")
         if dist.get_world_size() != layout.world_size:
-            raise ValueError(f"layout is for {layout.world_size} ranks, world has "
-                             f"{dist.get_world_size()}")
+            raise ValueError(
+                f"layout is for {layout.world_size} ranks, world has {dist.get_world_size()}"
+            )
         self.layout = layout
         self.rank = dist.get_rank()
         kw = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}
@@ -129,7 +144,9 @@ class ParallelMesh:
                     mine, my_ranks = g, ranks
             setattr(self, f"{name}_group", mine)
             setattr(self, f"{name}_ranks", my_ranks)
-            setattr(self, f"{name}_rank", my_ranks.index(self.rank) if self.rank in my_ranks else -1)
+            setattr(
+                self, f"{name}_rank", my_ranks.index(self.rank) if self.rank in my_ranks else -1
+            )
             setattr(self, f"{name}_size", len(my_ranks))
 
     @property

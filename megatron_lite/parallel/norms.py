@@ -18,8 +18,12 @@ class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-5, sequence_parallel: bool = False):
         super().__init__()
         self.eps = eps
-        self.weight = set_meta(nn.Parameter(torch.empty(hidden_size)), full_shape=(hidden_size,),
-                               init="ones", sequence_parallel=sequence_parallel)
+        self.weight = set_meta(
+            nn.Parameter(torch.empty(hidden_size)),
+            full_shape=(hidden_size,),
+            init="ones",
+            sequence_parallel=sequence_parallel,
+        )
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """[..., h] -> [..., h]; with `residual`, normalizes x + residual and returns
@@ -31,10 +35,18 @@ class LayerNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-5, sequence_parallel: bool = False):
         super().__init__()
         self.eps = eps
-        self.weight = set_meta(nn.Parameter(torch.empty(hidden_size)), full_shape=(hidden_size,),
-                               init="ones", sequence_parallel=sequence_parallel)
-        self.bias = set_meta(nn.Parameter(torch.empty(hidden_size)), full_shape=(hidden_size,),
-                             init="zeros", sequence_parallel=sequence_parallel)
+        self.weight = set_meta(
+            nn.Parameter(torch.empty(hidden_size)),
+            full_shape=(hidden_size,),
+            init="ones",
+            sequence_parallel=sequence_parallel,
+        )
+        self.bias = set_meta(
+            nn.Parameter(torch.empty(hidden_size)),
+            full_shape=(hidden_size,),
+            init="zeros",
+            sequence_parallel=sequence_parallel,
+        )
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is None:

@@ -47,7 +47,9 @@ def full_tensor(meta: ParamMeta, name: str, seed: int) -> torch.Tensor:
         return torch.zeros(meta.full_shape)
     if meta.init == "ones":
         return torch.ones(meta.full_shape)
-    return torch.randn(meta.full_shape, generator=_generator(seed, meta.init_name or name)) * meta.std
+    return (
+        torch.randn(meta.full_shape, generator=_generator(seed, meta.init_name or name)) * meta.std
+    )
 
 
 def shard(full: torch.Tensor, meta: ParamMeta) -> torch.Tensor:
@@ -61,8 +63,10 @@ def shard(full: torch.Tensor, meta: ParamMeta) -> torch.Tensor:
         pad_shape[dim] = meta.padded - full.shape[dim]
         full = torch.cat([full, full.new_zeros(pad_shape)], dim=dim)
     segments = meta.segments or (full.shape[dim],)
-    pieces = [seg.chunk(meta.tp_size, dim=dim)[meta.tp_rank]
-              for seg in full.split(list(segments), dim=dim)]
+    pieces = [
+        seg.chunk(meta.tp_size, dim=dim)[meta.tp_rank]
+        for seg in full.split(list(segments), dim=dim)
+    ]
     return torch.cat(pieces, dim=dim)
 
 

@@ -23,13 +23,17 @@ def _all_reduce_flat(grads: list[torch.Tensor], group) -> None:
     mappings.all_reduce(flat, group)
     offset = 0
     for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
         offset += g.numel()
 
 
 @torch.no_grad()
-def finalize_grads(params: list[torch.nn.Parameter], mesh: ParallelMesh, tie_embeddings: bool,
-                   embedding_param: torch.nn.Parameter | None) -> None:
+def finalize_grads(
+    params: list[torch.nn.Parameter],
+    mesh: ParallelMesh,
+    tie_embeddings: bool,
+    embedding_param: torch.nn.Parameter | None,
+) -> None:
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)

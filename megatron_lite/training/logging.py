@@ -30,8 +30,12 @@ class MetricsLogger:
         if cfg.log.wandb and cfg.log.wandb_mode != "disabled":
             import wandb
 
-            self.wandb = wandb.init(project=cfg.log.wandb_project, mode=cfg.log.wandb_mode,
-                                    dir=cfg.train.out_dir, config=cfg.to_dict())
+            self.wandb = wandb.init(
+                project=cfg.log.wandb_project,
+                mode=cfg.log.wandb_mode,
+                dir=cfg.train.out_dir,
+                config=cfg.to_dict(),
+            )
 
     def log(self, record: dict, first_step: int) -> None:
         if not self.active:
@@ -45,10 +49,14 @@ class MetricsLogger:
             done = step - first_step
             eta = (time.monotonic() - self.start) / max(done, 1) * (total - step)
             extra = "".join(f" | {k} {record[k]:.4g}" for k in ("aux_loss",) if k in record)
-            print(f"step {step:5d}/{total} | loss {record['loss']:.4f} | lr {record['lr']:.3e} | "
-                  f"grad norm {record['grad_norm']:.3f} | {record['tokens_per_s']:,.0f} tok/s | "
-                  f"{record['step_time_s'] * 1000:.0f} ms/step{extra} | ETA "
-                  f"{_fmt_time(eta)}", file=sys.stdout, flush=True)
+            print(
+                f"step {step:5d}/{total} | loss {record['loss']:.4f} | lr {record['lr']:.3e} | "
+                f"grad norm {record['grad_norm']:.3f} | {record['tokens_per_s']:,.0f} tok/s | "
+                f"{record['step_time_s'] * 1000:.0f} ms/step{extra} | ETA "
+                f"{_fmt_time(eta)}",
+                file=sys.stdout,
+                flush=True,
+            )
 
     def close(self) -> None:
         if self.file is not None:

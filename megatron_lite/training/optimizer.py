@@ -13,11 +13,14 @@ def build_optimizer(params: list[torch.nn.Parameter], t: TrainConfig) -> torch.o
     """Weight decay on matrices only (not norms, biases or other 1-D parameters)."""
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": t.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
+    groups = [
+        {"params": decay, "weight_decay": t.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
     # foreach=False: the per-tensor path does the same arithmetic on every layout's shards.
-    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
-                             foreach=False)
+    return torch.optim.AdamW(
+        groups, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, foreach=False
+    )
 
 
 def lr_at(step: int, t: TrainConfig) -> float:

@@ -6,11 +6,22 @@ import functools
 
 from tests.dist_harness import run_ranks
 
-TINY = ["model.vocab_size=250", "model.num_layers=4", "model.hidden_size=64",
-        "model.num_attention_heads=4", "model.num_query_groups=2", "model.ffn_hidden_size=128",
-        "model.seq_length=32", "train.micro_batch_size=2", "train.global_batch_size=8",
-        "train.steps=20", "train.lr=3e-3", "train.warmup_steps=2", "log.progress=false",
-        "model.make_vocab_size_divisible_by=8"]
+TINY = [
+    "model.vocab_size=250",
+    "model.num_layers=4",
+    "model.hidden_size=64",
+    "model.num_attention_heads=4",
+    "model.num_query_groups=2",
+    "model.ffn_hidden_size=128",
+    "model.seq_length=32",
+    "train.micro_batch_size=2",
+    "train.global_batch_size=8",
+    "train.steps=20",
+    "train.lr=3e-3",
+    "train.warmup_steps=2",
+    "log.progress=false",
+    "model.make_vocab_size_divisible_by=8",
+]
 
 
 def structured_dataset() -> str:
@@ -52,7 +63,7 @@ def train_losses(world: int, overrides: list[str], tmp: str, timeout: float = 18
     return run_ranks(world, _train, [*TINY, data, *overrides], tmp, timeout=timeout)[0]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference_losses(overrides: tuple[str, ...]) -> tuple[float, ...]:
     """Single-rank losses for a model config (cached across tests in one session)."""
     import tempfile

@@ -12,14 +12,16 @@ S, B, H, FFN, V = 8, 2, 12, 16, 37
 
 def _full_tensors():
     torch.manual_seed(0)
-    return {"x": torch.randn(S, B, H, dtype=torch.float64),
-            "w1": torch.randn(FFN, H, dtype=torch.float64),
-            "b1": torch.randn(FFN, dtype=torch.float64),
-            "w2": torch.randn(H, FFN, dtype=torch.float64),
-            "b2": torch.randn(H, dtype=torch.float64),
-            "emb": torch.randn(V, H, dtype=torch.float64),
-            "ids": torch.randint(0, V, (S, B)),
-            "gout": torch.randn(S, B, H, dtype=torch.float64)}
+    return {
+        "x": torch.randn(S, B, H, dtype=torch.float64),
+        "w1": torch.randn(FFN, H, dtype=torch.float64),
+        "b1": torch.randn(FFN, dtype=torch.float64),
+        "w2": torch.randn(H, FFN, dtype=torch.float64),
+        "b2": torch.randn(H, dtype=torch.float64),
+        "emb": torch.randn(V, H, dtype=torch.float64),
+        "ids": torch.randint(0, V, (S, B)),
+        "gout": torch.randn(S, B, H, dtype=torch.float64),
+    }
 
 
 def _reference(t):
@@ -51,10 +53,14 @@ def _mlp_on_ranks(rank, world, sp):
     if sp:  # bias grad from a sequence shard: finalization sums it over TP
         dist.all_reduce(fc2.bias.grad)
         ry, rgx = ry.chunk(world)[rank], rgx.chunk(world)[rank]
-    pairs = {"y": (y, ry), "dx": (x.grad, rgx),
-             "dw1": (fc1.weight.grad, shard(rw1, fc1.weight.meta)),
-             "db1": (fc1.bias.grad, shard(rb1, fc1.bias.meta)),
-             "dw2": (fc2.weight.grad, shard(rw2, fc2.weight.meta)), "db2": (fc2.bias.grad, rb2)}
+    pairs = {
+        "y": (y, ry),
+        "dx": (x.grad, rgx),
+        "dw1": (fc1.weight.grad, shard(rw1, fc1.weight.meta)),
+        "db1": (fc1.bias.grad, shard(rb1, fc1.bias.meta)),
+        "dw2": (fc2.weight.grad, shard(rw2, fc2.weight.meta)),
+        "db2": (fc2.bias.grad, rb2),
+    }
     return {k: float((a - b).abs().max()) for k, (a, b) in pairs.items()}
 
 
@@ -87,11 +93,15 @@ def _embedding_and_loss(rank, world):
     loss.sum().backward()
     ref_w = t["emb"].clone().requires_grad_()
     rx = F.embedding(t["ids"], ref_w)
-    rloss = F.cross_entropy((rx @ ref_w.t()).reshape(S * B, V), labels.reshape(-1),
-                            reduction="none").view(S, B)
+    rloss = F.cross_entropy(
+        (rx @ ref_w.t()).reshape(S * B, V), labels.reshape(-1), reduction="none"
+    ).view(S, B)
     rloss.sum().backward()
-    return {"x": float((x - rx).abs().max()), "loss": float((loss - rloss).abs().max()),
-            "dw": float((emb.weight.grad - shard(ref_w.grad, emb.weight.meta)).abs().max())}
+    return {
+        "x": float((x - rx).abs().max()),
+        "loss": float((loss - rloss).abs().max()),
+        "dw": float((emb.weight.grad - shard(ref_w.grad, emb.weight.meta)).abs().max()),
+    }
 
 
 def test_vocab_parallel_embedding_and_cross_entropy():

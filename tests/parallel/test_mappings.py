@@ -24,24 +24,65 @@ def _check_mappings(rank, world):
         errors[name] = (float((y - want_y).abs().max()), float((x.grad - want_gx).abs().max()))
 
     run("copy", lambda x: m.copy_to_tensor_parallel_region(x, g), full, gout, full, gout * world)
-    run("reduce", lambda x: m.reduce_from_tensor_parallel_region(x, g), full, gout,
-        full * world, gout)
+    run(
+        "reduce",
+        lambda x: m.reduce_from_tensor_parallel_region(x, g),
+        full,
+        gout,
+        full * world,
+        gout,
+    )
     # "keep my chunk": each rank's output grad is its chunk of gout, so the gathered grad is gout
-    run("scatter_last", lambda x: m.scatter_to_tensor_parallel_region(x, g), full,
-        gout.chunk(world, -1)[rank], last, gout)
-    run("gather_last", lambda x: m.gather_from_tensor_parallel_region(x, g), last, gout, full,
-        gout.chunk(world, -1)[rank])
-    run("scatter_seq", lambda x: m.scatter_to_sequence_parallel_region(x, g), full,
-        gout.chunk(world, 0)[rank], seq, gout)
-    run("gather_seq", lambda x: m.gather_from_sequence_parallel_region(x, g), seq, gout, full,
-        (gout * world).chunk(world, 0)[rank])
-    run("reduce_scatter_seq", lambda x: m.reduce_scatter_to_sequence_parallel_region(x, g), full,
-        gout.chunk(world, 0)[rank], (full * world).chunk(world, 0)[rank],
-        gout)
+    run(
+        "scatter_last",
+        lambda x: m.scatter_to_tensor_parallel_region(x, g),
+        full,
+        gout.chunk(world, -1)[rank],
+        last,
+        gout,
+    )
+    run(
+        "gather_last",
+        lambda x: m.gather_from_tensor_parallel_region(x, g),
+        last,
+        gout,
+        full,
+        gout.chunk(world, -1)[rank],
+    )
+    run(
+        "scatter_seq",
+        lambda x: m.scatter_to_sequence_parallel_region(x, g),
+        full,
+        gout.chunk(world, 0)[rank],
+        seq,
+        gout,
+    )
+    run(
+        "gather_seq",
+        lambda x: m.gather_from_sequence_parallel_region(x, g),
+        seq,
+        gout,
+        full,
+        (gout * world).chunk(world, 0)[rank],
+    )
+    run(
+        "reduce_scatter_seq",
+        lambda x: m.reduce_scatter_to_sequence_parallel_region(x, g),
+        full,
+        gout.chunk(world, 0)[rank],
+        (full * world).chunk(world, 0)[rank],
+        gout,
+    )
     # all-to-all: [s/w, b, n] -> [s, b, n/w] is the Ulysses exchange
     want = full.chunk(world, -1)[rank]
-    run("all_to_all", lambda x: m.all_to_all(x, split_dim=2, concat_dim=0, group=g), seq,
-        gout.chunk(world, -1)[rank], want, gout.chunk(world, 0)[rank])
+    run(
+        "all_to_all",
+        lambda x: m.all_to_all(x, split_dim=2, concat_dim=0, group=g),
+        seq,
+        gout.chunk(world, -1)[rank],
+        want,
+        gout.chunk(world, 0)[rank],
+    )
     return errors
 
 

@@ -10,9 +10,11 @@ LAYOUTS = {
     "dp2": (2, []),
     "tp2_dp2_sp": (4, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
 }
-MODELS = {"llama": ["model.arch=llama"],
-          "llama_untied": ["model.arch=llama", "model.tie_embeddings=false"],
-          "gpt": ["model.arch=gpt"]}
+MODELS = {
+    "llama": ["model.arch=llama"],
+    "llama_untied": ["model.arch=llama", "model.tie_embeddings=false"],
+    "gpt": ["model.arch=gpt"],
+}
 
 
 @pytest.mark.parametrize("model", MODELS)

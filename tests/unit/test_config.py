@@ -34,21 +34,43 @@ def test_wrong_type_names_key():
         load_config(None, ["train.steps=abc"])
 
 
-@pytest.mark.parametrize("world, overrides, needle", [
-    (3, ["parallel.tp=3"], "parallel.tp=3: model.num_attention_heads=4 must be divisible by tp"),
-    (6, ["parallel.tp=2", "parallel.dp=2"], "world size 6 must equal tp·pp·cp·dp"),
-    (6, ["parallel.tp=4"], "world size 6 must be divisible by tp·pp·cp"),
-    (2, ["model.num_query_groups=3"], "model.num_query_groups=3: must divide"),
-    (4, ["parallel.pp=4", "model.num_layers=6"], "model.num_layers=6: must be divisible by pp"),
-    (2, ["train.global_batch_size=6", "train.micro_batch_size=2"], "multiple of micro_batch"),
-    (4, ["parallel.pp=4", "model.num_layers=4", "train.global_batch_size=4",
-         "train.micro_batch_size=2"], "fewer than the 4 pipeline stages"),
-    (2, ["parallel.tp=2", "parallel.sequence_parallel=true", "model.seq_length=63"],
-     "model.seq_length=63: must be divisible by cp·tp"),
-    (1, ["model.arch=bert"], "model.arch='bert': must be one of llama, gpt"),
-    (1, ["parallel.ep=2"], "needs an MoE model"),
-    (1, ["data.mock=false", "data.paths=[/nonexistent/x]"], "/nonexistent/x.bin does not exist"),
-])
+@pytest.mark.parametrize(
+    "world, overrides, needle",
+    [
+        (
+            3,
+            ["parallel.tp=3"],
+            "parallel.tp=3: model.num_attention_heads=4 must be divisible by tp",
+        ),
+        (6, ["parallel.tp=2", "parallel.dp=2"], "world size 6 must equal tp·pp·cp·dp"),
+        (6, ["parallel.tp=4"], "world size 6 must be divisible by tp·pp·cp"),
+        (2, ["model.num_query_groups=3"], "model.num_query_groups=3: must divide"),
+        (4, ["parallel.pp=4", "model.num_layers=6"], "model.num_layers=6: must be divisible by pp"),
+        (2, ["train.global_batch_size=6", "train.micro_batch_size=2"], "multiple of micro_batch"),
+        (
+            4,
+            [
+                "parallel.pp=4",
+                "model.num_layers=4",
+                "train.global_batch_size=4",
+                "train.micro_batch_size=2",
+            ],
+            "fewer than the 4 pipeline stages",
+        ),
+        (
+            2,
+            ["parallel.tp=2", "parallel.sequence_parallel=true", "model.seq_length=63"],
+            "model.seq_length=63: must be divisible by cp·tp",
+        ),
+        (1, ["model.arch=bert"], "model.arch='bert': must be one of llama, gpt"),
+        (1, ["parallel.ep=2"], "needs an MoE model"),
+        (
+            1,
+            ["data.mock=false", "data.paths=[/nonexistent/x]"],
+            "/nonexistent/x.bin does not exist",
+        ),
+    ],
+)
 def test_rules_name_key_value_rule_and_fix(world, overrides, needle):
     msg = _error(world, *overrides)
     assert needle in msg, msg

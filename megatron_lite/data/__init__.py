@@ -1,0 +1,92 @@
+"""Data pipeline: tokenizer, indexed mmap datasets, GPT sample datasets, blending, sampler.
+
+`build_dataset(cfg)` turns the data section of a Config into one infinite, seeded dataset of
+int64 samples [seq_length+1]; `microbatches_for_step` (in `sampler`, which needs torch and is
+therefore imported lazily) cuts a step's global batch into a dp rank's microbatches.
+"""
+
+from __future__ import annotations
+
+from megatron_lite.data.corpus import prepare_corpus
+from megatron_lite.data.errors import DataFileError
+from megatron_lite.data.gpt_dataset import BlendedDataset, GPTDataset, MockDataset
+from megatron_lite.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+from megatron_lite.data.tokenizer import Tokenizer, train_tokenizer
+
+__all__ = [
+    "BlendedDataset",
+    "DataFileError",
+    "GPTDataset",
+    "IndexedDataset",
+    "IndexedDatasetBuilder",
+    "MockDataset",
+    "Tokenizer",
+    "build_dataset",
+    "microbatches_for_step",
+    "prepare_corpus",
+    "train_tokenizer",
+]
+
+
+def __getattr__(name: str):
+    # The sampler imports torch; tools that only tokenize should not pay for that.
+    if name == "microbatches_for_step":
+        from megatron_lite.data.sampler import microbatches_for_step
+
+        return microbatches_for_step
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def build_dataset(cfg) -> tuple[object, int]:
+    """Build the training dataset of a `megatron_lite.config.Config`: (dataset, vocab_size).
+
+    data.mock -> MockDataset over model.vocab_size; data.corpus -> the prepared corpus;
+    data.paths -> one GPTDataset per prefix, blended by data.weights (default: by token count)
+    when there are several. vocab_size is the tokenizer's (data.tokenizer_model or the corpus
+    one), else the largest token id in the data + 1. If model.vocab_size is set and smaller than
+    that or than the data's largest id + 1, raises DataFileError naming the file and the fix.
+    """
+    d, seq, seed = cfg.data, cfg.model.seq_length, cfg.train.seed
+    if d.mock:
+        return MockDataset(cfg.model.vocab_size, seq, seed), cfg.model.vocab_size
+    tokenizer_path, paths = d.tokenizer_model, list(d.paths)
+    if d.corpus is not None:
+        if paths:
+            raise DataFileError(
+                f"data.corpus={d.corpus!r} and data.paths={paths} are both "
+                f"set. Fix: use one of them"
+            )
+        prefix, tokenizer_path = prepare_corpus(d.corpus, d.cache_dir, d.tokenizer_vocab_size)
+        paths = [prefix]
+    if not paths:
+        raise DataFileError("no training data: set data.paths, data.corpus or data.mock=true")
+    indexed = [IndexedDataset(p) for p in paths]
+    vocab_size = _check_vocab(indexed, tokenizer_path, cfg.model.vocab_size)
+    datasets = [GPTDataset(ds, seq, seed) for ds in indexed]
+    if len(datasets) == 1:
+        return datasets[0], vocab_size
+    weights = d.weights if d.weights is not None else [ds.num_tokens for ds in indexed]
+    return BlendedDataset(datasets, weights, seed), vocab_size
+
+
+def _check_vocab(indexed: list[IndexedDataset], tokenizer_path: str | None, model_vocab) -> int:
+    """The data's vocabulary size, checked against the tokenizer and model.vocab_size."""
+    top = max(indexed, key=lambda ds: ds.max_token_id)
+    data_vocab = top.max_token_id + 1
+    if tokenizer_path is not None:
+        vocab, source = Tokenizer(tokenizer_path).vocab_size, f"tokenizer {tokenizer_path}"
+        if data_vocab > vocab:
+            raise DataFileError(
+                f"{top.idx_path}: holds token id {top.max_token_id} but {source} has only "
+                f"{vocab} tokens, so the data was made with another tokenizer. Fix: point "
+                f"data.tokenizer_model at the tokenizer used by tools/preprocess_data.py"
+            )
+    else:
+        vocab, source = data_vocab, f"data {top.idx_path} (largest token id {top.max_token_id})"
+    if model_vocab is not None and model_vocab < vocab:
+        raise DataFileError(
+            f"model.vocab_size={model_vocab} is smaller than the {vocab} tokens of {source}. "
+            f"Fix: set model.vocab_size={vocab} or larger, or leave it unset (null) to use the "
+            f"tokenizer's vocabulary"
+        )
+    return vocab
