@@ -1,0 +1,45 @@
+"""Pipeline parallelism: schedules as data, their simulator, and (later) the engine.
+
+The function `simulate` is not re-exported here: that name stays the module
+`megatron_lite.pipeline.simulate` (use `from megatron_lite.pipeline.simulate import simulate`).
+"""
+
+from megatron_lite.pipeline.schedules import (
+    Action,
+    comm_batches,
+    format_actions,
+    get_schedule,
+    get_schedule_table,
+    interleaved_one_f_one_b,
+    no_pipelining,
+    one_f_one_b,
+    peer_of,
+    virtual_stage,
+)
+from megatron_lite.pipeline.simulate import (
+    DeadlockError,
+    ScheduleError,
+    SimResult,
+    Span,
+    chrome_trace,
+    timeline,
+)
+
+__all__ = [
+    "Action",
+    "DeadlockError",
+    "ScheduleError",
+    "SimResult",
+    "Span",
+    "chrome_trace",
+    "comm_batches",
+    "format_actions",
+    "get_schedule",
+    "get_schedule_table",
+    "interleaved_one_f_one_b",
+    "no_pipelining",
+    "one_f_one_b",
+    "peer_of",
+    "timeline",
+    "virtual_stage",
+]

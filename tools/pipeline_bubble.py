@@ -1,0 +1,70 @@
+"""Print the simulated pipeline bubble and peak activations of a schedule.
+
+    python tools/pipeline_bubble.py --pp 4 --vpp 2 --microbatches 8
+    python tools/pipeline_bubble.py --pp 4 --microbatches 8 --print-schedule --trace trace.json
+
+Costs are per chunk action (a chunk holds 1/vpp of a rank's layers); the formula column is the
+Megatron paper's (pp-1)/(vpp*m), exact for forward=1, backward=2, comm=0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from fractions import Fraction
+
+from megatron_lite.pipeline.schedules import format_actions, get_schedule_table
+from megatron_lite.pipeline.simulate import chrome_trace, simulate
+
+
+def _number(text: str) -> Fraction | float:
+    """Exact for integers and fractions like 1/3, float otherwise."""
+    try:
+        return Fraction(text)
+    except ValueError:
+        return float(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pp", type=int, required=True, help="pipeline-parallel size")
+    parser.add_argument("--vpp", type=int, default=1, help="model chunks per rank (interleaved)")
+    parser.add_argument("--microbatches", "-m", type=int, required=True)
+    parser.add_argument("--forward-cost", type=_number, default=Fraction(1))
+    parser.add_argument("--backward-cost", type=_number, default=Fraction(2))
+    parser.add_argument("--comm-cost", type=_number, default=Fraction(0))
+    parser.add_argument("--print-schedule", action="store_true", help="print every rank's actions")
+    parser.add_argument("--trace", help="write a Chrome/Perfetto trace JSON to this path")
+    args = parser.parse_args(argv)
+
+    try:
+        table = get_schedule_table(args.pp, args.microbatches, args.vpp)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    result = simulate(table, args.forward_cost, args.backward_cost, args.comm_cost)
+
+    if args.print_schedule:
+        for rank, actions in enumerate(table):
+            print(f"rank {rank}: {format_actions(actions)}")
+        print()
+    print(f"{'rank':>4} {'peak activations':>16} {'busy':>8} {'idle':>8} {'bubble':>8}")
+    for rank in range(args.pp):
+        print(
+            f"{rank:>4} {result.peak_in_flight[rank]:>16} {float(result.busy[rank]):>8.3g} "
+            f"{float(result.idle[rank]):>8.3g} {float(result.bubble_per_rank[rank]):>8.4f}"
+        )
+    formula = Fraction(args.pp - 1, args.vpp * args.microbatches)
+    print(f"makespan {float(result.makespan):.4g}")
+    print(f"bubble   {result.bubble_fraction} = {float(result.bubble_fraction):.4f} (simulated)")
+    print(f"formula  {formula} = {float(formula):.4f} ((pp-1)/(vpp*m))")
+    if args.trace:
+        with open(args.trace, "w") as f:
+            json.dump(chrome_trace(list(result.spans)), f)
+        print(f"trace written to {args.trace}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
