@@ -235,7 +235,20 @@ def validate(cfg: Config, world_size: int) -> Config:
     _choice("model.arch", m.arch, ("llama", "gpt"))
     _choice("train.precision", t.precision, ("fp32", "bf16"))
     _choice("model.attention_backend", m.attention_backend, ("auto", "sdpa", "flash", "te"))
-    _choice("model.linear_backend", m.linear_backend, ("local", "te"))
+    _rule(
+        m.linear_backend != "te",
+        "model.linear_backend",
+        m.linear_backend,
+        "Transformer Engine linear layers (FP8) are not wired into the tensor-parallel layers yet",
+        "use model.linear_backend=local",
+    )
+    _choice("model.linear_backend", m.linear_backend, ("local",))
+    from megatron_lite.models.backends import resolve_attention_backend
+
+    try:
+        resolve_attention_backend(m.attention_backend, t.precision)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     _choice("parallel.cp_comm_type", p.cp_comm_type, ("a2a",))
     _choice("log.wandb_mode", cfg.log.wandb_mode, ("offline", "online", "disabled"))
     for key in ("tp", "pp", "vpp", "cp", "ep"):

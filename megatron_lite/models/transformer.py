@@ -17,6 +17,8 @@ from torch import nn
 
 from megatron_lite import kernels
 from megatron_lite.config import Config
+from megatron_lite.context.ulysses import ulysses_attention
+from megatron_lite.models.backends import attention_function, resolve_attention_backend
 from megatron_lite.parallel import mappings
 from megatron_lite.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_lite.parallel.layers import (
@@ -57,6 +59,9 @@ class Context:
     def __init__(self, cfg: Config, mesh: ParallelMesh, tracker: RNGStatesTracker):
         self.cfg, self.mesh, self.tracker = cfg, mesh, tracker
         self.sp = cfg.parallel.sequence_parallel and mesh.tp_size > 1
+        self.attention_backend = resolve_attention_backend(
+            cfg.model.attention_backend, cfg.train.precision
+        )
 
     def dropout(self, x: torch.Tensor, p: float, tp_region: bool) -> torch.Tensor:
         """Dropout; activations that differ per TP rank use the TP-rank RNG state."""
@@ -67,17 +72,6 @@ class Context:
             return F.dropout(x, p, training=True)
 
 
-def core_attention(q, k, v, dropout_p: float) -> torch.Tensor:
-    """Causal attention. q [s, b, n, d], k/v [s, b, g, d] (n % g == 0) -> [s, b, n, d]."""
-    n, g = q.shape[2], k.shape[2]
-    if g != n:  # grouped-query attention: each KV head serves n/g query heads
-        k = k.repeat_interleave(n // g, dim=2)
-        v = v.repeat_interleave(n // g, dim=2)
-    q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
-    out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
-    return out.permute(2, 0, 1, 3)
-
-
 class Attention(nn.Module):
     def __init__(self, ctx: Context, spec: ModelSpec):
         super().__init__()
@@ -85,6 +79,11 @@ class Attention(nn.Module):
         self.ctx, self.spec = ctx, spec
         self.head_dim = m.hidden_size // m.num_attention_heads
         self.n_local, self.g_local = m.num_attention_heads // tp, m.num_query_groups // tp
+        cp = ctx.mesh.cp_size  # under Ulysses each rank attends over 1/cp of its heads
+        g_attn = self.g_local if cp == 1 else max(self.g_local, cp) // cp
+        self.core_attention = attention_function(
+            ctx.attention_backend, self.n_local // cp, g_attn, self.head_dim, m.attention_dropout
+        )
         q, kv = m.num_attention_heads * self.head_dim, m.num_query_groups * self.head_dim
         self.linear_qkv = ColumnParallelLinear(
             m.hidden_size,
@@ -113,19 +112,20 @@ class Attention(nn.Module):
             q, k = kernels.apply_rope(q, *rope), kernels.apply_rope(k, *rope)
         p = self.ctx.cfg.model.attention_dropout
         with self.ctx.tracker.fork() if p > 0 else contextlib.nullcontext():
-            out = attention_over_cp(q, k, v, p, self.ctx)  # [s, b, n, d]
+            out = self.attention_over_cp(q, k, v, p)  # [s, b, n, d]
         return self.linear_proj(out.reshape(s, b, n * d))  # [s(/tp), b, h]
 
-
-def attention_over_cp(q, k, v, dropout_p: float, ctx: Context) -> torch.Tensor:
-    """Local attention, or Ulysses all-to-all attention over the CP group when cp > 1."""
-    if ctx.mesh.cp_size == 1:
-        return core_attention(q, k, v, dropout_p)
-    from megatron_lite.context.ulysses import ulysses_attention
-
-    return ulysses_attention(
-        q, k, v, ctx.mesh.cp_group, lambda q_, k_, v_: core_attention(q_, k_, v_, dropout_p)
-    )
+    def attention_over_cp(self, q, k, v, dropout_p: float) -> torch.Tensor:
+        """Local attention, or Ulysses all-to-all attention over the CP group when cp > 1."""
+        if self.ctx.mesh.cp_size == 1:
+            return self.core_attention(q, k, v, dropout_p)
+        return ulysses_attention(
+            q,
+            k,
+            v,
+            self.ctx.mesh.cp_group,
+            lambda q_, k_, v_: self.core_attention(q_, k_, v_, dropout_p),
+        )
 
 
 class MLP(nn.Module):
