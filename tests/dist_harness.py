@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
+import queue as queue_module
 import tempfile
 import time
 import traceback
@@ -49,7 +51,9 @@ def _child(rank, world_size, store_path, fn, args, queue, timeout):
         )
         out = fn(rank, world_size, *args)
         dist.destroy_process_group()
-        queue.put((rank, "ok", out))
+        # plain pickle copies tensor storage; the mp queue's shared-memory tensors would die
+        # with this process before the parent reads them
+        queue.put((rank, "ok", pickle.dumps(out)))
     except BaseException as e:  # report everything, including KeyboardInterrupt/SystemExit
         queue.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
 
@@ -74,7 +78,7 @@ def run_ranks(world_size: int, fn, *args, timeout: float = 120.0) -> list:
             remaining = deadline - time.monotonic()
             try:
                 rank, status, value = queue.get(timeout=max(remaining, 0.01))
-            except Exception:
+            except queue_module.Empty:
                 for p in procs:
                     p.kill()
                 missing = sorted(set(range(world_size)) - set(results))
@@ -85,7 +89,7 @@ def run_ranks(world_size: int, fn, *args, timeout: float = 120.0) -> list:
                 for p in procs:
                     p.kill()
                 raise RuntimeError(f"rank {rank} failed: {value}")
-            results[rank] = value
+            results[rank] = pickle.loads(value)
         for p in procs:
             p.join(timeout=10)
     return [results[r] for r in range(world_size)]

@@ -28,6 +28,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """[..., h] -> [..., h]; with `residual`, normalizes x + residual and returns
         (normed, x + residual)."""
+        if residual is not None and x.dtype != residual.dtype:
+            x = x.to(residual.dtype)  # bf16 branch output joins the fp32 residual stream
         return kernels.rms_norm(x, self.weight, self.eps, residual=residual)
 
 

@@ -1,0 +1,164 @@
+"""Point-to-point traffic between pipeline stages: one schedule batch, one batch_isend_irecv.
+
+`P2PCommunicator.exchange(batch, tensors)` posts every send/recv of one `comm_batches` step
+together (`torch.distributed.batch_isend_irecv`, in the batch's order, which both ranks of a
+link share) and waits for all of them. Shapes are known from the config, so nothing but the
+payload crosses: every tensor is the hidden state of one microbatch, [s/cp, b, h], or
+[s/(cp·tp), b, h] under sequence parallelism, and its gradient has the same shape.
+
+Wire dtype (`pipeline_dtype`) is fp32 for both train.precision=fp32 and bf16: parameters stay
+fp32 under autocast and the embedding output that starts the residual stream is fp32, so every
+stage already accepts fp32 hidden input; a stage whose output is bf16 is upcast (lossless) by
+the engine before it is sent, so the receiver never needs the sender's dtype.
+
+Each op reports to `comm_stats` (kind p2p_send / p2p_recv). Waits have a deadline (the group
+timeout, parallel.timeout_s): on timeout or a backend error, `P2PError` names rank, step,
+action, microbatch, chunk and peer rank. MEGATRON_LITE_P2P_TRACE=1 prints every op as it is
+posted and every batch as it completes, so the last line a stuck rank printed shows what it waits
+for.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from megatron_lite.parallel.comm_stats import STATS
+from megatron_lite.parallel.mappings import CollectiveError
+from megatron_lite.pipeline.schedules import Action, peer_of
+
+TRACE_ENV = "MEGATRON_LITE_P2P_TRACE"
+
+
+class P2PError(CollectiveError):
+    """A pipeline send/recv failed or timed out; names rank, step, action and peer rank."""
+
+
+def pipeline_dtype(precision: str) -> torch.dtype:
+    """dtype of every tensor crossing stages: fp32 under fp32 and bf16 autocast (module doc)."""
+    if precision not in ("fp32", "bf16"):
+        raise ValueError(f"train.precision={precision!r}: expected fp32 or bf16")
+    return torch.float32
+
+
+def activation_shape(
+    seq_length: int, micro_batch_size: int, hidden_size: int, cp: int, tp: int, sp: bool
+) -> tuple[int, int, int]:
+    """Shape of the hidden state between stages: [s/cp, b, h], or [s/(cp·tp), b, h] with SP."""
+    split = cp * (tp if sp and tp > 1 else 1)
+    if seq_length % split:
+        raise ValueError(f"seq_length={seq_length} is not divisible by cp·tp(sp) = {split}")
+    return (seq_length // split, micro_batch_size, hidden_size)
+
+
+class P2PCommunicator:
+    """Sends/receives of one pipeline rank with its neighbours in `ranks` (global ranks of the
+    pipeline group in stage order, i.e. `mesh.pp_ranks`).
+
+    `shape`/`dtype`: the one tensor kind that crosses (see `activation_shape`). `timeout_s`
+    bounds each batch. `trace` defaults to the MEGATRON_LITE_P2P_TRACE environment variable.
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        ranks: Sequence[int],
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        device: torch.device,
+        timeout_s: float,
+        trace: bool | None = None,
+    ):
+        self.group, self.ranks = group, list(ranks)
+        self.rank = dist.get_rank()
+        if self.rank not in self.ranks:
+            raise ValueError(f"rank {self.rank} is not in the pipeline group {self.ranks}")
+        self.pp_rank, self.pp_size = self.ranks.index(self.rank), len(self.ranks)
+        self.shape, self.dtype, self.device = tuple(shape), dtype, device
+        self.timeout_s = timeout_s
+        self.trace = os.environ.get(TRACE_ENV, "0") not in ("", "0") if trace is None else trace
+
+    def peer(self, action: Action) -> int:
+        """Global rank on the other side of a send/recv action."""
+        return self.ranks[peer_of(action, self.pp_rank, self.pp_size)[0]]
+
+    def exchange(
+        self, batch: Sequence[Action], tensors: Mapping[Action, torch.Tensor]
+    ) -> dict[Action, torch.Tensor]:
+        """Post all send/recv ops of `batch` as one batch_isend_irecv and wait for them.
+
+        `tensors` holds the payload of each send action ([s/cp(/tp), b, h]); returns a fresh
+        tensor of that shape for each recv action.
+        """
+        ops, received = [], {}
+        for action in batch:
+            if not action.is_comm:
+                raise ValueError(f"{action} is not a send/recv action")
+            if action.is_send:
+                buf = self._check_send(action, tensors.get(action))
+                op, kind = dist.isend, "p2p_send"
+            else:
+                buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+                received[action] = buf
+                op, kind = dist.irecv, "p2p_recv"
+            STATS.record(kind, buf, "pp")
+            self._trace_op(action)
+            ops.append(dist.P2POp(op, buf, self.peer(action), group=self.group))
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            works = dist.batch_isend_irecv(ops)
+        except RuntimeError as e:
+            raise self._error(batch, batch[0], f"failed to post: {e}") from e
+        # gloo returns one work per op; a coalesced backend may return one for the whole batch
+        named = batch if len(works) == len(ops) else [batch[0]] * len(works)
+        for action, work in zip(named, works, strict=True):
+            remaining = deadline - time.monotonic()
+            try:
+                ok = remaining > 0 and work.wait(timedelta(seconds=remaining)) is not False
+            except RuntimeError as e:  # gloo raises on timeout, NCCL/gloo on a lost peer
+                late = "timed out" in str(e).lower()
+                what = f"timed out after {self.timeout_s:g}s" if late else "failed"
+                raise self._error(batch, action, f"{what}: {e}") from e
+            if not ok:
+                raise self._error(batch, action, f"timed out after {self.timeout_s:g}s")
+        if self.trace:
+            self._print(f"done [{' '.join(map(str, batch))}]")
+        return received
+
+    def _check_send(self, action: Action, t: torch.Tensor | None) -> torch.Tensor:
+        if t is None:
+            raise ValueError(f"rank {self.rank}: no tensor given for {action}")
+        if tuple(t.shape) != self.shape or t.dtype != self.dtype:
+            raise ValueError(
+                f"rank {self.rank} step {STATS.step}: {action.kind} mb {action.microbatch} "
+                f"chunk {action.chunk} has {tuple(t.shape)} {t.dtype}, but the receiver expects "
+                f"{self.shape} {self.dtype} ([s/cp(/tp), b, h] from the config)"
+            )
+        return t.detach().contiguous()
+
+    def _describe(self, action: Action) -> str:
+        arrow = "->" if action.is_send else "<-"
+        return (
+            f"{action.kind} mb {action.microbatch} chunk {action.chunk} {arrow} peer "
+            f"{self.peer(action)}"
+        )
+
+    def _print(self, text: str) -> None:
+        print(f"[p2p] rank {self.rank} step {STATS.step} {text}", file=sys.stdout, flush=True)
+
+    def _trace_op(self, action: Action) -> None:
+        if self.trace:
+            self._print(self._describe(action))
+
+    def _error(self, batch: Sequence[Action], action: Action, what: str) -> P2PError:
+        return P2PError(
+            f"rank {self.rank} step {STATS.step}: pipeline p2p {self._describe(action)} "
+            f"(pp rank {self.pp_rank} of {self.pp_size}, batch [{' '.join(map(str, batch))}]) "
+            f"{what}"
+        )

@@ -1,0 +1,123 @@
+"""Pipeline engine: loss parity of PP layouts against a single rank (20 steps, fp32), the
+microbatch-count rules, and the measured pipeline timeline.
+
+Microbatch sizes differ from the reference where that exercises the steady state of the
+interleaved schedule (m > pp): the loss is the token-weighted mean of the same global batch, so
+only float rounding changes.
+"""
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+from megatron_lite.config import ConfigError, load_config, validate
+from tests.dist_harness import run_ranks
+from tests.parallel.parity import max_rel_diff, reference_losses, train_losses
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TIED, UNTIED = ("model.arch=llama",), ("model.arch=llama", "model.tie_embeddings=false")
+LAYERS8 = (*TIED, "model.num_layers=8")
+SP_PP2 = ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.pp=2"]  # dp=2 on 8
+
+# name: (world, reference model, layout overrides); microbatches per rank in the comment
+LAYOUTS = {
+    "pp2": (2, TIED, ["parallel.pp=2"]),  # m=4
+    "pp2_untied": (2, UNTIED, ["parallel.pp=2"]),
+    "pp4": (4, TIED, ["parallel.pp=4"]),  # m=4
+    "pp2_vpp2": (2, TIED, ["parallel.pp=2", "parallel.vpp=2"]),  # m=4, steady state
+    "pp4_vpp2": (4, LAYERS8, ["parallel.pp=4", "parallel.vpp=2", "train.micro_batch_size=1"]),
+    "tp2_sp_pp2_dp2": (8, TIED, SP_PP2),  # m=2
+    "tp2_sp_pp2_dp2_untied": (8, UNTIED, SP_PP2),
+    "tp2_sp_pp2_vpp2_dp2": (8, TIED, [*SP_PP2, "parallel.vpp=2", "train.micro_batch_size=1"]),
+}  # pp4_vpp2: m=8; tp2_sp_pp2_vpp2_dp2: m=4 (both reach the interleaved steady state)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_pipeline_loss_parity(layout, tmp_path):
+    world, model, overrides = LAYOUTS[layout]
+    ref = reference_losses(model)
+    got = train_losses(world, [*model, *overrides], str(tmp_path))
+    assert ref[-1] < ref[0] - 0.1, f"reference loss did not fall: {ref}"
+    diff = max_rel_diff(got, ref)
+    print(f"PARITY {layout}: max rel diff {diff:.2e}")
+    assert diff < 1e-4, f"{layout}: max relative loss difference {diff:.2e}\n{got}\n{ref}"
+
+
+# world = pp (dp=1), micro batch 2, global batch 6: 3 microbatches per step
+BAD_COUNTS = {
+    "fewer_than_pp": (4, ["parallel.pp=4"], "fewer than the 4 pipeline stages"),
+    "interleaved_not_multiple": (2, ["parallel.pp=2", "parallel.vpp=2"], "multiple of pp=2"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_COUNTS)
+def test_bad_microbatch_count_is_a_config_error(case):
+    world, overrides, rule = BAD_COUNTS[case]
+    base = ["data.mock=true", "model.vocab_size=64", "train.global_batch_size=6"]
+    cfg = load_config(None, [*base, "model.num_layers=4", "train.micro_batch_size=2", *overrides])
+    with pytest.raises(ConfigError, match=rule) as err:
+        validate(cfg, world_size=world)
+    assert "train.global_batch_size=6" in str(err.value) and "Fix:" in str(err.value)
+
+
+def _engine_bad_count(rank, world):
+    import torch
+    import torch.distributed as dist
+
+    from megatron_lite.pipeline.engine import run_schedule
+    from megatron_lite.pipeline.p2p import P2PCommunicator
+
+    p2p = P2PCommunicator(
+        dist.group.WORLD, [0, 1], (4, 1, 8), torch.float32, torch.device("cpu"), timeout_s=5
+    )
+    chunks = [torch.nn.Identity(), torch.nn.Identity()]  # vpp=2
+    try:
+        run_schedule(chunks, [torch.zeros(1, 5, dtype=torch.long)] * 3, 1.0, p2p)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_engine_rejects_bad_microbatch_count_without_communicating():
+    messages = run_ranks(2, _engine_bad_count, timeout=30)
+    for message in messages:
+        assert "num_microbatches=3 must be a multiple of pp=2" in message, message
+
+
+def test_pipeline_trace_and_timeline_tool(tmp_path, capsys):
+    out = tmp_path / "run"
+    profile = ["train.steps=2", "train.profile_pipeline=true", f"train.out_dir={out}"]
+    train_losses(2, [*TIED, "parallel.pp=2", "parallel.vpp=2", *profile], str(tmp_path))
+    with open(out / "pipeline_trace.json") as f:
+        trace = json.load(f)
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert trace["otherData"] == {
+        "pp": 2,
+        "vpp": 2,
+        "step": 1,
+        "num_microbatches": 4,
+        "world_size": 2,
+    }
+    # rank 0 holds virtual stages 0 and 2, rank 1 stages 1 and 3; m=4 microbatches
+    p2p = {
+        0: {"send_forward": 8, "recv_forward": 4, "send_backward": 4, "recv_backward": 8},
+        1: {"send_forward": 4, "recv_forward": 8, "send_backward": 8, "recv_backward": 4},
+    }
+    for pid, expected in p2p.items():
+        kinds = [e["cat"] for e in spans if e["pid"] == pid]
+        counts = {k: kinds.count(k) for k in expected}
+        assert kinds.count("forward") == kinds.count("backward") == 8, kinds
+        assert counts == expected, f"rank {pid}: {counts} != {expected}"
+    assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in spans)
+
+    spec = importlib.util.spec_from_file_location(
+        "pipeline_timeline", os.path.join(REPO, "tools", "pipeline_timeline.py")
+    )
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    assert tool.main([str(out / "pipeline_trace.json")]) == 0
+    text = capsys.readouterr().out
+    for part in ("busy", "idle", "measured bubble", "simulated", "(pp-1)/(vpp*m) = 0.1250"):
+        assert part in text, f"{part!r} missing from the timeline report:\n{text}"
