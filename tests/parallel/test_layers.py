@@ -74,7 +74,10 @@ def test_column_row_mlp_matches_float64_reference(sp):
 def _embedding_and_loss(rank, world):
     from megatron_lite.parallel.cross_entropy import vocab_parallel_cross_entropy
     from megatron_lite.parallel.layers import VocabParallelEmbedding
-    from megatron_lite.parallel.mappings import reduce_from_tensor_parallel_region
+    from megatron_lite.parallel.mappings import (
+        copy_to_tensor_parallel_region,
+        reduce_from_tensor_parallel_region,
+    )
     from megatron_lite.parallel.params import shard
 
     g = dist.group.WORLD
@@ -85,7 +88,8 @@ def _embedding_and_loss(rank, world):
         emb.weight.copy_(shard(t["emb"], emb.weight.meta))
     x = reduce_from_tensor_parallel_region(emb(t["ids"]), g)  # [s, b, h]
     # logits against the (tied) embedding, padded columns masked as the model does
-    logits = x @ emb.weight.t()  # [s, b, V_pad/tp]
+    # the output layer is column-parallel: its input grad is a partial sum over TP
+    logits = copy_to_tensor_parallel_region(x, g) @ emb.weight.t()  # [s, b, V_pad/tp]
     cols = torch.arange(padded // world) + rank * padded // world
     logits = logits.masked_fill(cols >= V, float("-inf"))
     labels = torch.roll(t["ids"], 1, 0)

@@ -1,0 +1,90 @@
+"""Backend choice for the fused kernels: Triton for CUDA tensors, the torch reference otherwise.
+
+`MEGATRON_LITE_KERNELS=triton|torch|auto` (read at every call, so tests can toggle it) forces
+one. On CPU the Triton path only runs under the Triton interpreter (`TRITON_INTERPRET=1`).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+ENV_VAR = "MEGATRON_LITE_KERNELS"
+_CHOICES = ("auto", "triton", "torch")
+TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MAX_HIDDEN = 65536  # norms keep one row in registers; wider rows would need a looped kernel
+
+
+def interpret_enabled() -> bool:
+    """Whether Triton kernels run in the CPU interpreter (`TRITON_INTERPRET`), read right now."""
+    knobs = getattr(triton, "knobs", None)  # triton >= 3.4; older versions read the env var
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """True when the op on tensor `x` should run the Triton kernels, False for torch."""
+    choice = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
+    if choice not in _CHOICES:
+        raise ValueError(
+            f"{ENV_VAR}={choice!r} is not one of {', '.join(_CHOICES)}: unset it for automatic "
+            "dispatch (Triton on CUDA tensors, torch otherwise) or set one of those values"
+        )
+    if choice == "torch":
+        return False
+    if choice == "auto":
+        # fp64 (exact parity tests) stays on the torch reference, which computes in fp64
+        return x.is_cuda and x.dtype in TRITON_DTYPES
+    if x.dtype not in TRITON_DTYPES:
+        raise ValueError(
+            f"{ENV_VAR}=triton: the Triton kernels take {', '.join(map(str, TRITON_DTYPES))}, "
+            f"not {x.dtype}; unset {ENV_VAR} (fp64 then runs the torch reference) or cast"
+        )
+    if not x.is_cuda and not interpret_enabled():
+        raise RuntimeError(
+            f"{ENV_VAR}=triton was requested for a tensor on {x.device}, but Triton kernels only "
+            "run on CUDA devices or in the Triton interpreter: set TRITON_INTERPRET=1 (before "
+            f"triton is first imported) to run them on CPU, or set {ENV_VAR}=torch"
+        )
+    if interpret_enabled() and not _interpreter_ready():
+        raise RuntimeError(
+            "TRITON_INTERPRET=1 is set, but triton was imported before it was: triton.language's "
+            "own helpers (tl.sum, tl.max, ...) were compiled for a GPU at import and cannot run "
+            "in the interpreter. Set TRITON_INTERPRET=1 before the first `import triton` (in the "
+            f"shell, or first thing in a conftest), or set {ENV_VAR}=torch"
+        )
+    return True
+
+
+def _interpreter_ready() -> bool:
+    # triton.jit picks compiler or interpreter when it decorates, so the standard library
+    # is interpretable only if TRITON_INTERPRET was set when triton was imported
+    return type(tl.sum).__name__ == "InterpretedFunction"
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The references' math dtype: fp32, or fp64 for fp64 inputs (never below fp32)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def num_warps_for(block: int) -> int:
+    """Warps per program for a row of `block` elements: enough to keep ~8 elements per thread."""
+    return int(min(max(block // 256, 4), 16))
+
+
+def num_programs(x: torch.Tensor, rows: int) -> int:
+    """Programs for a row-blocked reduction (norm backward): a few per SM, at most one per row."""
+    if x.is_cuda:
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+        return max(min(rows, 4 * sms), 1)
+    return max(min(rows, 4), 1)  # the interpreter runs programs one after another anyway
+
+
+def as_rows(x: torch.Tensor) -> torch.Tensor:
+    """[..., h] -> [rows, h] with unit stride along h (copies only when it must)."""
+    x2d = x.reshape(-1, x.shape[-1])
+    return x2d if x2d.stride(-1) == 1 else x2d.contiguous()

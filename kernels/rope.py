@@ -1,0 +1,105 @@
+"""Fused rotary position embedding, half-rotation (Llama / GPT-NeoX) convention.
+
+    out = x·cos + rotate_half(x)·sin,   rotate_half(x) = cat(-x[..., d/2:], x[..., :d/2])
+
+x: [s, b, n, d] (sequence first, as everywhere in the stack); cos, sin: [s, d]. Each program
+rotates BLOCK_R rows of d (a row is one head at one position); the backward is the same kernel
+with the rotation transposed (sin negated on the other half), since d out/dx is a rotation.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from megatron_lite.kernels.dispatch import compute_dtype, use_triton
+
+ELEMENTS_PER_PROGRAM = 4096  # rows per program = this / d, so a program moves ~16 KB of fp32
+
+
+@triton.jit
+def _rope_kernel(
+    X, COS, SIN, OUT, n_rows, rows_per_pos, half,
+    BACKWARD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_H)
+    mask = (rows < n_rows)[:, None] & (cols < half)[None, :]
+    x_off = rows[:, None] * (2 * half) + cols[None, :]  # [BLOCK_R, BLOCK_H], first half
+    cs_off = (rows // rows_per_pos)[:, None] * (2 * half) + cols[None, :]  # position of each row
+    x1 = tl.load(X + x_off, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(X + x_off + half, mask=mask, other=0.0).to(tl.float32)
+    c1 = tl.load(COS + cs_off, mask=mask, other=0.0).to(tl.float32)
+    c2 = tl.load(COS + cs_off + half, mask=mask, other=0.0).to(tl.float32)
+    s1 = tl.load(SIN + cs_off, mask=mask, other=0.0).to(tl.float32)
+    s2 = tl.load(SIN + cs_off + half, mask=mask, other=0.0).to(tl.float32)
+    if BACKWARD:  # transpose of [[c1, -s1], [s2, c2]]
+        o1 = x1 * c1 + x2 * s2
+        o2 = x2 * c2 - x1 * s1
+    else:
+        o1 = x1 * c1 - x2 * s1
+        o2 = x2 * c2 + x1 * s2
+    tl.store(OUT + x_off, o1.to(OUT.dtype.element_ty), mask=mask)
+    tl.store(OUT + x_off + half, o2.to(OUT.dtype.element_ty), mask=mask)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Plain torch RoPE: x [s, b, n, d], cos/sin [s, d] -> [s, b, n, d] in x's dtype."""
+    cdt = compute_dtype(x.dtype)
+    cos = cos.to(cdt)[:, None, None, :]  # [s, 1, 1, d]
+    sin = sin.to(cdt)[:, None, None, :]
+    xf = x.to(cdt)
+    return (xf * cos + _rotate_half(xf) * sin).to(x.dtype)
+
+
+def _launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool):
+    s, b, n, d = x.shape
+    out = torch.empty_like(x)
+    half = d // 2
+    block_h = triton.next_power_of_2(half)
+    block_r = max(ELEMENTS_PER_PROGRAM // (2 * block_h), 1)
+    n_rows = s * b * n
+    _rope_kernel[(triton.cdiv(n_rows, block_r),)](
+        x, cos, sin, out, n_rows, b * n, half,
+        BACKWARD=backward, BLOCK_R=block_r, BLOCK_H=block_h, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+class RoPEFunction(torch.autograd.Function):
+    """Triton RoPE; differentiable w.r.t. x only."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        cos, sin = cos.contiguous(), sin.contiguous()
+        ctx.save_for_backward(cos, sin)
+        return _launch(x.contiguous(), cos, sin, backward=False)
+
+    @staticmethod
+    def backward(ctx, dout):
+        cos, sin = ctx.saved_tensors
+        return _launch(dout.contiguous(), cos, sin, backward=True), None, None
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [s, b, n, d] by cos/sin [s, d] (half-rotation convention); fp32 math.
+
+    Gradients flow to x only (cos and sin are treated as constants by the Triton path).
+    """
+    if x.dim() != 4 or x.shape[-1] % 2:
+        raise ValueError(f"apply_rope: x must be [s, b, n, d] with even d, got {tuple(x.shape)}")
+    s, d = x.shape[0], x.shape[-1]
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.shape != (s, d):
+            raise ValueError(
+                f"apply_rope: {name} must be [s, d] = [{s}, {d}], got "
+                f"{tuple(t.shape)} (slice the table to the local sequence first)"
+            )
+    if x.numel() == 0 or not use_triton(x):
+        return apply_rope_reference(x, cos, sin)
+    return RoPEFunction.apply(x, cos, sin)

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# GPU check of the fused kernels in one command (at most 4 + 3.5 minutes on one H200):
+#   1. tests/kernels with the compiled Triton kernels, including the bf16/fp16 cases that the
+#      CPU interpreter skips;
+#   2. the reduced benchmark (tools/bench_kernels.py --quick) into $OUT_DIR (default runs/bench_kernels).
+# Extra arguments go to the benchmark, e.g. `tools/gpu_check.sh --providers triton,torch`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT_DIR="${OUT_DIR:-runs/bench_kernels}"
+
+python - <<'PY'
+import sys
+
+import torch
+
+if not torch.cuda.is_available():
+    sys.exit("gpu_check.sh: no CUDA GPU is visible (torch.cuda.is_available() is False)")
+print(f"gpu_check.sh: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+PY
+
+# compiled kernels, not the interpreter; automatic dispatch (Triton on CUDA tensors)
+unset TRITON_INTERPRET MEGATRON_LITE_KERNELS
+echo "== tests/kernels (fp32 + bf16 + fp16 on the GPU)"
+timeout 240 python -m pytest tests/kernels -q -rs
+echo "== reduced benchmark -> ${OUT_DIR}"
+timeout 210 python tools/bench_kernels.py --quick --rep-ms 50 --out-dir "${OUT_DIR}" "$@"
