@@ -44,7 +44,10 @@ def structured_dataset() -> str:
     return prefix
 
 
-def _train(rank, world, overrides, out_dir):
+def _train(rank, world, overrides, out_dir, env=None):
+    import os
+
+    os.environ.update(env or {})  # before megatron_lite (and triton) are imported here
     import torch.distributed as dist
 
     from megatron_lite.parallel.mesh import ParallelMesh, RankLayout
@@ -58,9 +61,12 @@ def _train(rank, world, overrides, out_dir):
     return [r["loss"] for r in records] if dist.get_rank() == 0 else None
 
 
-def train_losses(world: int, overrides: list[str], tmp: str, timeout: float = 180) -> list[float]:
+def train_losses(
+    world: int, overrides: list[str], tmp: str, timeout: float = 180, env: dict | None = None
+) -> list[float]:
+    """Rank 0's per-step losses; `env` is set in each rank before anything is imported."""
     data = f"data.paths=[{structured_dataset()}]"
-    return run_ranks(world, _train, [*TINY, data, *overrides], tmp, timeout=timeout)[0]
+    return run_ranks(world, _train, [*TINY, data, *overrides], tmp, env, timeout=timeout)[0]
 
 
 @functools.cache

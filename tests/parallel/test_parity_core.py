@@ -27,3 +27,14 @@ def test_loss_parity(layout, model, tmp_path):
     diff = max_rel_diff(got, ref)
     print(f"PARITY {layout} {model}: max rel diff {diff:.2e}")
     assert diff < 1e-4, f"{layout}/{model}: max relative loss difference {diff:.2e}\n{got}\n{ref}"
+
+
+@pytest.mark.parametrize("model", ["llama", "gpt"])
+def test_bf16_autocast_tracks_fp32(model, tmp_path):
+    """bf16 autocast on tp=2 with SP follows the fp32 single-rank curve to bf16 rounding."""
+    ref = reference_losses(tuple(MODELS[model]))
+    layout = ["parallel.tp=2", "parallel.sequence_parallel=true", "train.precision=bf16"]
+    got = train_losses(2, MODELS[model] + layout, str(tmp_path))
+    diff = max_rel_diff(got, ref)
+    print(f"BF16 {model}: max rel diff vs fp32 {diff:.2e}")
+    assert diff < 5e-3, f"bf16 run drifts from fp32: {got} vs {ref}"
