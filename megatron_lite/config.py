@@ -92,6 +92,13 @@ class TrainConfig:
     precision: str = "fp32"  # fp32 | bf16 (autocast)
     out_dir: str = "runs/default"
     profile_pipeline: bool = False
+    # checkpointing (training/checkpoint.py)
+    save_interval: int = 0  # save every N steps and after the last one; 0 = never
+    keep_checkpoints: int = 2  # newest checkpoints kept in ckpt_dir
+    resume: str = "auto"  # auto (newest valid in ckpt_dir, if any) | none | a checkpoint path
+    init_from: str | None = None  # model weights only (step 0, fresh optimizer), e.g. from HF
+    async_save: bool = False  # write on a thread while training continues
+    ckpt_dir: str | None = None  # None = <out_dir>/checkpoints
 
 
 @dataclass
@@ -224,8 +231,79 @@ def _choice(key: str, value, choices: tuple) -> None:
     )
 
 
+def _validate_moe_ranges(m: ModelConfig) -> None:
+    _rule(
+        m.moe_layer_freq >= 1,
+        "model.moe_layer_freq",
+        m.moe_layer_freq,
+        "must be >= 1 (every k-th layer is MoE)",
+        "use 1 for all layers",
+    )
+    _rule(
+        m.moe_capacity_factor is None or m.moe_capacity_factor > 0,
+        "model.moe_capacity_factor",
+        m.moe_capacity_factor,
+        "must be > 0 when set",
+        "use e.g. 1.25, or null for dropless",
+    )
+    for key in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+        _rule(
+            getattr(m, key) >= 0,
+            f"model.{key}",
+            getattr(m, key),
+            "must be >= 0",
+            "use 0 to disable it",
+        )
+    _rule(
+        m.moe_ffn_hidden_size is None or m.moe_ffn_hidden_size >= 1,
+        "model.moe_ffn_hidden_size",
+        m.moe_ffn_hidden_size,
+        "must be >= 1 when set",
+        "use a positive width or null for ffn_hidden_size",
+    )
+
+
 def num_microbatches(cfg: Config) -> int:
     return cfg.train.global_batch_size // (cfg.train.micro_batch_size * cfg.parallel.dp)
+
+
+def _validate_checkpointing(t: TrainConfig) -> None:
+    _rule(
+        t.save_interval >= 0,
+        "train.save_interval",
+        t.save_interval,
+        "must be >= 0",
+        "use 0 (no checkpoints) or a step count, e.g. 100",
+    )
+    _rule(
+        t.keep_checkpoints >= 1,
+        "train.keep_checkpoints",
+        t.keep_checkpoints,
+        "must be >= 1",
+        "keep at least the newest checkpoint, e.g. 2",
+    )
+    _rule(
+        t.resume in ("auto", "none") or os.path.exists(t.resume),
+        "train.resume",
+        t.resume,
+        "must be auto, none or an existing checkpoint path",
+        "use auto (newest checkpoint in train.ckpt_dir) or a step_<N> directory",
+    )
+    if t.init_from is not None:
+        _rule(
+            os.path.isdir(t.init_from),
+            "train.init_from",
+            t.init_from,
+            "must be an existing checkpoint directory",
+            "convert Hugging Face weights with tools/convert_checkpoint.py hf-to-dcp first",
+        )
+        _rule(
+            not os.path.isfile(os.path.join(t.init_from, "config.json")),
+            "train.init_from",
+            t.init_from,
+            "is a Hugging Face model directory, not a checkpoint",
+            "convert it: python tools/convert_checkpoint.py hf-to-dcp <hf_dir> <ckpt_dir>",
+        )
 
 
 def validate(cfg: Config, world_size: int) -> Config:
@@ -431,6 +509,7 @@ def validate(cfg: Config, world_size: int) -> Config:
             f"must be between 1 and num_experts={m.num_experts}",
             "lower the top-k",
         )
+        _validate_moe_ranges(m)
     else:
         _rule(
             p.ep == 1,
@@ -465,6 +544,7 @@ def validate(cfg: Config, world_size: int) -> Config:
     _rule(t.steps >= 1, "train.steps", t.steps, "must be >= 1", "use a positive step count")
     _rule(t.lr > 0, "train.lr", t.lr, "must be > 0", "use e.g. 3e-4")
     _rule(0 <= t.warmup_steps, "train.warmup_steps", t.warmup_steps, "must be >= 0", "use 0+")
+    _validate_checkpointing(t)
 
     # data
     if d.mock:

@@ -58,7 +58,7 @@ def clip_grad_norm(params: list[torch.nn.Parameter], mesh: ParallelMesh, max_nor
         if p.meta.tied_copy:
             continue
         replicas = mesh.edp_size if p.meta.is_expert else mesh.dp_cp_size
-        if p.meta.tp_dim is None:
+        if p.meta.tp_dim is None or p.meta.is_expert:  # experts: tp_dim is the EP shard dim
             replicas *= mesh.tp_size
         total += p.grad.double().pow(2).sum() / replicas
     mappings.all_reduce(total, torch.distributed.group.WORLD)

@@ -65,6 +65,19 @@ def test_wrong_type_names_key():
         (1, ["model.arch=bert"], "model.arch='bert': must be one of llama, gpt"),
         (1, ["parallel.ep=2"], "needs an MoE model"),
         (
+            2,
+            ["model.num_experts=3", "parallel.ep=2"],
+            "model.num_experts=3 must be divisible by ep",
+        ),
+        (
+            2,
+            ["model.num_experts=4", "model.moe_router_topk=5"],
+            "must be between 1 and num_experts",
+        ),
+        (4, ["parallel.tp=2", "model.num_experts=4", "parallel.ep=4"], "must divide dp·cp"),
+        (1, ["model.num_experts=4", "model.moe_layer_freq=0"], "model.moe_layer_freq=0"),
+        (1, ["model.num_experts=4", "model.moe_capacity_factor=0"], "must be > 0 when set"),
+        (
             1,
             ["data.mock=false", "data.paths=[/nonexistent/x]"],
             "/nonexistent/x.bin does not exist",
