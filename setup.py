@@ -25,7 +25,14 @@ setup(
         "tqdm>=4.60",
     ],
     extras_require={
-        "dev": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.6", "matplotlib>=3.7"],
+        "dev": [
+            "pytest>=8",
+            "pytest-timeout>=2.3",
+            "ruff>=0.6",
+            "matplotlib>=3.7",
+            "transformers>=4.45",  # Hugging Face checkpoint conversion tests
+            "safetensors>=0.4",
+        ],
         "gpu": ["flash-attn>=2.6", "transformer-engine[pytorch]>=1.11"],
     },
     entry_points={"console_scripts": ["megatron-lite-train=megatron_lite.train:main"]},

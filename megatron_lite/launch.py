@@ -1,7 +1,10 @@
 """Launch training on one machine: validate the config, prepare the data, then exec torchrun
 with as many ranks as the config's layout needs (tp·pp·cp·dp).
 
-    python -m megatron_lite.launch --config configs/quickstart.yaml [section.key=value ...]
+    python -m megatron_lite.launch [--max-restarts N] --config configs/quickstart.yaml [k=v ...]
+
+`--max-restarts N` lets torchrun restart the whole group up to N times after a rank fails; with
+train.resume=auto the restarted ranks continue from the latest checkpoint.
 
 Validation and data preparation happen here, in one process, so a bad config or data file ends
 with one clear message instead of one per rank (and no torchrun failure report).
@@ -9,6 +12,7 @@ with one clear message instead of one per rank (and no torchrun failure report).
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import sys
@@ -29,8 +33,15 @@ def world_size_from_config(argv) -> int:
     return p.tp * p.pp * p.cp * p.dp
 
 
+def split_launcher_args(argv) -> tuple[argparse.Namespace, list[str]]:
+    """The launcher's own flags, and the rest (the arguments of megatron_lite.train)."""
+    p = argparse.ArgumentParser(prog="python -m megatron_lite.launch", add_help=False)
+    p.add_argument("--max-restarts", type=int, default=0, metavar="N")
+    return p.parse_known_args(argv)
+
+
 def main(argv=None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
+    launcher, argv = split_launcher_args(sys.argv[1:] if argv is None else argv)
     from megatron_lite.data import DataFileError, build_dataset
 
     try:
@@ -42,9 +53,15 @@ def main(argv=None) -> None:
         user_error(e)
     torchrun = shutil.which("torchrun")
     cmd = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
-    cmd += ["--standalone", f"--nproc-per-node={world}", "-m", "megatron_lite.train", *argv]
+    cmd += ["--standalone", f"--nproc-per-node={world}", f"--max-restarts={launcher.max_restarts}"]
+    cmd += ["-m", "megatron_lite.train", *argv]
     print(f"[launch] {world} ranks: {' '.join(cmd[1:])}", flush=True)
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    if launcher.max_restarts > 0:
+        # torchrun shares its rendezvous TCPStore with the ranks and reuses it, stale keys
+        # included, across restarts: restarted ranks then connect to dead peers' addresses
+        # (pytorch/pytorch#135712, still so in 2.13). A per-attempt store avoids that.
+        env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     os.execvpe(cmd[0], cmd, env)
 
 

@@ -80,7 +80,10 @@ def main(argv=None) -> None:
     except (ConfigError, DataFileError) as e:
         user_error(e)
     init_distributed(cfg)
+    from megatron_lite.parallel.mappings import CollectiveError
     from megatron_lite.parallel.mesh import ParallelMesh, RankLayout
+    from megatron_lite.training.checkpoint import CheckpointError
+    from megatron_lite.training.hang_dump import exit_on_collective_error
     from megatron_lite.training.trainer import Trainer
 
     p = cfg.parallel
@@ -90,7 +93,10 @@ def main(argv=None) -> None:
         os.makedirs(cfg.train.out_dir, exist_ok=True)
         save_config(cfg, os.path.join(cfg.train.out_dir, "config.yaml"))
         print(layout.rank_map(), flush=True)
-    trainer = Trainer(cfg, mesh, dataset, vocab_size)
+    try:
+        trainer = Trainer(cfg, mesh, dataset, vocab_size)  # resumes from a checkpoint
+    except CheckpointError as e:
+        user_error(e)
     n_params = trainer.num_parameters()
     if dist.get_rank() == 0:
         print(
@@ -98,7 +104,11 @@ def main(argv=None) -> None:
             f"writing {cfg.train.out_dir}/metrics.jsonl",
             flush=True,
         )
-    trainer.train()
+    try:
+        trainer.train()
+    except CollectiveError as e:  # a hang or a dead peer: write hang/rank<R>.json, exit 1
+        rank, world = dist.get_rank(), dist.get_world_size()
+        exit_on_collective_error(e, cfg.train.out_dir, rank, world, p.timeout_s)
     dist.destroy_process_group()
 
 

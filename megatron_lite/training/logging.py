@@ -16,11 +16,13 @@ def _fmt_time(seconds: float) -> str:
 
 
 class MetricsLogger:
-    """Writes `<out_dir>/metrics.jsonl` and prints a progress line; only active on rank 0."""
+    """Writes `<out_dir>/metrics.jsonl` (every step) and prints a progress line every
+    `log.interval` steps with means over the interval; only active on rank 0."""
 
     def __init__(self, cfg: Config, active: bool):
         self.cfg, self.active = cfg, active
         self.start = time.monotonic()
+        self.window: list[dict] = []  # records since the last progress line
         self.wandb = None
         self.file = None
         if not active:
@@ -44,19 +46,28 @@ class MetricsLogger:
         self.file.flush()
         if self.wandb is not None:
             self.wandb.log(record, step=record["step"])
+        self.window.append(record)
         step, total = record["step"] + 1, self.cfg.train.steps
         if self.cfg.log.progress and (step % self.cfg.log.interval == 0 or step == total):
-            done = step - first_step
-            eta = (time.monotonic() - self.start) / max(done, 1) * (total - step)
-            extra = "".join(f" | {k} {record[k]:.4g}" for k in ("aux_loss",) if k in record)
-            print(
-                f"step {step:5d}/{total} | loss {record['loss']:.4f} | lr {record['lr']:.3e} | "
-                f"grad norm {record['grad_norm']:.3f} | {record['tokens_per_s']:,.0f} tok/s | "
-                f"{record['step_time_s'] * 1000:.0f} ms/step{extra} | ETA "
-                f"{_fmt_time(eta)}",
-                file=sys.stdout,
-                flush=True,
-            )
+            self._print(step, total, first_step)
+            self.window = []
+
+    def _print(self, step: int, total: int, first_step: int) -> None:
+        """One progress line; loss, grad norm and throughput are means over the interval."""
+        w = self.window
+
+        def mean(key: str) -> float:
+            return sum(r[key] for r in w) / len(w)
+
+        eta = (time.monotonic() - self.start) / max(step - first_step, 1) * (total - step)
+        extra = "".join(f" | {k} {mean(k):.4g}" for k in ("aux_loss",) if k in w[-1])
+        print(
+            f"step {step:5d}/{total} | loss {mean('loss'):.4f} | lr {w[-1]['lr']:.3e} | "
+            f"grad norm {mean('grad_norm'):.3f} | {mean('tokens_per_s'):,.0f} tok/s | "
+            f"{mean('step_time_s') * 1000:.0f} ms/step{extra} | ETA {_fmt_time(eta)}",
+            file=sys.stdout,
+            flush=True,
+        )
 
     def close(self) -> None:
         if self.file is not None:

@@ -16,6 +16,7 @@ from megatron_lite.parallel import mappings
 from megatron_lite.parallel.comm_stats import STATS
 from megatron_lite.parallel.mesh import ParallelMesh
 from megatron_lite.parallel.random import model_parallel_seed
+from megatron_lite.training.checkpoint import Checkpointer
 from megatron_lite.training.grads import clip_grad_norm, finalize_grads
 from megatron_lite.training.logging import MetricsLogger
 from megatron_lite.training.optimizer import build_optimizer, lr_at, set_lr
@@ -60,16 +61,23 @@ class Trainer:
         self.logger = MetricsLogger(cfg, active=dist.get_rank() == 0)
         self.step = 0
         self.n_micro = num_microbatches(cfg)
+        self.checkpointer = Checkpointer(self)  # resumes per train.resume / train.init_from
+        self.checkpointer.resume()
 
     def num_parameters(self) -> int:
         """Parameters of the whole model (each element once), summed over all ranks."""
-        n = sum(p.numel() for p in self.params if not p.meta.tied_copy and
-                (p.meta.tp_dim is not None or self.mesh.tp_rank == 0))
-        t = torch.tensor([n], dtype=torch.float64)
-        if self.mesh.dp_cp_rank == 0:
-            mappings.all_reduce(t, dist.group.WORLD)
-        else:
-            mappings.all_reduce(t.zero_(), dist.group.WORLD)
+        mesh = self.mesh
+
+        def owner(p) -> bool:  # the one rank that counts this element
+            if p.meta.tied_copy:
+                return False
+            if p.meta.is_expert:  # sharded over EP, replicated over TP and expert-DP
+                return mesh.edp_rank == 0 and mesh.tp_rank == 0
+            return mesh.dp_cp_rank == 0 and (p.meta.tp_dim is not None or mesh.tp_rank == 0)
+
+        t = torch.tensor([float(sum(p.numel() for p in self.params if owner(p)))],
+                         dtype=torch.float64, device=self.device)
+        mappings.all_reduce(t, dist.group.WORLD)
         return int(t.item())
 
     def _forward_backward(self, microbatches, loss_scale: float) -> torch.Tensor:
@@ -89,6 +97,7 @@ class Trainer:
             mesh.dp_rank, mesh.dp_size)]
         # token-weighted mean over the global batch: every rank divides by the same count
         n_tokens = torch.tensor([float(sum((mb[:, 1:] != IGNORE_INDEX).sum() for mb in micro))],
+                                device=self.device,
                                 dtype=torch.float64)
         mappings.all_reduce(n_tokens, mesh.dp_group)
         lr = lr_at(self.step, cfg.train)
@@ -99,24 +108,34 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         # report: loss lives on the last stage, each CP rank holds a slice of the sum
-        report = loss_sum.reshape(1).double().cpu()
+        report = loss_sum.reshape(1).double()
         if not (mesh.is_last_stage and mesh.tp_rank == 0):
             report.zero_()
         mappings.all_reduce(report, dist.group.WORLD, kind="all_reduce_report")
+        moe = {}
+        if cfg.model.num_experts is not None:
+            from megatron_lite.moe.layer import moe_metrics
+
+            moe = moe_metrics(self.chunks, mesh)
         dt = time.perf_counter() - t0
         global_tokens = cfg.train.global_batch_size * cfg.model.seq_length
         record = {"step": self.step, "loss": report.item() / n_tokens.item(), "lr": lr,
                   "grad_norm": grad_norm, "tokens_per_s": global_tokens / dt, "step_time_s": dt,
-                  **STATS.summary()}
+                  **moe, **STATS.summary()}
         self.step += 1
         return record
 
     def train(self) -> list[dict]:
         records = []
         first = self.step
+        self.checkpointer.start()
         while self.step < self.cfg.train.steps:
             record = self.train_step()
+            stop = self.checkpointer.after_step(record)  # saves when due; stop after a signal
             self.logger.log(record, first)
             records.append(record)
+            if stop:
+                break
+        self.checkpointer.finish()
         self.logger.close()
         return records

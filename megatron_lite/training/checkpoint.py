@@ -1,0 +1,338 @@
+"""Sharded checkpoints (torch.distributed.checkpoint) with exact and resharding resume.
+
+`Checkpointer(trainer)` is built by the Trainer. It resumes (train.resume: auto | none | path)
+or initializes weights from a checkpoint (train.init_from), then saves every
+train.save_interval steps, after the last step and at the first step boundary after SIGTERM or
+SIGUSR1 (then training stops cleanly). Keeps the newest train.keep_checkpoints.
+
+What a checkpoint holds and how it is cut is in checkpoint_state.py; the directory layout,
+atomic commit and checksums in checkpoint_files.py. Resume semantics:
+- same layout: model, AdamW state (moments and step count), the step (= data position, see
+  data/sampler.py) and every rank's RNG states are restored, so the run continues bitwise as
+  if never stopped (the LR is a function of the step);
+- another layout (tp, pp, vpp, cp, dp, ep, sequence_parallel or order differ): model and
+  AdamW state are resharded exactly, RNG states are NOT restored (their number and meaning
+  depend on the layout): every generator is seeded as at the start of a run, so dropout masks
+  differ from an unbroken run; with dropout 0 the losses continue to float rounding.
+- init_from: model weights only (step 0, fresh optimizer), e.g. a Hugging Face Llama converted
+  with tools/convert_checkpoint.py. A resumable checkpoint in ckpt_dir takes precedence.
+
+Async save (train.async_save) stages a CPU copy at the step boundary and writes on a thread
+(DCP's thread executor) over its own gloo group; rank 0 then checksums and commits. The time
+the step was blocked is logged as ckpt_blocked_s.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from megatron_lite.training import checkpoint_files as files
+from megatron_lite.training.checkpoint_files import CheckpointError
+from megatron_lite.training.checkpoint_state import (
+    Piece,
+    ShardLoadPlanner,
+    ShardSavePlanner,
+    load_targets,
+    save_state,
+    set_rng_states,
+)
+
+__all__ = ["Checkpointer", "CheckpointError", "layout_of"]
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# model settings that must match the checkpoint's (tensor shapes are checked separately)
+FUNCTION_KEYS = ("arch", "num_attention_heads", "norm_eps", "rope_theta", "moe_router_topk")
+
+
+def layout_of(cfg) -> dict:
+    """What makes RNG states and shard shapes layout specific."""
+    p = cfg.parallel
+    keys = ("tp", "pp", "vpp", "cp", "ep", "dp", "sequence_parallel", "order")
+    return {"world_size": p.tp * p.pp * p.cp * p.dp, **{k: getattr(p, k) for k in keys}}
+
+
+def _async_save(state, writer, planner, group):
+    """dcp.async_save on a thread (the process executor hangs on CPU); returns a Future."""
+    kw = {}
+    try:
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+        kw["async_checkpointer_type"] = AsyncCheckpointerType.THREAD
+    except ImportError:  # older torch: threads are the only executor
+        pass
+    out = dcp.async_save(state, storage_writer=writer, planner=planner, process_group=group, **kw)
+    return getattr(out, "upload_completion", out)
+
+
+class Checkpointer:
+    """Save / resume for one Trainer; every method is called on every rank in the same order."""
+
+    def __init__(self, trainer):
+        self.trainer, self.cfg = trainer, trainer.cfg
+        t = self.cfg.train
+        self.dir = t.ckpt_dir or os.path.join(t.out_dir, "checkpoints")
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        timeout = timedelta(seconds=self.cfg.parallel.timeout_s)
+        # DCP's collectives run on a writer thread: they get groups of their own
+        self.io_group = dist.new_group(backend="gloo", timeout=timeout)
+        self.ctl_group = dist.new_group(backend="gloo", timeout=timeout)
+        self.pending = None  # Future of an async save (rank 0: including the commit)
+        self.signal_received = None
+        self._old_handlers: dict = {}
+        self._committer = ThreadPoolExecutor(1) if self.rank == 0 else None
+
+    # ------------------------------------------------------------------ messages and sync
+    def _say(self, msg: str) -> None:
+        if self.rank == 0:
+            print(f"[checkpoint] {msg}", flush=True)
+
+    def _broadcast(self, obj):
+        box = [obj]
+        if self.world > 1:
+            dist.broadcast_object_list(box, src=0, group=self.ctl_group)
+        return box[0]
+
+    def _any(self, flag: bool) -> bool:
+        if self.world == 1:
+            return flag
+        t = torch.tensor([int(flag)])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.ctl_group)
+        return bool(t.item())
+
+    # ------------------------------------------------------------------ resume
+    def resume(self) -> None:
+        """Apply train.resume / train.init_from (collective)."""
+        t = self.cfg.train
+        chosen = None
+        if self.rank == 0:
+            try:
+                chosen = ("ok", *self._choose(t.resume, t.init_from))
+            except CheckpointError as e:
+                chosen = ("error", str(e))
+        chosen = self._broadcast(chosen)
+        if chosen[0] == "error":
+            raise CheckpointError(chosen[1])
+        _, path, model_only = chosen
+        if path is not None:
+            self.load(path, model_only=model_only)
+
+    def _choose(self, resume: str, init_from: str | None):
+        """(path, model_only) on rank 0, after verifying checksums."""
+        if resume == "auto":
+            path, notes = files.select_auto(self.dir)
+            for note in notes:
+                self._say(note)
+            if path is not None:
+                return path, False
+        elif resume != "none":
+            path = files.resolve(resume)
+            files.verify(path)
+            return path, False
+        if init_from is not None:
+            path = files.resolve(init_from)
+            files.verify(path)
+            return path, True
+        return None, False
+
+    def load(self, path: str, model_only: bool = False) -> None:
+        """Load a verified checkpoint into the trainer (collective): see the module doc."""
+        tr = self.trainer
+        meta = files.read_metadata(path)
+        self._check_model_config(path, meta["config"].get("model", {}))
+        with_optim = meta["kind"] == "train" and not model_only
+        same_layout = with_optim and meta["layout"] == layout_of(self.cfg)
+        buffers, pieces, apply = load_targets(tr.chunks, tr.optimizer, with_optim)
+        reader = dcp.FileSystemReader(path)
+        stored = reader.read_metadata().state_dict_metadata
+        if same_layout:
+            for key, t in stored.items():
+                prefix = f"rng/{self.rank}/"
+                if key.startswith(prefix):
+                    buffers[key] = torch.empty(t.size, dtype=t.properties.dtype)
+                    pieces[key] = Piece(key, tuple(t.size), (0,) * len(t.size))
+        self._check_keys(path, buffers, pieces, stored)
+        dcp.load(
+            buffers,
+            storage_reader=reader,
+            planner=ShardLoadPlanner(pieces),
+            process_group=self.io_group,
+        )
+        apply()
+        if with_optim:
+            tr.step = meta["step"]
+        if same_layout:
+            prefix = f"rng/{self.rank}/"
+            rng = {k[len(prefix) :]: v for k, v in buffers.items() if k.startswith(prefix)}
+            set_rng_states(tr.tracker, rng)
+        what = "model weights from" if not with_optim else "resumed from"
+        self._say(f"{what} {path} (step {meta['step']}); now at step {tr.step}")
+        if with_optim and not same_layout:
+            now = layout_of(self.cfg)
+            changed = ", ".join(
+                f"{k} {meta['layout'].get(k)}->{v}"
+                for k, v in now.items()
+                if meta["layout"].get(k) != v
+            )
+            self._say(
+                f"layout changed ({changed}): model and optimizer state resharded; RNG states "
+                "re-seeded, not restored (dropout masks differ from an unbroken run)"
+            )
+
+    def _check_model_config(self, path: str, saved: dict) -> None:
+        """Settings that change what the weights compute without changing their shapes."""
+        current = self.cfg.model
+        for key in FUNCTION_KEYS:
+            if key in saved and saved[key] != getattr(current, key):
+                raise CheckpointError(
+                    f"model.{key}={getattr(current, key)!r} but checkpoint {path} was saved "
+                    f"with {saved[key]!r}. Fix: set model.{key}={saved[key]!r}"
+                )
+
+    def _check_keys(self, path: str, buffers: dict, pieces: dict, stored: dict) -> None:
+        """Clear errors for missing/mismatched tensors, and for stored model tensors no rank
+        loads (the model config differs from the checkpoint's)."""
+        error = None
+        for key in buffers:
+            if key not in stored:
+                error = f"checkpoint {path} has no tensor {key!r}"
+            elif tuple(stored[key].size) != pieces[key].global_shape:
+                error = (
+                    f"checkpoint tensor {key!r} in {path} has shape {tuple(stored[key].size)}, "
+                    f"this model needs {pieces[key].global_shape}"
+                )
+            if error:
+                break
+        mine = sorted(k for k in buffers if k.startswith("model/"))
+        gathered = [None] * self.world
+        if self.world > 1:
+            dist.all_gather_object(gathered, (error, mine), group=self.ctl_group)
+        else:
+            gathered = [(error, mine)]
+        errors = [e for e, _ in gathered if e]
+        used = {k for _, keys in gathered for k in keys}
+        unused = sorted(k for k in stored if k.startswith("model/") and k not in used)
+        if not errors and unused:
+            errors = [f"checkpoint {path} has tensors this model does not use: {unused[:4]}"]
+        if errors:
+            raise CheckpointError(
+                f"{errors[0]}. Fix: make the model.* keys match the checkpoint's (see "
+                f"{os.path.join(path, files.METADATA)}), or start fresh with train.resume=none"
+            )
+
+    # ------------------------------------------------------------------ save
+    def save(self) -> float:
+        """Checkpoint the current step (collective); returns the seconds this call blocked."""
+        t0 = time.perf_counter()
+        self.wait()
+        tr, t = self.trainer, self.cfg.train
+        tmp, final = files.tmp_dir(self.dir, tr.step), files.step_dir(self.dir, tr.step)
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier save of this step
+            os.makedirs(tmp)
+        if self.world > 1:
+            dist.barrier(group=self.ctl_group)
+        state, pieces = save_state(tr.chunks, tr.optimizer, tr.mesh, tr.tracker, self.rank)
+        meta = {
+            "kind": "train",
+            "step": tr.step,
+            "layout": layout_of(self.cfg),
+            "config": self.cfg.to_dict(),
+            "torch": torch.__version__,
+        }
+        writer = dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True)
+        planner = ShardSavePlanner(pieces)
+        if t.async_save:
+            future = _async_save(state, writer, planner, self.io_group)
+            if self.rank == 0:
+                future = self._committer.submit(self._commit_after, future, tmp, final, meta)
+            self.pending = future
+            return time.perf_counter() - t0
+        # returns once every rank's files are written (DCP ends with a collective)
+        dcp.save(state, storage_writer=writer, planner=planner, process_group=self.io_group)
+        error = None
+        if self.rank == 0:
+            try:
+                self._commit(tmp, final, meta)
+            except Exception as e:  # every rank must hear of it, or the others would hang
+                error = e
+        self._agree(error)
+        return time.perf_counter() - t0
+
+    def _commit_after(self, future, tmp, final, meta) -> None:
+        future.result()
+        self._commit(tmp, final, meta)
+
+    def _commit(self, tmp: str, final: str, meta: dict) -> None:
+        """Rank 0, once every rank's DCP files are written: checksums, rename, `latest`."""
+        files.commit(tmp, final, meta)
+        files.set_latest(self.dir, final)
+        for gone in files.prune(self.dir, self.cfg.train.keep_checkpoints):
+            self._say(f"removed old checkpoint {gone}")
+        self._say(f"saved {final}")
+
+    def _agree(self, error: Exception | None) -> None:
+        """Raise on every rank when the save failed on any (this rank's own error first)."""
+        if not self._any(error is not None):
+            return
+        if error is not None:
+            raise error
+        raise CheckpointError(f"saving a checkpoint into {self.dir} failed on another rank")
+
+    def wait(self) -> None:
+        """Finish a pending async save on every rank (collective when one is pending)."""
+        if self.pending is None:
+            return
+        future, self.pending = self.pending, None
+        error = None
+        try:
+            future.result()
+        except Exception as e:
+            error = e
+        self._agree(error)
+
+    # ------------------------------------------------------------------ training-loop hooks
+    def start(self) -> None:
+        """Install the SIGTERM / SIGUSR1 handlers (main thread only)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in SIGNALS:
+            self._old_handlers[sig] = signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        self.signal_received = signal.Signals(signum).name
+
+    def after_step(self, record: dict) -> bool:
+        """Save when due (adds ckpt_blocked_s to the record); True = stop training now."""
+        t, step = self.cfg.train, self.trainer.step
+        stop = self._any(self.signal_received is not None)
+        due = t.save_interval > 0 and (step % t.save_interval == 0 or step == t.steps)
+        if due or (stop and t.save_interval > 0):
+            record["ckpt_blocked_s"] = self.save()
+        if stop:
+            self.wait()
+            why = self.signal_received or "a signal on another rank"
+            saved = f"checkpoint saved at step {step}"
+            if t.save_interval == 0:
+                saved = "no checkpoint saved (train.save_interval=0)"
+            self._say(f"received {why}: {saved}; stopping cleanly")
+        return stop
+
+    def finish(self) -> None:
+        """Wait for a pending save and restore the signal handlers."""
+        t0 = time.perf_counter()
+        pending = self.pending is not None
+        self.wait()
+        if pending:
+            self._say(f"waited {time.perf_counter() - t0:.3f}s for the last async save")
+        for sig, handler in self._old_handlers.items():
+            signal.signal(sig, handler)
+        self._old_handlers.clear()

@@ -1,0 +1,183 @@
+"""Checkpoint files without processes: atomic commit, `latest`, pruning, checksum verification
+(damaged / truncated files reported by name), resume=auto fallback, and how parameter shards
+map to logical tensors (every element stored exactly once, by exactly one rank)."""
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron_lite.parallel.mesh import RankLayout
+from megatron_lite.parallel.params import ParamMeta, shard
+from megatron_lite.training import checkpoint_files as files
+from megatron_lite.training.checkpoint_files import CheckpointError
+from megatron_lite.training.checkpoint_state import param_pieces, writes
+
+
+def fake_save(ckpt_dir: str, step: int, keep: int = 2) -> str:
+    """What rank 0 does after the DCP write: two data files, commit, latest, prune."""
+    tmp, final = files.tmp_dir(ckpt_dir, step), files.step_dir(ckpt_dir, step)
+    os.makedirs(tmp)
+    for rank in range(2):
+        with open(os.path.join(tmp, f"__{rank}_0.distcp"), "wb") as f:
+            f.write(os.urandom(1000 + rank))
+    files.commit(tmp, final, {"kind": "train", "step": step})
+    files.set_latest(ckpt_dir, final)
+    files.prune(ckpt_dir, keep)
+    return final
+
+
+def test_commit_latest_and_keep(tmp_path):
+    d = str(tmp_path)
+    for step in (10, 20, 30):
+        fake_save(d, step)
+    assert [s for s, _ in files.list_checkpoints(d)] == [30, 20]
+    assert files.read_latest(d) == files.step_dir(d, 30)
+    assert sorted(os.listdir(d)) == ["latest", "step_20", "step_30"]
+    meta = files.verify(files.step_dir(d, 30))
+    assert meta["step"] == 30 and set(meta["files"]) == {"__0_0.distcp", "__1_0.distcp"}
+    assert files.resolve(d) == files.step_dir(d, 30)
+
+
+def test_crash_before_rename_leaves_previous_checkpoint(tmp_path):
+    d = str(tmp_path)
+    fake_save(d, 10)
+    os.makedirs(files.tmp_dir(d, 20))  # a save that died after writing its data
+    with open(os.path.join(files.tmp_dir(d, 20), "__0_0.distcp"), "wb") as f:
+        f.write(b"partial")
+    path, notes = files.select_auto(d)
+    assert path == files.step_dir(d, 10) and notes == []
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "delete"])
+def test_damaged_file_is_named_and_auto_falls_back(tmp_path, damage):
+    d = str(tmp_path)
+    fake_save(d, 10)
+    newest = fake_save(d, 20)
+    victim = os.path.join(newest, "__1_0.distcp")
+    if damage == "truncate":
+        os.truncate(victim, 10)
+    elif damage == "flip":
+        data = bytearray(open(victim, "rb").read())
+        data[500] ^= 0xFF
+        open(victim, "wb").write(bytes(data))
+    else:
+        os.remove(victim)
+    with pytest.raises(CheckpointError, match="__1_0.distcp"):
+        files.verify(newest)
+    path, notes = files.select_auto(d)
+    assert path == files.step_dir(d, 10)
+    assert "__1_0.distcp" in notes[0] and "falling back" in notes[-1], notes
+
+
+def test_missing_metadata_and_nothing_valid(tmp_path):
+    d = str(tmp_path)
+    os.makedirs(os.path.join(d, "step_5"))
+    with pytest.raises(CheckpointError, match="metadata.json does not exist"):
+        files.verify(os.path.join(d, "step_5"))
+    path, notes = files.select_auto(d)
+    assert path is None and "starting from scratch" in notes[-1]
+    assert files.select_auto(str(tmp_path / "nothing-here")) == (None, [])
+
+
+# ------------------------------------------------------------------ shards -> logical tensors
+def metas(tp: int, rank: int) -> dict[str, ParamMeta]:
+    kw = dict(tp_rank=rank, tp_size=tp)
+    return {
+        "layers.0.self_attention.linear_qkv.weight": ParamMeta(
+            (16 + 8 + 8, 16), tp_dim=0, segments=(16, 8, 8), **kw
+        ),
+        "layers.0.mlp.linear_fc1.bias": ParamMeta((24,), tp_dim=0, segments=(12, 12), **kw),
+        "layers.0.mlp.linear_fc2.weight": ParamMeta((16, 12), tp_dim=1, **kw),
+        "layers.0.input_norm.weight": ParamMeta((16,)),
+        "embedding.weight": ParamMeta((13, 16), tp_dim=0, padded=16, **kw),  # 3 pad rows
+        "layers.1.mlp.experts.weight1": ParamMeta((4, 6, 16), tp_dim=0, is_expert=True, **kw),
+    }
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_pieces_reassemble_the_full_tensor(tp):
+    """Each rank's pieces, cut from its real shard (params.shard), land at their offsets of the
+    logical tensors; together they cover each logical tensor exactly once."""
+    logical: dict[str, torch.Tensor] = {}
+    count: dict[str, torch.Tensor] = {}
+    fulls = {}
+    for rank in range(tp):
+        for name, meta in metas(tp, rank).items():
+            if meta.tp_dim is None and rank > 0:  # replicated: rank 0's copy suffices
+                continue
+            full = fulls.setdefault(name, torch.randn(meta.full_shape))
+            local = shard(full, meta)
+            for piece in param_pieces(name, meta):
+                out = logical.setdefault(piece.key, torch.full(piece.global_shape, float("nan")))
+                seen = count.setdefault(piece.key, torch.zeros(piece.global_shape))
+                block = tuple(
+                    slice(o, o + n)
+                    for o, n in zip(piece.offsets, piece.local(local).shape, strict=True)
+                )
+                out[block] = piece.local(local)
+                seen[block] += 1
+    qkv = fulls["layers.0.self_attention.linear_qkv.weight"]
+    assert torch.equal(logical["layers.0.self_attention.linear_qkv.weight/k"], qkv[16:24])
+    assert torch.equal(
+        logical["layers.0.mlp.linear_fc1.bias/up"], fulls["layers.0.mlp.linear_fc1.bias"][12:]
+    )
+    assert torch.equal(logical["embedding.weight"], fulls["embedding.weight"])  # no padding
+    assert torch.equal(
+        logical["layers.0.mlp.linear_fc2.weight"], fulls["layers.0.mlp.linear_fc2.weight"]
+    )
+    assert torch.equal(
+        logical["layers.1.mlp.experts.weight1"], fulls["layers.1.mlp.experts.weight1"]
+    )
+    for key, seen in count.items():
+        assert torch.all(seen == 1), f"{key}: elements stored {seen.unique().tolist()} times"
+
+
+def test_one_writer_per_piece():
+    """On tp2 x dp2 x pp2 with ep2, each (stage, piece) is written by exactly one rank."""
+    layout = RankLayout(8, tp=2, pp=2, ep=2)
+    writers: dict[tuple, list[int]] = {}
+    for rank in range(8):
+        c = layout.coords(rank)
+        mesh = SimpleNamespace(tp_rank=c["tp"], dp_cp_rank=c["dp_cp"], edp_rank=c["edp"])
+        for name, meta in metas(2, c["tp"]).items():
+            if meta.is_expert:
+                meta.tp_rank, meta.tp_size = c["ep"], 2
+            if writes(meta, mesh):
+                for piece in param_pieces(name, meta):
+                    writers.setdefault((c["pp"], piece.key, piece.offsets), []).append(rank)
+    tied = ParamMeta((13, 16), tp_dim=0, padded=16, tied_copy=True, init_name="embedding.weight")
+    assert not writes(tied, SimpleNamespace(tp_rank=0, dp_cp_rank=0, edp_rank=0))
+    assert all(len(r) == 1 for r in writers.values()), writers
+    assert len({k for _, k, _ in writers}) == 9  # qkv 3, fc1 bias 2, fc2, norm, emb, experts
+
+
+# ------------------------------------------------------------------ config keys
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("train.save_interval=-1", "train.save_interval=-1: must be >= 0"),
+        ("train.keep_checkpoints=0", "train.keep_checkpoints=0: must be >= 1"),
+        ("train.resume=/no/such/ckpt", "must be auto, none or an existing checkpoint path"),
+        ("train.init_from=/no/such/ckpt", "must be an existing checkpoint directory"),
+    ],
+)
+def test_checkpoint_config_errors(override, needle):
+    from megatron_lite.config import ConfigError, load_config, validate
+
+    cfg = load_config(None, ["data.mock=true", "model.vocab_size=128", override])
+    with pytest.raises(ConfigError, match="Fix: ") as e:
+        validate(cfg, 1)
+    assert needle in str(e.value)
+
+
+def test_init_from_a_hf_directory_says_convert_first(tmp_path):
+    from megatron_lite.config import ConfigError, load_config, validate
+
+    (tmp_path / "config.json").write_text("{}")
+    cfg = load_config(
+        None, ["data.mock=true", "model.vocab_size=128", f"train.init_from={tmp_path}"]
+    )
+    with pytest.raises(ConfigError, match="convert_checkpoint.py hf-to-dcp"):
+        validate(cfg, 1)

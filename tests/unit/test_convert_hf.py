@@ -1,0 +1,131 @@
+"""tools/convert_checkpoint.py against transformers' LlamaForCausalLM (built locally, no
+download): an exact round trip HF -> ours -> HF, and logits of our model (one rank, float32)
+equal to HF's within 1e-4 in both directions, so the RoPE, GQA and SwiGLU conventions agree."""
+
+import os
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+import torch  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from tests.dist_harness import run_ranks  # noqa: E402
+from tools.convert_checkpoint import dcp_to_hf, hf_to_dcp  # noqa: E402
+
+VOCAB, SEQ = 250, 16
+OURS = [
+    "model.arch=llama",
+    "model.num_layers=2",
+    "model.hidden_size=64",
+    "model.num_attention_heads=4",
+    "model.num_query_groups=2",
+    "model.ffn_hidden_size=128",
+    f"model.vocab_size={VOCAB}",
+    f"model.seq_length={SEQ}",
+    "model.norm_eps=1e-5",
+    "model.rope_theta=5000.0",
+    "model.make_vocab_size_divisible_by=128",  # 250 -> 256: padding rows dropped / zeroed
+    "data.mock=true",
+    "train.micro_batch_size=2",
+    "train.global_batch_size=2",
+    "log.progress=false",
+]
+
+
+def hf_model(tie: bool) -> LlamaForCausalLM:
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        rope_theta=5000.0,
+        max_position_embeddings=SEQ,
+        tie_word_embeddings=tie,
+        attn_implementation="eager",
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).float().eval()
+    with torch.no_grad():  # O(1) logits, norms away from 1, so a convention slip shows
+        for name, p in model.named_parameters():
+            p.uniform_(0.5, 1.5) if "norm" in name else p.normal_(0.0, 0.1)
+    return model
+
+
+def token_ids() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+
+
+def _our_logits(rank, world, overrides, out_dir, ids, train):
+    """Build the Trainer (loading train.init_from if set), optionally train train.steps, and
+    return the float32 logits [b, s, V] of its model for `ids`."""
+    from megatron_lite.parallel.mesh import ParallelMesh, RankLayout
+    from megatron_lite.train import prepare
+    from megatron_lite.training.trainer import Trainer
+
+    cfg, dataset, vocab = prepare(["train.out_dir=" + out_dir, *overrides], world_size=world)
+    trainer = Trainer(cfg, ParallelMesh(RankLayout(world)), dataset, vocab)
+    if train:
+        trainer.train()
+    chunk = trainer.chunks[0]
+    with torch.no_grad():
+        x = chunk.embed(ids)  # [s, b, h]
+        for layer in chunk.layers.values():
+            x = layer(x, (chunk.rope_cos, chunk.rope_sin))
+        logits = chunk.output_layer(chunk.final_norm(x), chunk.output_weight())  # [s, b, Vp]
+    return logits[..., :VOCAB].transpose(0, 1).numpy()  # numpy: a tensor can't cross the queue
+
+
+def assert_logits_close(ranks_out, hf, what):
+    ours = torch.from_numpy(ranks_out[0])
+    diff = (ours - hf).abs().max().item()
+    scale = hf.abs().max().item()
+    print(f"LOGITS {what}: max abs diff {diff:.2e} (max |logit| {scale:.2f})")
+    assert scale > 1.0, "logits too small to test anything"
+    assert diff < 1e-4, f"{what}: our logits differ from HF Llama's by {diff:.2e}"
+
+
+def test_round_trip_is_exact(tmp_path):
+    model = hf_model(tie=False)
+    model.save_pretrained(tmp_path / "hf")
+    hf_to_dcp(str(tmp_path / "hf"), str(tmp_path / "ckpt"))
+    dcp_to_hf(str(tmp_path / "ckpt"), str(tmp_path / "hf2"))
+    back = LlamaForCausalLM.from_pretrained(tmp_path / "hf2")
+    a, b = model.state_dict(), back.state_dict()
+    assert set(a) == set(b)
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{k} changed in the round trip"
+    keys = ("num_key_value_heads", "intermediate_size", "rms_norm_eps", "tie_word_embeddings")
+    for key in (*keys, "rope_theta", "rope_parameters"):  # rope_* differ by transformers version
+        assert getattr(back.config, key, None) == getattr(model.config, key, None), key
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_hf_weights_start_training_with_hf_logits(tie, tmp_path):
+    model = hf_model(tie)
+    model.save_pretrained(tmp_path / "hf")
+    hf_to_dcp(str(tmp_path / "hf"), str(tmp_path / "ckpt"))
+    ids = token_ids()
+    overrides = [*OURS, f"model.tie_embeddings={str(tie).lower()}"]
+    overrides.append(f"train.init_from={tmp_path / 'ckpt'}")
+    ours = run_ranks(1, _our_logits, overrides, str(tmp_path / "run"), ids, False, timeout=120)
+    with torch.no_grad():
+        hf = model(ids).logits
+    assert_logits_close(ours, hf, f"hf->ours tie={tie}")
+
+
+def test_trained_model_loads_in_transformers(tmp_path):
+    out = str(tmp_path / "run")
+    overrides = [*OURS, "train.steps=3", "train.save_interval=3", "model.init_method_std=0.1"]
+    ids = token_ids()
+    ours = run_ranks(1, _our_logits, overrides, out, ids, True, timeout=120)
+    dcp_to_hf(os.path.join(out, "checkpoints"), str(tmp_path / "hf"))
+    model = LlamaForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager")
+    with torch.no_grad():
+        hf = model.float().eval()(ids).logits
+    assert_logits_close(ours, hf, "ours->hf")
