@@ -18,6 +18,12 @@ then calls `exit_on_collective_error`, which on each rank
 
 Comparing the files' last entries shows who waited in which op: ranks whose `last_op` differs
 from the majority's are the ones out of step.
+
+On GPUs an NCCL collective returns before it runs, so a stuck one is caught by torch's NCCL
+watchdog, which ends the process itself (TORCH_NCCL_ASYNC_ERROR_HANDLING) before Python sees an
+error: there torch's flight recorder is the per-rank record (launch/slurm/train.sbatch turns on
+its dump). Pipeline P2P waits (pipeline/p2p.py) block with a deadline, so they reach this module
+on any backend.
 """
 
 from __future__ import annotations

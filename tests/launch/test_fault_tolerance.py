@@ -1,0 +1,219 @@
+"""Failures at run time, through the real launcher (launch/local.sh -> megatron_lite.launch ->
+torchrun): a rank killed mid-run (torchrun restarts the group, which resumes from the last
+checkpoint and ends with the losses of an uninterrupted run) and a hang (every rank that times
+out writes <out_dir>/hang/rank<R>.json, rank 0 says where they are and who wrote none).
+
+Ranks are found through /proc (children of the torchrun process, by their RANK variable), so
+the product code carries no test hooks.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.dist_harness import run_ranks
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SMOKE = os.path.join(ROOT, "configs", "smoke.yaml")
+LOCAL_SH = os.path.join(ROOT, "launch", "local.sh")
+
+
+# ---------------------------------------------------------------- helpers
+def launch(args: list[str], log) -> subprocess.Popen:
+    """`launch/local.sh ARGS`, output to the file `log`. local.sh execs the python launcher,
+    which execs torchrun: the pid is torchrun's and the ranks are its children."""
+    with open(log, "w") as f:
+        return subprocess.Popen([LOCAL_SH, *args], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
+
+
+def finish(proc: subprocess.Popen, log, timeout: float) -> str:
+    """Wait for a launch to end; returns its output."""
+    proc.wait(timeout=timeout)
+    with open(log) as f:
+        return f.read()
+
+
+def stop(proc: subprocess.Popen, pids: dict[int, int] | None = None) -> None:
+    """Test cleanup: end the launch and any rank it left behind."""
+    for pid in (pids or {}).values():
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def rank_pids(parent: int) -> dict[int, int]:
+    """{RANK: pid} of the worker processes whose parent is `parent` (a torchrun agent)."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            if ppid != parent:
+                continue
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+        except (OSError, ValueError, IndexError):
+            continue
+        if b"RANK" in env:
+            found[int(env[b"RANK"])] = int(entry)
+    return found
+
+
+def alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie, exited but not yet reaped by torchrun, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def metric_records(out_dir) -> list[dict]:
+    """metrics.jsonl in order; a restarted run appends, so redone steps appear twice."""
+    path = os.path.join(out_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def read_metrics(out_dir) -> dict[int, dict]:
+    """metrics.jsonl as {step: record}; a step logged twice (after a restart) keeps the last."""
+    return {r["step"]: r for r in metric_records(out_dir)}
+
+
+def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        if proc.poll() is not None:
+            pytest.fail(f"the run ended ({proc.returncode}) before {what}")
+        time.sleep(0.1)
+    pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+# ---------------------------------------------------------------- hang diagnostics
+def _mismatched_collective(rank, world, out_dir):
+    """Rank 0 all-reduces over group A, rank 1 over group B: both wait, both time out."""
+    from megatron_lite.parallel import mappings
+    from megatron_lite.parallel.comm_stats import STATS
+    from megatron_lite.training import hang_dump
+
+    timeout = datetime.timedelta(seconds=2)
+    group_a = dist.new_group([0, 1], timeout=timeout, group_desc="group_a")
+    group_b = dist.new_group([0, 1], timeout=timeout, group_desc="group_b")
+    t = torch.ones(4)
+    STATS.start_step(0)
+    mappings.all_reduce(t, group_a)  # both ranks: fine
+    STATS.start_step(1)
+    try:
+        mappings.all_reduce(t, group_a if rank == 0 else group_b)
+    except mappings.CollectiveError as e:
+        path = hang_dump.write_dump(e, out_dir, rank, world)
+        reported = hang_dump.wait_for_peers(out_dir, world, grace_s=10)
+        return path, reported, hang_dump.summary(e, out_dir, rank, world, reported)
+    return None
+
+
+def test_mismatched_collective_writes_every_ranks_last_ops(tmp_path):
+    """One rank skips a collective (enters another): both time out, both write their file,
+    rank 0's message points at the directory."""
+    results = run_ranks(2, _mismatched_collective, str(tmp_path), timeout=60)
+    assert all(r is not None for r in results), f"a rank did not time out: {results}"
+    for rank, (path, reported, _) in enumerate(results):
+        assert path == str(tmp_path / "hang" / f"rank{rank}.json")
+        assert reported == [0, 1], f"rank {rank} saw files from {reported}"
+        with open(path) as f:
+            dump = json.load(f)
+        group = "group_a" if rank == 0 else "group_b"
+        want = {"step": 1, "kind": "all_reduce", "group": group, "shape": [4]}
+        assert dump["rank"] == rank and dump["world_size"] == 2 and dump["step"] == 1, dump
+        assert dump["last_op"] == {**want, "dtype": "torch.float32"}, dump
+        assert dump["last_collective"] == dump["last_op"] and dump["last_p2p"] is None, dump
+        assert [op["step"] for op in dump["recent_ops"]] == [0, 1], dump["recent_ops"]
+        assert f"rank {rank} step 1: all_reduce" in dump["error"], dump["error"]
+    message = results[0][2]
+    assert message.startswith("error: rank 0 step 1: all_reduce of shape (4,) on group group_a")
+    assert f"{tmp_path / 'hang'}/rank<R>.json (2 of 2 ranks wrote one)" in message, message
+
+
+def test_stalled_rank_cli_reports_hang_files(tmp_path):
+    """The real CLI: rank 1 is frozen (SIGSTOP) mid-run, rank 0's collective times out after
+    parallel.timeout_s, it writes hang/rank0.json, names the rank that wrote none, exits 1."""
+    out, log = tmp_path / "run", tmp_path / "launch.log"
+    args = ["--config", SMOKE, "parallel.tp=2", "parallel.timeout_s=4", "train.steps=100000"]
+    proc = launch([*args, "log.progress=false", f"train.out_dir={out}"], log)
+    pids = {}
+    try:
+        wait_for(lambda: len(read_metrics(out)) >= 2, 180, "two training steps", proc)
+        pids = rank_pids(proc.pid)
+        assert sorted(pids) == [0, 1], pids
+        os.kill(pids[1], signal.SIGSTOP)
+        wait_for(lambda: not alive(pids[0]), 60, "rank 0 to exit after its timeout", proc)
+        os.kill(pids[1], signal.SIGKILL)  # else torchrun waits 30 s for the frozen rank
+        output = finish(proc, log, timeout=60)
+    finally:
+        stop(proc, pids)
+    assert proc.returncode != 0, output
+    hang = out / "hang"
+    assert (hang / "rank0.json").exists() and not (hang / "rank1.json").exists(), output
+    dump = json.loads((hang / "rank0.json").read_text())
+    assert dump["rank"] == 0 and dump["last_op"] is not None, dump
+    assert dump["last_op"]["step"] == dump["step"], dump
+    assert f"{hang}/rank<R>.json (1 of 2 ranks wrote one; no file from rank(s) 1" in output
+    assert "error: rank 0 step" in output, output
+
+
+# ---------------------------------------------------------------- restart after a killed rank
+def test_killed_rank_restarts_group_and_resumes_with_same_losses(tmp_path):
+    """torchrun --max-restarts=1: SIGKILL rank 1 after a checkpoint and past it; the group
+    restarts, resumes from `latest`, and every step's loss equals an uninterrupted run."""
+    steps, save = 24, 6
+    common = ["--config", SMOKE, "parallel.tp=2", "parallel.dp=2", f"train.steps={steps}"]
+    common += [f"train.save_interval={save}", "train.resume=auto", "log.progress=false"]
+    ref_out, out = tmp_path / "reference", tmp_path / "killed"
+    ref_log, log = tmp_path / "reference.log", tmp_path / "killed.log"
+    # both runs at once: their start-ups (most of the time here) overlap
+    ref = launch([*common, f"train.out_dir={ref_out}"], ref_log)
+    proc = launch(["--max-restarts", "1", *common, f"train.out_dir={out}"], log)
+    pids = {}
+    try:
+        # past the first checkpoint, so the restart must both load it and redo some steps
+        wait_for(lambda: len(read_metrics(out)) >= save + 2, 240, f"step {save + 2}", proc)
+        pids = rank_pids(proc.pid)
+        os.kill(pids[1], signal.SIGKILL)
+        killed_at = max(read_metrics(out))
+        output = finish(proc, log, timeout=300)
+        ref_output = finish(ref, ref_log, timeout=300)
+    finally:
+        stop(proc)
+        stop(ref)
+    assert ref.returncode == 0, ref_output[-3000:]
+    assert proc.returncode == 0, output[-3000:]
+    assert "--standalone --nproc-per-node=4 --max-restarts=1" in output, output[:2000]
+    assert killed_at < steps - 1, f"the run finished (step {killed_at}) before the kill"
+    assert f"resumed from {out / 'checkpoints'}" in output, output[-3000:]
+    logged = [r["step"] for r in metric_records(out)]
+    assert len(logged) > steps, f"no step was redone, so the group did not restart: {logged}"
+    want, got = read_metrics(ref_out), read_metrics(out)
+    assert sorted(got) == list(range(steps)), sorted(got)
+    diffs = {
+        s: (got[s]["loss"], want[s]["loss"]) for s in want if got[s]["loss"] != want[s]["loss"]
+    }
+    assert not diffs, f"losses after the restart differ from the uninterrupted run: {diffs}"
