@@ -30,8 +30,9 @@ def autocast(cfg: Config, device: torch.device):
     return contextlib.nullcontext()
 
 
-def forward_backward_no_pipelining(chunk, microbatches, loss_scale: float, cfg: Config,
-                                   device) -> torch.Tensor:
+def forward_backward_no_pipelining(
+    chunk, microbatches, loss_scale: float, cfg: Config, device
+) -> torch.Tensor:
     """Gradient accumulation over microbatches; returns the summed (unscaled) token loss."""
     total = torch.zeros((), dtype=torch.float64, device=device)
     for mb in microbatches:
@@ -49,14 +50,17 @@ class Trainer:
 
     def __init__(self, cfg: Config, mesh: ParallelMesh, dataset, vocab_size: int):
         self.cfg, self.mesh, self.dataset = cfg, mesh, dataset
-        self.device = torch.device("cuda", torch.cuda.current_device()) \
-            if torch.cuda.is_available() else torch.device("cpu")
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
         self.tracker = model_parallel_seed(cfg.train.seed, mesh.tp_rank, mesh.pp_rank)
-        self.chunks = [c.to(self.device) for c in build_model(cfg, mesh, self.tracker,
-                                                               vocab_size)]
+        self.chunks = [c.to(self.device) for c in build_model(cfg, mesh, self.tracker, vocab_size)]
         self.params = [p for c in self.chunks for p in c.parameters()]
-        self.embedding_param = next((c.embedding.weight for c in self.chunks if c.pre_process),
-                                    None)
+        self.embedding_param = next(
+            (c.embedding.weight for c in self.chunks if c.pre_process), None
+        )
         self.optimizer = build_optimizer(self.params, cfg.train)
         self.logger = MetricsLogger(cfg, active=dist.get_rank() == 0)
         self.step = 0
@@ -75,15 +79,19 @@ class Trainer:
                 return mesh.edp_rank == 0 and mesh.tp_rank == 0
             return mesh.dp_cp_rank == 0 and (p.meta.tp_dim is not None or mesh.tp_rank == 0)
 
-        t = torch.tensor([float(sum(p.numel() for p in self.params if owner(p)))],
-                         dtype=torch.float64, device=self.device)
+        t = torch.tensor(
+            [float(sum(p.numel() for p in self.params if owner(p)))],
+            dtype=torch.float64,
+            device=self.device,
+        )
         mappings.all_reduce(t, dist.group.WORLD)
         return int(t.item())
 
     def _forward_backward(self, microbatches, loss_scale: float) -> torch.Tensor:
         if self.mesh.pp_size == 1:
-            return forward_backward_no_pipelining(self.chunks[0], microbatches, loss_scale,
-                                                  self.cfg, self.device)
+            return forward_backward_no_pipelining(
+                self.chunks[0], microbatches, loss_scale, self.cfg, self.device
+            )
         from megatron_lite.pipeline.engine import forward_backward_pipelining
 
         return forward_backward_pipelining(self, microbatches, loss_scale)
@@ -92,13 +100,23 @@ class Trainer:
         cfg, mesh = self.cfg, self.mesh
         t0 = time.perf_counter()
         STATS.start_step(self.step)
-        micro = [mb.to(self.device) for mb in microbatches_for_step(
-            self.dataset, self.step, cfg.train.global_batch_size, cfg.train.micro_batch_size,
-            mesh.dp_rank, mesh.dp_size)]
+        micro = [
+            mb.to(self.device)
+            for mb in microbatches_for_step(
+                self.dataset,
+                self.step,
+                cfg.train.global_batch_size,
+                cfg.train.micro_batch_size,
+                mesh.dp_rank,
+                mesh.dp_size,
+            )
+        ]
         # token-weighted mean over the global batch: every rank divides by the same count
-        n_tokens = torch.tensor([float(sum((mb[:, 1:] != IGNORE_INDEX).sum() for mb in micro))],
-                                device=self.device,
-                                dtype=torch.float64)
+        n_tokens = torch.tensor(
+            [float(sum((mb[:, 1:] != IGNORE_INDEX).sum() for mb in micro))],
+            device=self.device,
+            dtype=torch.float64,
+        )
         mappings.all_reduce(n_tokens, mesh.dp_group)
         lr = lr_at(self.step, cfg.train)
         set_lr(self.optimizer, lr)
@@ -119,9 +137,16 @@ class Trainer:
             moe = moe_metrics(self.chunks, mesh)
         dt = time.perf_counter() - t0
         global_tokens = cfg.train.global_batch_size * cfg.model.seq_length
-        record = {"step": self.step, "loss": report.item() / n_tokens.item(), "lr": lr,
-                  "grad_norm": grad_norm, "tokens_per_s": global_tokens / dt, "step_time_s": dt,
-                  **moe, **STATS.summary()}
+        record = {
+            "step": self.step,
+            "loss": report.item() / n_tokens.item(),
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens_per_s": global_tokens / dt,
+            "step_time_s": dt,
+            **moe,
+            **STATS.summary(),
+        }
         self.step += 1
         return record
 
