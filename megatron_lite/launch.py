@@ -35,9 +35,29 @@ def world_size_from_config(argv) -> int:
 
 def split_launcher_args(argv) -> tuple[argparse.Namespace, list[str]]:
     """The launcher's own flags, and the rest (the arguments of megatron_lite.train)."""
-    p = argparse.ArgumentParser(prog="python -m megatron_lite.launch", add_help=False)
-    p.add_argument("--max-restarts", type=int, default=0, metavar="N")
-    return p.parse_known_args(argv)
+    p = argparse.ArgumentParser(
+        prog="python -m megatron_lite.launch",
+        description="Validate the config, prepare the data, then run torchrun on this machine "
+        "with tp·pp·cp·dp ranks (parallel.dp must be set) of python -m megatron_lite.train.",
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="let torchrun restart the whole group up to N times after a rank fails; with "
+        "train.resume=auto (the default) it continues from the latest checkpoint",
+    )
+    p.add_argument("--config", help="YAML config file (e.g. configs/quickstart.yaml)")
+    p.add_argument(
+        "overrides", nargs="*", metavar="section.key=value", help="config overrides, YAML-typed"
+    )
+    launcher, _ = p.parse_known_args(argv)  # exits here on --help
+    rest = [a for a in argv if not a.startswith("--max-restarts")]
+    if "--max-restarts" in argv:  # the value was a separate argument
+        i = argv.index("--max-restarts")
+        rest = argv[:i] + argv[i + 2 :]
+    return launcher, rest
 
 
 def main(argv=None) -> None:
