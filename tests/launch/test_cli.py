@@ -134,3 +134,20 @@ def test_quickstart_config_runs_on_the_real_corpus(tmp_path):
     assert "[data] shakespeare: 43 documents" in r.stdout, r.stdout
     losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == 3 and losses[0] > 7.5, losses  # ~ln(4096) at the start
+
+
+def test_wandb_offline_logging_needs_no_network(tmp_path):
+    r = _run(
+        [
+            "megatron_lite.train",
+            "--config",
+            SMOKE,
+            "log.wandb=true",
+            "train.steps=2",
+            f"train.out_dir={tmp_path}",
+        ],
+        env={"WANDB_SILENT": "true"},
+    )
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and any(runs[0].glob("*.wandb")), list((tmp_path / "wandb").iterdir())
