@@ -12,6 +12,7 @@ LAYOUTS = {
     "cp2": (2, ["parallel.cp=2"]),
     "cp4_gqa_replicated_kv": (4, ["parallel.cp=4"]),  # 2 KV groups < cp: replicated
     "tp2_cp2_sp": (4, ["parallel.tp=2", "parallel.cp=2", "parallel.sequence_parallel=true"]),
+    "cp2_pp2": (4, ["parallel.cp=2", "parallel.pp=2"]),
 }
 MODELS = {"llama": ["model.arch=llama"], "gpt": ["model.arch=gpt"]}
 
