@@ -64,6 +64,12 @@ def test_wrong_type_names_key():
         ),
         (1, ["model.arch=bert"], "model.arch='bert': must be one of llama, gpt"),
         (1, ["parallel.ep=2"], "needs an MoE model"),
+        (3, ["parallel.cp=3"], "query heads per TP rank (4) must be divisible by cp"),
+        (
+            2,
+            ["parallel.cp=2", "model.seq_length=63"],
+            "model.seq_length=63: must be divisible by cp",
+        ),
         (
             2,
             ["model.num_experts=3", "parallel.ep=2"],
