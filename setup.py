@@ -12,7 +12,6 @@ setup(
     python_requires=">=3.10",
     packages=packages,
     package_dir={"megatron_lite.kernels": "kernels"},
-    package_data={"megatron_lite": ["../configs/*.yaml"]},
     install_requires=[
         # torch is listed without a CUDA/CPU pin: install it first (see README) so pip never
         # replaces an existing build with a multi-GB CUDA wheel.

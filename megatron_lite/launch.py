@@ -17,8 +17,8 @@ import os
 import shutil
 import sys
 
-from megatron_lite.config import ConfigError, load_config, validate
-from megatron_lite.train import parse_args, user_error
+from megatron_lite.config import ConfigError, load_config
+from megatron_lite.train import parse_args, prepare, user_error
 
 
 def world_size_from_config(argv) -> int:
@@ -37,6 +37,7 @@ def split_launcher_args(argv) -> tuple[argparse.Namespace, list[str]]:
     """The launcher's own flags, and the rest (the arguments of megatron_lite.train)."""
     p = argparse.ArgumentParser(
         prog="python -m megatron_lite.launch",
+        allow_abbrev=False,
         description="Validate the config, prepare the data, then run torchrun on this machine "
         "with tp·pp·cp·dp ranks (parallel.dp must be set) of python -m megatron_lite.train.",
     )
@@ -62,13 +63,11 @@ def split_launcher_args(argv) -> tuple[argparse.Namespace, list[str]]:
 
 def main(argv=None) -> None:
     launcher, argv = split_launcher_args(sys.argv[1:] if argv is None else argv)
-    from megatron_lite.data import DataFileError, build_dataset
+    from megatron_lite.data import DataFileError
 
     try:
         world = world_size_from_config(argv)
-        args = parse_args(argv)
-        cfg = validate(load_config(args.config, args.overrides), world)
-        build_dataset(cfg)  # first run: download, tokenizer, preprocessing (cached)
+        prepare(argv, world_size=world)  # first run: download, tokenizer, preprocessing (cached)
     except (ConfigError, DataFileError) as e:
         user_error(e)
     torchrun = shutil.which("torchrun")

@@ -18,7 +18,14 @@ import sys
 import torch
 import torch.distributed as dist
 
-from megatron_lite.config import Config, ConfigError, load_config, save_config, validate
+from megatron_lite.config import (
+    Config,
+    ConfigError,
+    check_hardware,
+    load_config,
+    save_config,
+    validate,
+)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -38,14 +45,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def prepare(argv=None, world_size: int | None = None):
+def prepare(argv=None, world_size: int | None = None, hardware: bool = True):
     """Config + data, no process groups: returns (cfg, dataset, vocab_size) or raises
-    ConfigError / DataFileError with a user-facing message."""
+    ConfigError / DataFileError with a user-facing message. `hardware=False` skips the checks
+    that need the ranks' machine (GPU backends), for validating on a login node."""
     from megatron_lite.data import build_dataset
 
     args = parse_args(argv)
     world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     cfg = validate(load_config(args.config, args.overrides), world_size)
+    if hardware:
+        check_hardware(cfg)
     dataset, vocab_size = build_dataset(cfg)
     if cfg.model.vocab_size is None:
         cfg.model.vocab_size = vocab_size

@@ -44,7 +44,7 @@ from megatron_lite.data import DataFileError
 from megatron_lite.train import prepare, user_error
 
 try:
-    prepare(sys.argv[2:], world_size=int(sys.argv[1]))
+    prepare(sys.argv[2:], world_size=int(sys.argv[1]), hardware=False)  # no GPU needed here
 except (ConfigError, DataFileError) as e:
     user_error(e)
 PY

@@ -6,7 +6,8 @@ conjugate all-to-all restores the sequence split. The backward of each all-to-al
 all-to-all with split and concat dims swapped (see parallel/mappings.py).
 
 Per layer and rank the forward moves (2 + 2·g/n)·s·b·h/(tp·cp) elements (q, k, v, out; g/n =
-KV heads over query heads), of which (cp−1)/cp leaves the rank.
+KV heads over query heads, g counted after replication up to cp), of which (cp−1)/cp leaves
+the rank.
 """
 
 from __future__ import annotations

@@ -60,12 +60,11 @@ def resolve_attention_backend(requested: str, precision: str) -> str:
 
 def sdpa_attention(q, k, v, dropout_p: float) -> torch.Tensor:
     """Causal attention. q [s, b, n, d], k/v [s, b, g, d] (n % g == 0) -> [s, b, n, d]."""
-    n, g = q.shape[2], k.shape[2]
-    if g != n:  # grouped-query attention: each KV head serves n/g query heads
-        k = k.repeat_interleave(n // g, dim=2)
-        v = v.repeat_interleave(n // g, dim=2)
-    q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
-    out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+    gqa = k.shape[2] != q.shape[2]  # each KV head serves n/g query heads, without copies
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
+    out = F.scaled_dot_product_attention(
+        q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=gqa
+    )
     return out.permute(2, 0, 1, 3)
 
 

@@ -63,6 +63,12 @@ class RankLayout:
                 f"parallel.order={self.order!r} must name each of {AXES} once, "
                 f"e.g. {DEFAULT_ORDER!r}"
             )
+        pos = sorted(tokens.index(a) for a in ("cp", "ep", "dp"))
+        if pos[2] - pos[0] != 2:
+            raise ValueError(
+                f"parallel.order={self.order!r}: cp, ep and dp must be adjacent "
+                "(experts fold into the dp×cp ranks), e.g. " + DEFAULT_ORDER
+            )
         mp = self.tp * self.pp * self.cp
         if self.world_size % mp:
             raise ValueError(f"world size {self.world_size} is not divisible by tp·pp·cp = {mp}")
@@ -137,7 +143,7 @@ class ParallelMesh:
         self.rank = dist.get_rank()
         kw = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}
         for name in layout.group_names():
-            mine = None
+            mine, my_ranks = None, []
             for ranks in layout.groups(name):
                 g = dist.new_group(ranks, group_desc=name, **kw)
                 if self.rank in ranks:

@@ -31,6 +31,17 @@ class ParamMeta:
     init_name: str | None = None  # seed key override (tied copies share the original's)
 
 
+def unique_owner(meta: ParamMeta, mesh) -> bool:
+    """Whether this rank holds the one copy of its shard that counts (parameter totals,
+    checkpoint writes): dp·cp rank 0 (edp rank 0 for experts), TP rank 0 for TP-replicated
+    params, never the tied last-stage copy."""
+    if meta.tied_copy:
+        return False
+    if meta.is_expert:  # sharded over EP (meta.tp_*), replicated over TP and edp
+        return mesh.edp_rank == 0 and mesh.tp_rank == 0
+    return mesh.dp_cp_rank == 0 and (meta.tp_dim is not None or mesh.tp_rank == 0)
+
+
 def set_meta(p: torch.nn.Parameter, **kw) -> torch.nn.Parameter:
     p.meta = ParamMeta(**kw)
     return p

@@ -1,4 +1,4 @@
-"""Pipeline parallelism: schedules as data, their simulator, and (later) the engine.
+"""Pipeline parallelism: schedules as data, their simulator, P2P and the engine that runs them.
 
 The function `simulate` is not re-exported here: that name stays the module
 `megatron_lite.pipeline.simulate` (use `from megatron_lite.pipeline.simulate import simulate`).

@@ -117,6 +117,12 @@ class P2PCommunicator:
             raise self._error(batch, batch[0], f"failed to post: {e}") from e
         # gloo returns one work per op; a coalesced backend may return one for the whole batch
         named = batch if len(works) == len(ops) else [batch[0]] * len(works)
+        if self.device.type == "cuda":
+            # NCCL: wait() only orders the compute stream after the transfer; a timed wait
+            # would poll on the host. Timeouts come from the group's timeout and watchdog.
+            for work in works:
+                work.wait()
+            works, named = [], []
         for action, work in zip(named, works, strict=True):
             remaining = deadline - time.monotonic()
             try:

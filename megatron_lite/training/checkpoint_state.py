@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from megatron_lite.parallel.params import ParamMeta
+from megatron_lite.parallel.params import ParamMeta, unique_owner
 
 SEGMENT_NAMES = {"linear_qkv": ("q", "k", "v"), "linear_fc1": ("gate", "up")}
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -99,11 +99,7 @@ def param_pieces(name: str, meta: ParamMeta) -> list[Piece]:
 
 def writes(meta: ParamMeta, mesh) -> bool:
     """Whether this rank is the one replica that saves its pieces of the parameter."""
-    if meta.tied_copy:
-        return False
-    if meta.is_expert:  # sharded over EP (meta.tp_*), replicated over TP and edp
-        return mesh.edp_rank == 0 and mesh.tp_rank == 0
-    return mesh.dp_cp_rank == 0 and (meta.tp_dim is not None or mesh.tp_rank == 0)
+    return unique_owner(meta, mesh)
 
 
 def named_parameters(chunks) -> list[tuple[str, torch.nn.Parameter]]:

@@ -28,7 +28,6 @@ class MetricsLogger:
         if not active:
             return
         os.makedirs(cfg.train.out_dir, exist_ok=True)
-        self.file = open(os.path.join(cfg.train.out_dir, "metrics.jsonl"), "a")
         if cfg.log.wandb and cfg.log.wandb_mode != "disabled":
             import wandb
 
@@ -39,9 +38,25 @@ class MetricsLogger:
                 config=cfg.to_dict(),
             )
 
+    def _open(self, first_step: int) -> None:
+        """Append to metrics.jsonl, first dropping records of steps this run will redo (a
+        resume from an earlier checkpoint), so each step appears once."""
+        path = os.path.join(self.cfg.train.out_dir, "metrics.jsonl")
+        if os.path.exists(path):
+            with open(path) as f:
+                keep = [
+                    line for line in f if line.strip() and json.loads(line)["step"] < first_step
+                ]
+            with open(path + ".tmp", "w") as f:
+                f.writelines(keep)
+            os.replace(path + ".tmp", path)
+        self.file = open(path, "a")
+
     def log(self, record: dict, first_step: int) -> None:
         if not self.active:
             return
+        if self.file is None:
+            self._open(first_step)
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
         if self.wandb is not None:

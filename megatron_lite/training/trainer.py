@@ -9,12 +9,13 @@ import time
 import torch
 import torch.distributed as dist
 
-from megatron_lite.config import Config, num_microbatches
+from megatron_lite.config import Config
 from megatron_lite.data.sampler import microbatches_for_step
 from megatron_lite.models import build_model
 from megatron_lite.parallel import mappings
 from megatron_lite.parallel.comm_stats import STATS
 from megatron_lite.parallel.mesh import ParallelMesh
+from megatron_lite.parallel.params import unique_owner
 from megatron_lite.parallel.random import model_parallel_seed
 from megatron_lite.training.checkpoint import Checkpointer
 from megatron_lite.training.grads import clip_grad_norm, finalize_grads
@@ -64,23 +65,13 @@ class Trainer:
         self.optimizer = build_optimizer(self.params, cfg.train)
         self.logger = MetricsLogger(cfg, active=dist.get_rank() == 0)
         self.step = 0
-        self.n_micro = num_microbatches(cfg)
         self.checkpointer = Checkpointer(self)  # resumes per train.resume / train.init_from
         self.checkpointer.resume()
 
     def num_parameters(self) -> int:
         """Parameters of the whole model (each element once), summed over all ranks."""
-        mesh = self.mesh
-
-        def owner(p) -> bool:  # the one rank that counts this element
-            if p.meta.tied_copy:
-                return False
-            if p.meta.is_expert:  # sharded over EP, replicated over TP and expert-DP
-                return mesh.edp_rank == 0 and mesh.tp_rank == 0
-            return mesh.dp_cp_rank == 0 and (p.meta.tp_dim is not None or mesh.tp_rank == 0)
-
         t = torch.tensor(
-            [float(sum(p.numel() for p in self.params if owner(p)))],
+            [float(sum(p.numel() for p in self.params if unique_owner(p.meta, self.mesh)))],
             dtype=torch.float64,
             device=self.device,
         )

@@ -3,12 +3,14 @@
 import pytest
 import torch
 
-from megatron_lite.config import ConfigError, load_config, validate
+from megatron_lite.config import ConfigError, check_hardware, load_config, validate
 from megatron_lite.models.backends import resolve_attention_backend, sdpa_attention
 
 
 def _validate(*overrides):
-    return validate(load_config(None, ["data.mock=true", "model.vocab_size=64", *overrides]), 1)
+    cfg = validate(load_config(None, ["data.mock=true", "model.vocab_size=64", *overrides]), 1)
+    check_hardware(cfg)
+    return cfg
 
 
 def test_auto_is_sdpa_without_cuda_or_in_fp32():

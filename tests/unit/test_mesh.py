@@ -61,6 +61,22 @@ def test_bad_layouts():
         RankLayout(4, tp=2, ep=4)
     with pytest.raises(ValueError, match="must name each"):
         RankLayout(4, order="tp-dp-pp")
+    with pytest.raises(ValueError, match="cp, ep and dp must be adjacent"):
+        RankLayout(4, order="tp-cp-pp-ep-dp")
+
+
+def test_every_valid_order_keeps_expert_groups_inside_dp_cp():
+    import itertools
+
+    for perm in itertools.permutations(["tp", "cp", "ep", "dp", "pp"]):
+        try:
+            L = RankLayout(16, tp=2, cp=2, ep=2, order="-".join(perm))
+        except ValueError:
+            continue
+        blocks = [set(g) for g in L.groups("dp_cp")]
+        for name in ("ep", "edp"):
+            for g in L.groups(name):
+                assert any(set(g) <= b for b in blocks), (perm, name, g)
 
 
 def test_rank_map_lists_every_rank():
