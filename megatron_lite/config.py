@@ -456,6 +456,15 @@ def validate(cfg: Config, world_size: int) -> Config:
         "must name tp, cp, ep, dp and pp once each, joined by '-'",
         "use the default tp-cp-ep-dp-pp",
     )
+    tokens = p.order.split("-")
+    pos = sorted(tokens.index(a) for a in ("cp", "ep", "dp"))
+    _rule(
+        pos[2] - pos[0] == 2,
+        "parallel.order",
+        p.order,
+        "cp, ep and dp must be adjacent (experts fold into the dp×cp ranks)",
+        "use the default tp-cp-ep-dp-pp",
+    )
 
     # attention heads and query groups
     _rule(

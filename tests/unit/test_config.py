@@ -106,3 +106,28 @@ def test_yaml_file_and_missing_file(tmp_path):
     path.write_text("model:\n  hidden_sise: 32\n")
     with pytest.raises(ConfigError, match="Did you mean 'model.hidden_size'"):
         load_config(str(path))
+
+
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (["log.interval=0"], "log.interval=0: must be >= 1"),
+        (["model.arch=gpt", "model.max_position_embeddings=10"], "must be >= model.seq_length"),
+        (["train.global_batch_size=0"], "train.global_batch_size=0: must be >= 1"),
+        (["model.hidden_size=12"], "rotary embeddings need an even head dim"),
+        (["model.make_vocab_size_divisible_by=0"], "make_vocab_size_divisible_by=0"),
+        (["train.adam_beta1=1.5"], "train.adam_beta1=1.5: must be in [0, 1)"),
+        (["model.num_query_groups=0"], "model.num_query_groups=0: must be >= 1"),
+        (["parallel.timeout_s=0"], "parallel.timeout_s=0.0: must be > 0"),
+        (["model.vocab_size=0"], "model.vocab_size=0: must be >= 1"),
+        (["parallel.order=tp-cp-pp-ep-dp"], "cp, ep and dp must be adjacent"),
+    ],
+)
+def test_values_that_would_fail_after_start_up_are_rejected(overrides, needle):
+    msg = _error(1, *overrides)
+    assert needle in msg and "Fix:" in msg, msg
+
+
+def test_moe_with_tp_needs_sequence_parallel():
+    msg = _error(2, "parallel.tp=2", "model.num_experts=4")
+    assert "needs sequence parallelism" in msg, msg
