@@ -18,14 +18,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from megatron_lite.config import (
-    Config,
-    ConfigError,
-    check_hardware,
-    load_config,
-    save_config,
-    validate,
-)
+from megatron_lite.config import Config, ConfigError, load_config, save_config
+from megatron_lite.validation import check_hardware, validate
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -14,12 +14,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron_lite.config import Config, num_microbatches
+from megatron_lite.config import Config
 from megatron_lite.moe.dispatcher import AllToAllTokenDispatcher
 from megatron_lite.moe.experts import LocalExperts
 from megatron_lite.moe.router import MoEAuxLossAutoScaler, TopKRouter
 from megatron_lite.parallel import mappings
 from megatron_lite.parallel.params import scaled_std
+from megatron_lite.validation import num_microbatches
 
 
 def is_moe_layer(cfg: Config, layer_number: int) -> bool:

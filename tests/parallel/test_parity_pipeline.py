@@ -12,7 +12,8 @@ import os
 
 import pytest
 
-from megatron_lite.config import ConfigError, load_config, validate
+from megatron_lite.config import ConfigError, load_config
+from megatron_lite.validation import validate
 from tests.dist_harness import run_ranks
 from tests.parallel.parity import max_rel_diff, reference_losses, train_losses
 

@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from megatron_lite.config import ConfigError, check_hardware, load_config, validate
+from megatron_lite.config import ConfigError, load_config
 from megatron_lite.models.backends import resolve_attention_backend, sdpa_attention
+from megatron_lite.validation import check_hardware, validate
 
 
 def _validate(*overrides):

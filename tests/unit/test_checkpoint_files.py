@@ -164,7 +164,8 @@ def test_one_writer_per_piece():
     ],
 )
 def test_checkpoint_config_errors(override, needle):
-    from megatron_lite.config import ConfigError, load_config, validate
+    from megatron_lite.config import ConfigError, load_config
+    from megatron_lite.validation import validate
 
     cfg = load_config(None, ["data.mock=true", "model.vocab_size=128", override])
     with pytest.raises(ConfigError, match="Fix: ") as e:
@@ -173,7 +174,8 @@ def test_checkpoint_config_errors(override, needle):
 
 
 def test_init_from_a_hf_directory_says_convert_first(tmp_path):
-    from megatron_lite.config import ConfigError, load_config, validate
+    from megatron_lite.config import ConfigError, load_config
+    from megatron_lite.validation import validate
 
     (tmp_path / "config.json").write_text("{}")
     cfg = load_config(

@@ -2,7 +2,8 @@
 
 import pytest
 
-from megatron_lite.config import ConfigError, load_config, validate
+from megatron_lite.config import ConfigError, load_config
+from megatron_lite.validation import validate
 
 
 def _cfg(*overrides):
