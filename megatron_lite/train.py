@@ -113,6 +113,8 @@ def main(argv=None) -> None:
     except CollectiveError as e:  # a hang or a dead peer: write hang/rank<R>.json, exit 1
         rank, world = dist.get_rank(), dist.get_world_size()
         exit_on_collective_error(e, cfg.train.out_dir, rank, world, p.timeout_s)
+    # no rank tears down its connections while a peer may still be finishing a send to it
+    dist.barrier()
     dist.destroy_process_group()
 
 
