@@ -23,6 +23,7 @@ import sys
 import tarfile
 import time
 
+from megatron_lite.atomic import write_atomic
 from megatron_lite.data.errors import DataFileError
 from megatron_lite.data.preprocess import preprocess
 from megatron_lite.data.tokenizer import train_tokenizer
@@ -72,7 +73,7 @@ def prepare_corpus(name: str, cache_dir: str, vocab_size: int) -> tuple[str, str
             "tokens": stats.tokens,
             "seconds": round(seconds, 2),
         }
-        _write_json_atomic(done, summary)
+        write_atomic(done, json.dumps(summary, indent=1))
         print(
             f"[data] {name}: {stats.documents} documents, {stats.tokens:,} tokens, prepared "
             f"in {seconds:.1f} s -> {out}",
@@ -189,12 +190,3 @@ def _extract_plays(tarball: str, texts_dir: str) -> None:
         )
     os.replace(tmp, texts_dir)
     print(f"[data] extracted {count} plays ({size / 1e6:.1f} MB) to {texts_dir}", flush=True)
-
-
-def _write_json_atomic(path: str, obj: dict) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)

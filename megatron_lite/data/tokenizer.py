@@ -7,6 +7,7 @@ import os
 
 import sentencepiece as spm
 
+from megatron_lite.atomic import write_atomic
 from megatron_lite.data.errors import DataFileError
 
 # Enough lines for a stable vocabulary while keeping training well under a minute on 2 cores.
@@ -97,17 +98,8 @@ def train_tokenizer(
         ) from None
     os.makedirs(os.path.dirname(os.path.abspath(model_prefix)), exist_ok=True)
     model_path = model_prefix + ".model"
-    _write_atomic(model_path, model.getvalue())
+    write_atomic(model_path, model.getvalue())
     sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
     pieces = (f"{sp.id_to_piece(i)}\t{sp.get_score(i):g}\n" for i in range(sp.get_piece_size()))
-    _write_atomic(model_prefix + ".vocab", "".join(pieces).encode())
+    write_atomic(model_prefix + ".vocab", "".join(pieces).encode())
     return model_path
-
-
-def _write_atomic(path: str, data: bytes) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)

@@ -20,6 +20,7 @@ from fractions import Fraction
 
 import torch.distributed as dist
 
+from megatron_lite.atomic import write_atomic
 from megatron_lite.pipeline.schedules import get_schedule_table
 from megatron_lite.pipeline.simulate import simulate
 
@@ -87,9 +88,7 @@ def write_trace(recorder: SpanRecorder, pp_rank: int, meta: dict, out_dir: str) 
     trace = {"traceEvents": events, "displayTimeUnit": "ms", "otherData": meta}
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, TRACE_FILE)
-    with open(path + ".tmp", "w") as f:
-        json.dump(trace, f)
-    os.replace(path + ".tmp", path)  # readers never see a half-written file
+    write_atomic(path, json.dumps(trace))  # readers never see a half-written file
     return path
 
 

@@ -22,6 +22,8 @@ import os
 import re
 import shutil
 
+from megatron_lite.atomic import write_atomic
+
 METADATA = "metadata.json"
 LATEST = "latest"
 FORMAT = "megatron_lite.dcp/1"
@@ -46,16 +48,6 @@ def sha256_file(path: str) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
-
-
-def write_atomic(path: str, text: str) -> None:
-    """Write a small file so readers see the old or the new content, never a torn one."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def file_table(path: str) -> dict[str, dict]:

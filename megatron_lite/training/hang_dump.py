@@ -35,6 +35,7 @@ import socket
 import sys
 import time
 
+from megatron_lite.atomic import write_atomic
 from megatron_lite.parallel.comm_stats import STATS, CommStats
 
 HANG_DIR = "hang"
@@ -80,10 +81,7 @@ def write_dump(
     }
     path = hang_path(out_dir, rank)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(record, f, indent=1)
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(record, indent=1))
     return path
 
 

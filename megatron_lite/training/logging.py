@@ -7,6 +7,7 @@ import os
 import sys
 import time
 
+from megatron_lite.atomic import write_atomic
 from megatron_lite.config import Config
 
 
@@ -47,9 +48,7 @@ class MetricsLogger:
                 keep = [
                     line for line in f if line.strip() and json.loads(line)["step"] < first_step
                 ]
-            with open(path + ".tmp", "w") as f:
-                f.writelines(keep)
-            os.replace(path + ".tmp", path)
+            write_atomic(path, "".join(keep))
         self.file = open(path, "a")
 
     def log(self, record: dict, first_step: int) -> None:
