@@ -38,6 +38,8 @@ class ModelConfig:
     make_vocab_size_divisible_by: int = 128
     attention_backend: str = "auto"  # auto | sdpa | flash | te
     linear_backend: str = "local"  # local | te
+    fp8: str | None = None  # None | hybrid | e4m3 (needs linear_backend te, bf16)
+    fp8_recipe: str = "tensorwise"  # tensorwise | delayed | blockwise | mxfp8
     # mixture of experts (num_experts None = dense)
     num_experts: int | None = None
     moe_router_topk: int = 2

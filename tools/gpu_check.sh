@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# GPU check of the fused kernels in one command (at most 4 + 3.5 minutes on one H200):
+# GPU check of the fused kernels in one command (at most 4 + 3.5 + 1.5 minutes on one H200):
 #   1. tests/kernels with the compiled Triton kernels, including the bf16/fp16 cases that the
 #      CPU interpreter skips;
-#   2. the reduced benchmark (tools/bench_kernels.py --quick) into $OUT_DIR (default runs/bench_kernels).
+#   2. the reduced benchmark (tools/bench_kernels.py --quick) into $OUT_DIR (default runs/bench_kernels);
+#   3. when Transformer Engine / flash-attn are installed: 20 bf16 training steps on one GPU with
+#      the local backends, then TE linears, TE linears in FP8 and flash-attn (compare the losses).
 # Extra arguments go to the benchmark, e.g. `tools/gpu_check.sh --providers triton,torch`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,3 +26,20 @@ echo "== tests/kernels (fp32 + bf16 + fp16 on the GPU)"
 timeout 240 python -m pytest tests/kernels -q -rs
 echo "== reduced benchmark -> ${OUT_DIR}"
 timeout 210 python tools/bench_kernels.py --quick --rep-ms 50 --out-dir "${OUT_DIR}" "$@"
+
+echo "== GPU backends (only those installed): 20 bf16 steps each on mock data"
+SMOKE=(--config configs/smoke.yaml train.precision=bf16 train.steps=20 model.hidden_size=256
+       model.num_attention_heads=8 model.seq_length=256 log.interval=5)
+run() { echo "-- $*"; timeout 60 python -m megatron_lite.train "${SMOKE[@]}" "$@" | grep -E "step|error"; }
+run model.attention_backend=sdpa
+if python -c "import transformer_engine.pytorch" 2>/dev/null; then
+  run model.linear_backend=te
+  run model.linear_backend=te model.fp8=hybrid
+else
+  echo "-- transformer_engine is not installed: TE linear/FP8 runs skipped"
+fi
+if python -c "import flash_attn" 2>/dev/null; then
+  run model.attention_backend=flash
+else
+  echo "-- flash_attn is not installed: flash-attn run skipped"
+fi

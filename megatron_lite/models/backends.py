@@ -1,10 +1,15 @@
-"""Attention backends: torch SDPA (everywhere), flash-attn and Transformer Engine (CUDA only,
-from the optional `[gpu]` extra).
+"""Attention and linear backends: torch SDPA and F.linear (everywhere), flash-attn and
+Transformer Engine (CUDA only, from the optional `[gpu]` extra).
 
-`resolve_attention_backend` runs in config validation, before any process group exists: asking
-for a backend that is not installed or not usable on this machine is an error naming the package
-and how to install it; `auto` picks flash-attn only where it computes the same math up to dtype
-rounding (CUDA, bf16 training), else SDPA.
+`resolve_attention_backend` and `resolve_linear_backend` run in the hardware check, before any
+process group exists: asking for a backend that is not installed or not usable on this machine is
+an error naming the package and how to install it; `auto` picks flash-attn only where it computes
+the same math up to dtype rounding (CUDA, bf16 training), else SDPA.
+
+With `model.linear_backend=te` the local GEMM of every column/row-parallel linear in the
+transformer layers is a Transformer Engine `Linear` (its FP8 recipes under `model.fp8`); our
+layers keep doing the tensor/sequence-parallel communication around it, own the weight (same
+name, init and checkpoint as the local backend) and hand it to TE.
 """
 
 from __future__ import annotations
@@ -31,9 +36,13 @@ def _installed(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
+def _cuda() -> bool:
+    return torch.cuda.is_available()
+
+
 def resolve_attention_backend(requested: str, precision: str) -> str:
     """auto|sdpa|flash|te -> the backend to use; raises ValueError(message) when unusable."""
-    cuda = torch.cuda.is_available()
+    cuda = _cuda()
     if requested == "auto":
         # flash-attn has no fp32 kernels: in fp32 training it would change the math
         return "flash" if cuda and precision == "bf16" and _installed("flash_attn") else "sdpa"
@@ -105,3 +114,97 @@ def attention_function(backend: str, n_local: int, g_local: int, head_dim: int, 
     if backend == "te":
         return TEAttention(n_local, g_local, head_dim, dropout_p)
     return sdpa_attention
+
+
+# model.fp8_recipe -> the Transformer Engine recipe class (transformer_engine.common.recipe)
+FP8_RECIPES = {
+    "tensorwise": "Float8CurrentScaling",  # per-tensor scale from the current amax (stateless)
+    "delayed": "DelayedScaling",  # per-tensor scale from an amax history
+    "blockwise": "Float8BlockScaling",  # 1×128 / 128×128 block scales (Hopper, CUDA ≥ 12.9)
+    "mxfp8": "MXFP8BlockScaling",  # 32-element microscaling (Blackwell)
+}
+FP8_FORMATS = {"e4m3": "E4M3", "hybrid": "HYBRID"}  # hybrid: E4M3 forward, E5M2 gradients
+
+
+def resolve_linear_backend(requested: str, fp8: str | None, recipe: str = "tensorwise") -> str:
+    """local|te -> the backend; raises ValueError(message) when TE or FP8 is unusable here."""
+    if requested == "local":
+        return requested
+    module, how = INSTALL["te"]
+    if not _cuda():
+        raise ValueError(
+            f"model.linear_backend={requested!r} needs a CUDA GPU and {module}; this "
+            "machine has no GPU. Fix: use model.linear_backend=local (and model.fp8=null)"
+        )
+    if not _installed(module):
+        raise ValueError(
+            f"model.linear_backend={requested!r} needs the package {module}, which is not "
+            f"installed. Fix: {how}, or use model.linear_backend=local"
+        )
+    if fp8 is not None:
+        ok, reason = _fp8_support(recipe)
+        if not ok:
+            raise ValueError(
+                f"model.fp8_recipe={recipe!r}: Transformer Engine says it cannot run here "
+                f"({reason}). Fix: pick another model.fp8_recipe (tensorwise and delayed need "
+                "Hopper or Ada; blockwise Hopper and CUDA >= 12.9; mxfp8 Blackwell), or set "
+                "model.fp8=null for bf16 GEMMs through TE"
+            )
+    return requested
+
+
+def _fp8_support(recipe: str) -> tuple[bool, str]:
+    import transformer_engine.pytorch as te
+
+    check = {
+        "blockwise": "is_fp8_block_scaling_available",
+        "mxfp8": "is_mxfp8_available",
+    }.get(recipe, "is_fp8_available")
+    if hasattr(te, check):
+        return getattr(te, check)(return_reason=True)
+    from transformer_engine.pytorch import fp8 as te_fp8  # TE < 2.5
+
+    return te_fp8.check_fp8_support()
+
+
+def fp8_recipe(fmt: str, recipe: str):
+    """The Transformer Engine recipe object for model.fp8 / model.fp8_recipe."""
+    from transformer_engine.common import recipe as te_recipe
+
+    cls = getattr(te_recipe, FP8_RECIPES[recipe])
+    return cls(fp8_format=getattr(te_recipe.Format, FP8_FORMATS[fmt]))
+
+
+def fp8_autocast(recipe, group):
+    """Context in which TE linears run their GEMMs in FP8; `group` reduces amaxes (delayed
+    scaling) over the ranks of one pipeline stage (tp×cp×dp)."""
+    import transformer_engine.pytorch as te
+
+    if hasattr(te, "autocast"):  # TE ≥ 2.8
+        return te.autocast(enabled=True, recipe=recipe, amax_reduction_group=group)
+    return te.fp8_autocast(enabled=True, fp8_recipe=recipe, fp8_group=group)
+
+
+class TELinearGemm:
+    """y = x Wᵀ (+ b, added after) through a Transformer Engine Linear without bias or
+    communication, computing with the `weight` that the calling layer owns. Kept out of the
+    nn.Module tree, so parameter names, init, grad sync and checkpoints are the local backend's."""
+
+    def __init__(self, weight: torch.nn.Parameter):
+        import transformer_engine.pytorch as te
+
+        out_features, in_features = weight.shape
+        self.linear = te.Linear(
+            in_features,
+            out_features,
+            bias=False,
+            params_dtype=weight.dtype,
+            device=weight.device,
+        )
+        self.linear.weight = weight  # TE reads its weight by name at every forward
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
+        if self.linear.weight is not weight:  # the layer's parameter was replaced (e.g. .to())
+            self.linear.weight = weight
+        y = self.linear(x)
+        return y if bias is None else y + bias

@@ -18,7 +18,13 @@ from torch import nn
 from megatron_lite import kernels
 from megatron_lite.config import Config
 from megatron_lite.context.ulysses import ulysses_attention
-from megatron_lite.models.backends import attention_function, resolve_attention_backend
+from megatron_lite.models.backends import (
+    attention_function,
+    fp8_autocast,
+    fp8_recipe,
+    resolve_attention_backend,
+    resolve_linear_backend,
+)
 from megatron_lite.parallel import mappings
 from megatron_lite.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_lite.parallel.layers import (
@@ -59,9 +65,17 @@ class Context:
     def __init__(self, cfg: Config, mesh: ParallelMesh, tracker: RNGStatesTracker):
         self.cfg, self.mesh, self.tracker = cfg, mesh, tracker
         self.sp = cfg.parallel.sequence_parallel and mesh.tp_size > 1
-        self.attention_backend = resolve_attention_backend(
-            cfg.model.attention_backend, cfg.train.precision
-        )
+        m = cfg.model
+        self.attention_backend = resolve_attention_backend(m.attention_backend, cfg.train.precision)
+        self.linear_backend = resolve_linear_backend(m.linear_backend, m.fp8, m.fp8_recipe)
+        self.fp8_recipe = None if m.fp8 is None else fp8_recipe(m.fp8, m.fp8_recipe)
+
+    def fp8(self):
+        """Context for the transformer layers: FP8 GEMMs in TE linears when model.fp8 is set
+        (the embedding, output layer and loss stay outside it, in bf16/fp32)."""
+        if self.fp8_recipe is None:
+            return contextlib.nullcontext()
+        return fp8_autocast(self.fp8_recipe, self.mesh.tp_dp_cp_group)
 
     def dropout(self, x: torch.Tensor, p: float, tp_region: bool) -> torch.Tensor:
         """Dropout; activations that differ per TP rank use the TP-rank RNG state."""
@@ -92,6 +106,7 @@ class Attention(nn.Module):
             bias=spec.bias,
             sequence_parallel=ctx.sp,
             init_std=m.init_method_std,
+            gemm=ctx.linear_backend,
         )
         self.linear_proj = RowParallelLinear(
             q,
@@ -100,6 +115,7 @@ class Attention(nn.Module):
             bias=spec.bias,
             sequence_parallel=ctx.sp,
             init_std=scaled_std(m.init_method_std, m.num_layers),
+            gemm=ctx.linear_backend,
         )
 
     def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
@@ -142,6 +158,7 @@ class MLP(nn.Module):
             bias=spec.bias,
             sequence_parallel=ctx.sp,
             init_std=m.init_method_std,
+            gemm=ctx.linear_backend,
         )
         self.linear_fc2 = RowParallelLinear(
             ffn,
@@ -150,6 +167,7 @@ class MLP(nn.Module):
             bias=spec.bias,
             sequence_parallel=ctx.sp,
             init_std=scaled_std(m.init_method_std, m.num_layers),
+            gemm=ctx.linear_backend,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -289,8 +307,9 @@ class ModelChunk(nn.Module):
         if self.pre_process:
             x = self.embed(x)
         rope = (self.rope_cos, self.rope_sin) if self.spec.rotary else None
-        for layer in self.layers.values():
-            x = layer(x, rope)
+        with self.ctx.fp8():
+            for layer in self.layers.values():
+                x = layer(x, rope)
         if not self.post_process:
             return x
         return self.loss(self.final_norm(x), labels)

@@ -16,6 +16,18 @@ def _tp(group) -> tuple[int, int]:
     return (mappings.size(group), torch.distributed.get_rank(group) if group is not None else 0)
 
 
+def _gemm(backend: str, weight: nn.Parameter | None):
+    """The local GEMM y = x Wᵀ (+ b): torch's F.linear, or a Transformer Engine Linear (FP8 capable)
+    that computes with the layer's own weight (see models/backends.py)."""
+    if backend == "local" or weight is None:
+        return F.linear
+    if backend == "te":
+        from megatron_lite.models.backends import TELinearGemm
+
+        return TELinearGemm(weight)
+    raise ValueError(f"unknown linear backend {backend!r} (local | te)")
+
+
 class ColumnParallelLinear(nn.Module):
     """Y = X Aᵀ + b with A split along its output dim: [s(/tp), b, in] -> [s, b, out/tp].
 
@@ -23,6 +35,7 @@ class ColumnParallelLinear(nn.Module):
     split across TP separately, so rank r holds its slice of every segment. With
     `sequence_parallel`, the input is the sequence shard and is all-gathered first (backward:
     reduce-scatter); otherwise the input is replicated and its gradient is all-reduced.
+    `gemm` picks the local matrix multiply: "local" (torch) or "te" (Transformer Engine).
     """
 
     def __init__(
@@ -36,6 +49,7 @@ class ColumnParallelLinear(nn.Module):
         gather_output: bool = False,
         init_std: float = 0.02,
         skip_weight: bool = False,
+        gemm: str = "local",
     ):
         super().__init__()
         self.tp_group, self.sequence_parallel, self.gather_output = (
@@ -63,13 +77,14 @@ class ColumnParallelLinear(nn.Module):
             self.bias = set_meta(
                 nn.Parameter(torch.empty(out_local)), full_shape=(out_full,), init="zeros", **shard
             )
+        self._gemm = _gemm(gemm, self.weight)
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         if self.sequence_parallel:
             x = mappings.gather_from_sequence_parallel_region(x, self.tp_group)  # [s/tp]->[s]
         else:
             x = mappings.copy_to_tensor_parallel_region(x, self.tp_group)
-        y = F.linear(x, self.weight if weight is None else weight, self.bias)  # [s, b, out/tp]
+        y = self._gemm(x, self.weight if weight is None else weight, self.bias)  # [s, b, out/tp]
         if self.gather_output:
             y = mappings.gather_from_tensor_parallel_region(y, self.tp_group)
         return y
@@ -80,7 +95,7 @@ class RowParallelLinear(nn.Module):
 
     The partial products are all-reduced, or reduce-scattered along the sequence with
     `sequence_parallel`. The bias is replicated and added after the reduction (its gradient is
-    summed over TP when it sees only a sequence shard).
+    summed over TP when it sees only a sequence shard). `gemm` as in ColumnParallelLinear.
     """
 
     def __init__(
@@ -92,6 +107,7 @@ class RowParallelLinear(nn.Module):
         bias: bool = True,
         sequence_parallel: bool = False,
         init_std: float = 0.02,
+        gemm: str = "local",
     ):
         super().__init__()
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
@@ -114,9 +130,10 @@ class RowParallelLinear(nn.Module):
                 init="zeros",
                 sequence_parallel=sequence_parallel and tp > 1,
             )
+        self._gemm = _gemm(gemm, self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)  # [s, b, out] partial sums over TP
+        y = self._gemm(x, self.weight)  # [s, b, out] partial sums over TP
         if self.sequence_parallel:
             y = mappings.reduce_scatter_to_sequence_parallel_region(y, self.tp_group)  # [s/tp]
         else:

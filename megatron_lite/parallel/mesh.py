@@ -30,6 +30,7 @@ DENSE_GROUPS = {
     "pp": ("pp",),
     "dp_cp": ("cp", "dp"),
     "tp_pp": ("tp", "pp"),
+    "tp_dp_cp": ("tp", "cp", "dp"),  # one pipeline stage: FP8 amax reduction
 }
 EXPERT_GROUPS = {"ep": ("ep",), "edp": ("dp",)}
 
@@ -129,7 +130,8 @@ class ParallelMesh:
     """Process groups for one rank. Must be built by every rank in the same order.
 
     Attributes: `layout`, `rank`, `<name>_group`, `<name>_rank`, `<name>_size` for each group
-    name in `RankLayout.group_names()` (tp, cp, dp, pp, dp_cp, tp_pp, ep, edp, embedding).
+    name in `RankLayout.group_names()` (tp, cp, dp, pp, dp_cp, tp_pp, tp_dp_cp, ep, edp,
+    embedding).
     """
 
     def __init__(self, layout: RankLayout, timeout_s: float | None = None):

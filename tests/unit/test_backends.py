@@ -4,7 +4,11 @@ import pytest
 import torch
 
 from megatron_lite.config import ConfigError, load_config
-from megatron_lite.models.backends import resolve_attention_backend, sdpa_attention
+from megatron_lite.models.backends import (
+    resolve_attention_backend,
+    resolve_linear_backend,
+    sdpa_attention,
+)
 from megatron_lite.validation import check_hardware, validate
 
 
@@ -51,9 +55,83 @@ def test_flash_needs_bf16_and_auto_never_changes_fp32_math(monkeypatch):
     assert resolve_attention_backend("auto", "bf16") == "flash"
 
 
-def test_te_linear_backend_is_rejected_clearly():
-    with pytest.raises(ConfigError, match="model.linear_backend='te'"):
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+def test_te_linear_backend_on_cpu_names_package_and_fix():
+    with pytest.raises(ConfigError) as e:
         _validate("model.linear_backend=te")
+    msg = str(e.value)
+    assert "model.linear_backend='te'" in msg and "transformer_engine" in msg
+    assert "Fix: use model.linear_backend=local" in msg
+
+
+def test_te_linear_backend_missing_package_and_fp8_support(monkeypatch):
+    monkeypatch.setattr("megatron_lite.models.backends._cuda", lambda: True)
+    monkeypatch.setattr("megatron_lite.models.backends._installed", lambda m: False)
+    with pytest.raises(ValueError, match=r"pip install 'transformer-engine\[pytorch\]'"):
+        resolve_linear_backend("te", None)
+    assert resolve_linear_backend("local", None) == "local"  # never needs TE
+    monkeypatch.setattr("megatron_lite.models.backends._installed", lambda m: True)
+    assert resolve_linear_backend("te", None) == "te"  # bf16 GEMMs: no FP8 check
+    monkeypatch.setattr(
+        "megatron_lite.models.backends._fp8_support",
+        lambda recipe: (False, "Device compute capability 8.9 or higher required"),
+    )
+    with pytest.raises(ValueError) as e:
+        resolve_linear_backend("te", "hybrid", "mxfp8")
+    msg = str(e.value)
+    assert "model.fp8_recipe='mxfp8'" in msg and "8.9 or higher" in msg and "Fix:" in msg
+
+
+@pytest.mark.parametrize(
+    "overrides, key, rule",
+    [
+        (["model.fp8=hybrid"], "model.fp8='hybrid'", "model.linear_backend=te"),
+        (["model.fp8=e5m2", "model.linear_backend=te"], "model.fp8='e5m2'", "one of"),
+        (["model.fp8_recipe=nvfp4"], "model.fp8_recipe='nvfp4'", "tensorwise, delayed"),
+        (["model.fp8=hybrid", "model.linear_backend=te"], "model.fp8", "train.precision=bf16"),
+        (
+            ["model.seq_length=20", "train.micro_batch_size=2"],
+            "model.fp8",
+            "seq_length/cp × micro_batch_size = 40",
+        ),
+        (
+            ["model.hidden_size=72", "model.ffn_hidden_size=192"],
+            "model.fp8",
+            "model.hidden_size = 72 must be a multiple of 16",
+        ),
+        (
+            ["model.ffn_hidden_size=200"],
+            "model.fp8",
+            "model.ffn_hidden_size / tp = 200",
+        ),
+    ],
+)
+def test_fp8_config_errors_name_key_rule_and_fix(overrides, key, rule):
+    fp8 = ["model.fp8=hybrid", "model.linear_backend=te", "train.precision=bf16"]
+    if any(o.startswith(("model.fp8=", "model.linear", "model.fp8_recipe")) for o in overrides):
+        fp8 = []
+    with pytest.raises(ConfigError) as e:
+        validate(load_config(None, ["data.mock=true", "model.vocab_size=64", *fp8, *overrides]), 1)
+    msg = str(e.value)
+    assert key in msg and rule in msg and "Fix:" in msg, msg
+
+
+def test_fp8_config_that_fits_validates():
+    cfg = validate(
+        load_config(
+            None,
+            [
+                "data.mock=true",
+                "model.vocab_size=64",
+                "model.linear_backend=te",
+                "model.fp8=hybrid",
+                "model.fp8_recipe=delayed",
+                "train.precision=bf16",
+            ],
+        ),
+        1,
+    )
+    assert cfg.model.fp8 == "hybrid"
 
 
 def test_sdpa_gqa_matches_float64_softmax_attention():

@@ -1,0 +1,1 @@
+"""Test stand-in for Transformer Engine (see tests/fake_te/README.md)."""
