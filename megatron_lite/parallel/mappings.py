@@ -38,15 +38,23 @@ def group_name(group: dist.ProcessGroup | None) -> str:
     return f"{desc} ranks={dist.get_process_group_ranks(group) if group is not None else 'all'}"
 
 
-def _run(kind: str, payload: torch.Tensor, group, fn):
-    STATS.record(kind, payload, getattr(group, "group_desc", "world"))
+def guarded(kind: str, group, fn, detail: str = ""):
+    """Run the collective `fn()`; a failure or timeout becomes a CollectiveError naming rank,
+    step, op and group (for collectives outside this module: checkpoint control, traces)."""
     try:
         return fn()
+    except CollectiveError:
+        raise
     except RuntimeError as e:  # gloo/NCCL raise RuntimeError (or subclasses) on timeout/peer loss
         raise CollectiveError(
-            f"rank {dist.get_rank()} step {STATS.step}: {kind} of shape {tuple(payload.shape)} "
+            f"rank {dist.get_rank()} step {STATS.step}: {kind}{detail} "
             f"on group {group_name(group)} failed: {e}"
         ) from e
+
+
+def _run(kind: str, payload: torch.Tensor, group, fn):
+    STATS.record(kind, payload, getattr(group, "group_desc", "world"))
+    return guarded(kind, group, fn, f" of shape {tuple(payload.shape)}")
 
 
 def size(group) -> int:

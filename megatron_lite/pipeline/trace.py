@@ -21,6 +21,7 @@ from fractions import Fraction
 import torch.distributed as dist
 
 from megatron_lite.atomic import write_atomic
+from megatron_lite.parallel.mappings import guarded
 from megatron_lite.pipeline.schedules import get_schedule_table
 from megatron_lite.pipeline.simulate import simulate
 
@@ -81,7 +82,7 @@ def write_trace(recorder: SpanRecorder, pp_rank: int, meta: dict, out_dir: str) 
     """
     mine = (dist.get_rank(), pp_rank, recorder.spans)
     gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(mine, gathered, dst=0)
+    guarded("trace gather", None, lambda: dist.gather_object(mine, gathered, dst=0))
     if gathered is None:
         return None
     events = [e for rank, pp, spans in gathered for e in chrome_events(rank, pp, spans)]

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from megatron_lite.parallel.mappings import guarded
 from megatron_lite.training import checkpoint_files as files
 from megatron_lite.training.checkpoint_files import CheckpointError
 from megatron_lite.training.checkpoint_state import (
@@ -83,8 +84,8 @@ class Checkpointer:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         timeout = timedelta(seconds=self.cfg.parallel.timeout_s)
         # DCP's collectives run on a writer thread: they get groups of their own
-        self.io_group = dist.new_group(backend="gloo", timeout=timeout)
-        self.ctl_group = dist.new_group(backend="gloo", timeout=timeout)
+        self.io_group = dist.new_group(backend="gloo", timeout=timeout, group_desc="ckpt_io")
+        self.ctl_group = dist.new_group(backend="gloo", timeout=timeout, group_desc="ckpt_ctl")
         self.pending = None  # Future of an async save (rank 0: including the commit)
         self.signal_received = None
         self._old_handlers: dict = {}
@@ -98,14 +99,22 @@ class Checkpointer:
     def _broadcast(self, obj):
         box = [obj]
         if self.world > 1:
-            dist.broadcast_object_list(box, src=0, group=self.ctl_group)
+            guarded(
+                "checkpoint broadcast",
+                self.ctl_group,
+                lambda: dist.broadcast_object_list(box, src=0, group=self.ctl_group),
+            )
         return box[0]
 
     def _any(self, flag: bool) -> bool:
         if self.world == 1:
             return flag
         t = torch.tensor([int(flag)])
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.ctl_group)
+        guarded(
+            "checkpoint all_reduce",
+            self.ctl_group,
+            lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.ctl_group),
+        )
         return bool(t.item())
 
     # ------------------------------------------------------------------ resume
@@ -160,11 +169,15 @@ class Checkpointer:
                     buffers[key] = torch.empty(t.size, dtype=t.properties.dtype)
                     pieces[key] = Piece(key, tuple(t.size), (0,) * len(t.size))
         self._check_keys(path, buffers, pieces, stored)
-        dcp.load(
-            buffers,
-            storage_reader=reader,
-            planner=ShardLoadPlanner(pieces),
-            process_group=self.io_group,
+        guarded(
+            f"dcp.load from {path}",
+            self.io_group,
+            lambda: dcp.load(
+                buffers,
+                storage_reader=reader,
+                planner=ShardLoadPlanner(pieces),
+                process_group=self.io_group,
+            ),
         )
         apply()
         if with_optim:
@@ -214,7 +227,11 @@ class Checkpointer:
         mine = sorted(k for k in buffers if k.startswith("model/"))
         gathered = [None] * self.world
         if self.world > 1:
-            dist.all_gather_object(gathered, (error, mine), group=self.ctl_group)
+            guarded(
+                "checkpoint key check",
+                self.ctl_group,
+                lambda: dist.all_gather_object(gathered, (error, mine), group=self.ctl_group),
+            )
         else:
             gathered = [(error, mine)]
         errors = [e for e, _ in gathered if e]
@@ -239,7 +256,7 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier save of this step
             os.makedirs(tmp)
         if self.world > 1:
-            dist.barrier(group=self.ctl_group)
+            guarded("checkpoint barrier", self.ctl_group, lambda: dist.barrier(self.ctl_group))
         state, pieces = save_state(tr.chunks, tr.optimizer, tr.mesh, tr.tracker, self.rank)
         meta = {
             "kind": "train",
@@ -257,7 +274,13 @@ class Checkpointer:
             self.pending = future
             return time.perf_counter() - t0
         # returns once every rank's files are written (DCP ends with a collective)
-        dcp.save(state, storage_writer=writer, planner=planner, process_group=self.io_group)
+        guarded(
+            f"dcp.save to {tmp}",
+            self.io_group,
+            lambda: dcp.save(
+                state, storage_writer=writer, planner=planner, process_group=self.io_group
+            ),
+        )
         error = None
         if self.rank == 0:
             try:

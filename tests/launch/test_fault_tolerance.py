@@ -153,6 +153,34 @@ def test_mismatched_collective_writes_every_ranks_last_ops(tmp_path):
     assert f"{tmp_path / 'hang'}/rank<R>.json (2 of 2 ranks wrote one)" in message, message
 
 
+def _stalled_object_collective(rank, world):
+    """Checkpoint-style control collective (objects, own gloo group) that rank 1 never joins."""
+    from megatron_lite.parallel import mappings
+    from megatron_lite.parallel.comm_stats import STATS
+
+    ctl = dist.new_group(timeout=datetime.timedelta(seconds=2), group_desc="ckpt_ctl")
+    STATS.start_step(7)
+    if rank == 1:
+        time.sleep(4)  # past rank 0's timeout
+        return None
+    box = ["latest"]
+    try:
+        mappings.guarded(
+            "checkpoint broadcast",
+            ctl,
+            lambda: dist.broadcast_object_list(box, src=1, group=ctl),
+        )
+    except mappings.CollectiveError as e:
+        return str(e)
+    return None
+
+
+def test_checkpoint_control_collective_timeout_names_rank_step_op_group():
+    message = run_ranks(2, _stalled_object_collective, timeout=60)[0]
+    assert message is not None, "rank 0 did not time out"
+    assert message.startswith("rank 0 step 7: checkpoint broadcast on group ckpt_ctl ranks=[0, 1]")
+
+
 def test_stalled_rank_cli_reports_hang_files(tmp_path):
     """The real CLI: rank 1 is frozen (SIGSTOP) mid-run, rank 0's collective times out after
     parallel.timeout_s, it writes hang/rank0.json, names the rank that wrote none, exits 1."""
