@@ -96,7 +96,12 @@ def main(argv=None) -> None:
     if dist.get_rank() == 0:
         os.makedirs(cfg.train.out_dir, exist_ok=True)
         save_config(cfg, os.path.join(cfg.train.out_dir, "config.yaml"))
-        print(layout.rank_map(), flush=True)
+        rank_map = layout.rank_map()
+        with open(os.path.join(cfg.train.out_dir, "rank_map.txt"), "w") as f:
+            f.write(rank_map + "\n")
+        if layout.world_size > 64:  # thousands of lines help nobody on the console
+            rank_map = rank_map.splitlines()[0] + f": see {cfg.train.out_dir}/rank_map.txt"
+        print(rank_map, flush=True)
     try:
         trainer = Trainer(cfg, mesh, dataset, vocab_size)  # resumes from a checkpoint
     except CheckpointError as e:

@@ -33,6 +33,7 @@ DENSE_GROUPS = {
     "tp_dp_cp": ("tp", "cp", "dp"),  # one pipeline stage: FP8 amax reduction
 }
 EXPERT_GROUPS = {"ep": ("ep",), "edp": ("dp",)}
+COORD_GROUPS = ("tp", "cp", "dp", "pp", "dp_cp", "ep", "edp")  # the rank map's columns
 
 
 def _groups(world: int, sizes: dict[str, int], order: list[str], axes) -> list[list[int]]:
@@ -103,13 +104,18 @@ class RankLayout:
     def group_names(self) -> list[str]:
         return [*DENSE_GROUPS, *EXPERT_GROUPS, "embedding"]
 
+    def all_coords(self) -> list[dict[str, int]]:
+        """Every rank's index inside each of its groups (tp, pp, ...), in O(world) time."""
+        out = [{} for _ in range(self.world_size)]
+        for name in COORD_GROUPS:
+            for group in self.groups(name):
+                for i, r in enumerate(group):
+                    out[r][name] = i
+        return out
+
     def coords(self, rank: int) -> dict[str, int]:
         """This rank's index inside each of its groups (tp_rank, pp_rank, ...)."""
-        out = {}
-        for name in ("tp", "cp", "dp", "pp", "dp_cp", "ep", "edp"):
-            group = next(g for g in self.groups(name) if rank in g)
-            out[name] = group.index(rank)
-        return out
+        return self.all_coords()[rank]
 
     def rank_map(self) -> str:
         """Human-readable table: one line per rank with its coordinates."""
@@ -117,8 +123,7 @@ class RankLayout:
             f"rank map (order {self.order}; tp={self.tp} cp={self.cp} ep={self.ep} "
             f"dp={self.dp} pp={self.pp})"
         ]
-        for r in range(self.world_size):
-            c = self.coords(r)
+        for r, c in enumerate(self.all_coords()):
             lines.append(
                 f"  rank {r:3d}: tp {c['tp']} cp {c['cp']} dp {c['dp']} pp {c['pp']} "
                 f"ep {c['ep']} edp {c['edp']}"

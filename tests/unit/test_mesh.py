@@ -82,3 +82,19 @@ def test_every_valid_order_keeps_expert_groups_inside_dp_cp():
 def test_rank_map_lists_every_rank():
     text = RankLayout(4, tp=2).rank_map()
     assert text.count("rank ") == 5 and "order tp-cp-ep-dp-pp" in text
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        RankLayout(16, tp=2, pp=2, cp=2),
+        RankLayout(32, tp=2, pp=2, cp=2, ep=4, order="tp-pp-dp-ep-cp"),
+        RankLayout(24, tp=3, pp=2, ep=2),
+    ],
+)
+def test_all_coords_match_brute_force_search(layout):
+    coords = layout.all_coords()
+    for rank in range(layout.world_size):
+        for name in ("tp", "cp", "dp", "pp", "dp_cp", "ep", "edp"):
+            group = next(g for g in layout.groups(name) if rank in g)
+            assert coords[rank][name] == group.index(rank), (rank, name)
