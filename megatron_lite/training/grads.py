@@ -46,13 +46,11 @@ def finalize_grads(
 
 
 @torch.no_grad()
-def clip_grad_norm(params: list[torch.nn.Parameter], mesh: ParallelMesh, max_norm: float) -> float:
-    """Global L2 norm with every element counted once, then scale grads if it exceeds max_norm.
-
-    Each rank adds sum(g²) divided by how many ranks hold an identical copy of that element
-    (dp·cp replicas, TP replicas of unsharded params, the tied embedding's last-stage copy
-    counted zero times), and one all-reduce over the world sums it.
-    """
+def local_grad_square_sum(params: list[torch.nn.Parameter], mesh: ParallelMesh) -> torch.Tensor:
+    """This rank's share of the global Σg² (fp64 scalar); summed over the world it counts every
+    element once: each rank divides by how many ranks hold an identical copy of that element
+    (dp·cp replicas, TP replicas of unsharded params; the tied embedding's last-stage copy
+    counts zero times)."""
     total = torch.zeros((), dtype=torch.float64, device=params[0].device)
     for p in params:
         if p.meta.tied_copy:
@@ -60,11 +58,12 @@ def clip_grad_norm(params: list[torch.nn.Parameter], mesh: ParallelMesh, max_nor
         replicas = mesh.edp_size if p.meta.is_expert else mesh.dp_cp_size
         if p.meta.tp_dim is None or p.meta.is_expert:  # experts: tp_dim is the EP shard dim
             replicas *= mesh.tp_size
-        total += p.grad.double().pow(2).sum() / replicas
-    mappings.all_reduce(total, torch.distributed.group.WORLD)
-    norm = total.sqrt().item()
+        total += torch.linalg.vector_norm(p.grad, dtype=torch.float64).square() / replicas
+    return total
+
+
+@torch.no_grad()
+def clip_grads(params: list[torch.nn.Parameter], norm: float, max_norm: float) -> None:
+    """Scale every grad by max_norm / norm when the global norm exceeds max_norm (> 0)."""
     if max_norm > 0 and norm > max_norm:
-        scale = max_norm / (norm + 1e-6)
-        for p in params:
-            p.grad.mul_(scale)
-    return norm
+        torch._foreach_mul_([p.grad for p in params], max_norm / (norm + 1e-6))

@@ -17,9 +17,16 @@ def build_optimizer(params: list[torch.nn.Parameter], t: TrainConfig) -> torch.o
         {"params": decay, "weight_decay": t.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    # foreach=False: the per-tensor path does the same arithmetic on every layout's shards.
+    # CPU: the per-tensor path (foreach=False) does the same arithmetic on every layout's shards,
+    # which the parity tests rely on. CUDA: the fused kernel (one launch for all tensors).
+    on_cuda = bool(params) and params[0].is_cuda
     return torch.optim.AdamW(
-        groups, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, foreach=False
+        groups,
+        lr=t.lr,
+        betas=(t.adam_beta1, t.adam_beta2),
+        eps=t.adam_eps,
+        foreach=False,
+        fused=on_cuda or None,
     )
 
 

@@ -18,7 +18,7 @@ from megatron_lite.parallel.mesh import ParallelMesh
 from megatron_lite.parallel.params import unique_owner
 from megatron_lite.parallel.random import model_parallel_seed
 from megatron_lite.training.checkpoint import Checkpointer
-from megatron_lite.training.grads import clip_grad_norm, finalize_grads
+from megatron_lite.training.grads import clip_grads, finalize_grads, local_grad_square_sum
 from megatron_lite.training.logging import MetricsLogger
 from megatron_lite.training.optimizer import build_optimizer, lr_at, set_lr
 
@@ -113,14 +113,18 @@ class Trainer:
         set_lr(self.optimizer, lr)
         loss_sum = self._forward_backward(micro, 1.0 / n_tokens.item())
         finalize_grads(self.params, mesh, cfg.model.tie_embeddings, self.embedding_param)
-        grad_norm = clip_grad_norm(self.params, mesh, cfg.train.grad_clip)
+        # one world all-reduce for [Σg², loss sum]: the loss lives on the last stage (tp rank 0
+        # reports it) and each CP rank holds a slice of the sum
+        owner = mesh.is_last_stage and mesh.tp_rank == 0
+        grad_sq = local_grad_square_sum(self.params, mesh)
+        loss_part = loss_sum.reshape(()).double() if owner else torch.zeros_like(grad_sq)
+        sums = torch.stack([grad_sq, loss_part])
+        mappings.all_reduce(sums, dist.group.WORLD, kind="all_reduce_norm_loss")
+        grad_sq, loss_total = sums.tolist()
+        grad_norm = grad_sq**0.5
+        clip_grads(self.params, grad_norm, cfg.train.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        # report: loss lives on the last stage, each CP rank holds a slice of the sum
-        report = loss_sum.reshape(1).double()
-        if not (mesh.is_last_stage and mesh.tp_rank == 0):
-            report.zero_()
-        mappings.all_reduce(report, dist.group.WORLD, kind="all_reduce_report")
         moe = {}
         if cfg.model.num_experts is not None:
             from megatron_lite.moe.layer import moe_metrics
@@ -130,7 +134,7 @@ class Trainer:
         global_tokens = cfg.train.global_batch_size * cfg.model.seq_length
         record = {
             "step": self.step,
-            "loss": report.item() / n_tokens.item(),
+            "loss": loss_total / n_tokens.item(),
             "lr": lr,
             "grad_norm": grad_norm,
             "tokens_per_s": global_tokens / dt,
