@@ -1,9 +1,10 @@
 """DeepSpeed-Ulysses attention over the context-parallel (CP) group (`parallel.cp_comm_type: a2a`).
 
-Each CP rank holds a contiguous sequence slice. An all-to-all turns [s/cp, b, n, d] into
-[s, b, n/cp, d] (whole sequences, a subset of heads), any local attention runs on that, and the
-conjugate all-to-all restores the sequence split. The backward of each all-to-all is the
-all-to-all with split and concat dims swapped (see parallel/mappings.py).
+Each CP rank holds a contiguous sequence slice. One all-to-all turns q, k and v, packed along
+the heads, from [s/cp, b, heads, d] into [s, b, heads/cp, d] (whole sequences, a subset of
+heads), any local attention runs on that, and the conjugate all-to-all restores the sequence
+split of its output: two all-to-alls per layer forward, two backward. The backward of each
+all-to-all is the all-to-all with split and concat dims swapped (see parallel/mappings.py).
 
 Per layer and rank the forward moves (2 + 2·g/n)·s·b·h/(tp·cp) elements (q, k, v, out; g/n =
 KV heads over query heads, g counted after replication up to cp), of which (cp−1)/cp leaves
@@ -40,7 +41,11 @@ def ulysses_attention(
         k, v = k.repeat_interleave(cp // g, dim=2), v.repeat_interleave(cp // g, dim=2)
     elif g % cp:
         raise ValueError(f"Ulysses: {g} KV heads per rank not divisible by cp={cp}")
-    # [s/cp, b, heads, d] -> [s, b, heads/cp, d]
-    q, k, v = (mappings.all_to_all(t, split_dim=2, concat_dim=0, group=cp_group) for t in (q, k, v))
+    # one all-to-all for q, k and v: lay out the heads as [cp, (n + 2g)/cp] so that chunk r
+    # holds rank r's query, key and value heads, then [s/cp, b, heads, d] -> [s, b, heads/cp, d]
+    s_local, b, g, d = *k.shape[:3], q.shape[3]
+    qkv = torch.cat([t.reshape(s_local, b, cp, -1, d) for t in (q, k, v)], dim=3)
+    qkv = mappings.all_to_all(qkv.flatten(2, 3), split_dim=2, concat_dim=0, group=cp_group)
+    q, k, v = qkv.split([n // cp, g // cp, g // cp], dim=2)
     out = attn_fn(q, k, v)  # [s, b, n/cp, d]
     return mappings.all_to_all(out, split_dim=0, concat_dim=2, group=cp_group)  # [s/cp, b, n, d]

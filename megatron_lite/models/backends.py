@@ -103,6 +103,7 @@ class TEAttention(torch.nn.Module):
         )
 
     def forward(self, q, k, v, dropout_p: float) -> torch.Tensor:
+        q, k, v = (t.contiguous() for t in (q, k, v))  # Ulysses hands over head-sliced views
         out = self.attn(q, k, v)  # [s, b, n·d]
         return out.view(*q.shape[:2], self.n, -1)
 

@@ -40,7 +40,7 @@ def _ulysses_vs_local(rank, world, n, g):
     shard = [t.chunk(world)[rank].clone().requires_grad_() for t in (q, k, v)]
     STATS.start_step(0)
     out = ulysses_attention(*shard, dist.group.WORLD, lambda a, b_, c: core_attention(a, b_, c, 0))
-    elements = STATS.elements["all_to_all"]
+    elements, calls = STATS.elements["all_to_all"], STATS.calls["all_to_all"]
     out.backward(gout.chunk(world)[rank])
     full = [t.clone().requires_grad_() for t in (q, k, v)]
     ref = core_attention(*full, 0.0)
@@ -50,15 +50,16 @@ def _ulysses_vs_local(rank, world, n, g):
         float((a.grad - r.grad.chunk(world)[rank]).abs().max())
         for a, r in zip(shard, full, strict=False)
     ]
-    return max(errs), elements
+    return max(errs), elements, calls
 
 
 @pytest.mark.parametrize("n,g", [(4, 4), (4, 2), (4, 1)], ids=["mha", "gqa", "mqa_replicated"])
 def test_ulysses_matches_local_attention_and_volume(n, g):
     world, s, b, d = 2, 8, 2, 4
-    for err, elements in run_ranks(world, _ulysses_vs_local, n, g, timeout=60):
+    for err, elements, calls in run_ranks(world, _ulysses_vs_local, n, g, timeout=60):
         assert err < 1e-12, f"Ulysses vs full attention: max error {err}"
         # forward payload per rank: q, k, v, out = (2 + 2·g'/n)·s·b·n·d / cp (g' = KV heads
         # after replication up to cp)
         g_eff = max(g, world)
         assert elements == (2 + 2 * g_eff / n) * s * b * n * d / world
+        assert calls == 2, f"q, k, v should travel in one all-to-all, the output in one: {calls}"
