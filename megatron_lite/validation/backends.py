@@ -1,0 +1,75 @@
+"""Backend rules: FP8 through Transformer Engine (checked anywhere), and the hardware check that
+needs the machine the ranks run on."""
+
+from __future__ import annotations
+
+from megatron_lite.config import Config, ConfigError
+from megatron_lite.validation.rules import _choice, _rule
+
+
+def check_hardware(cfg: Config) -> None:
+    """Rules that depend on the machine the ranks run on (GPU, optional packages); kept out of
+    validate() so a login node without GPUs can validate a GPU job."""
+    from megatron_lite.models.backends import resolve_attention_backend, resolve_linear_backend
+
+    m = cfg.model
+    try:
+        resolve_attention_backend(m.attention_backend, cfg.train.precision)
+        resolve_linear_backend(m.linear_backend, m.fp8, m.fp8_recipe)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _validate_fp8(cfg: Config) -> None:
+    """FP8 runs through Transformer Engine linears, in bf16 training, on GEMM shapes TE accepts
+    (every dimension a multiple of 16)."""
+    from megatron_lite.models.backends import FP8_FORMATS, FP8_RECIPES
+
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    _choice("model.fp8_recipe", m.fp8_recipe, tuple(FP8_RECIPES))
+    if m.fp8 is None:
+        return
+    _choice("model.fp8", m.fp8, (None, *FP8_FORMATS))
+    _rule(
+        m.linear_backend == "te",
+        "model.fp8",
+        m.fp8,
+        "FP8 GEMMs run through Transformer Engine linears",
+        "set model.linear_backend=te (or model.fp8=null)",
+    )
+    _rule(
+        t.precision == "bf16",
+        "model.fp8",
+        m.fp8,
+        "FP8 training keeps bf16 activations around the FP8 GEMMs",
+        "set train.precision=bf16",
+    )
+    tokens = m.seq_length // p.cp * t.micro_batch_size
+    _rule(
+        tokens % 16 == 0,
+        "model.fp8",
+        m.fp8,
+        f"the tokens per GEMM, seq_length/cp × micro_batch_size = {tokens}, must be a "
+        "multiple of 16 for FP8 GEMMs",
+        "change model.seq_length or train.micro_batch_size",
+    )
+    tp = p.tp
+    head_dim = m.hidden_size // m.num_attention_heads
+    groups = m.num_query_groups or m.num_attention_heads
+    widths = {
+        "model.hidden_size": m.hidden_size,
+        "model.hidden_size / tp (attention output)": m.hidden_size // tp,
+        "(heads + 2·query groups) × head dim / tp": (m.num_attention_heads + 2 * groups)
+        * head_dim
+        // tp,
+    }
+    if m.num_experts is None or m.moe_layer_freq > 1:  # dense MLPs (experts use local GEMMs)
+        widths["model.ffn_hidden_size / tp"] = m.ffn_hidden_size // tp
+    for what, width in widths.items():
+        _rule(
+            width % 16 == 0,
+            "model.fp8",
+            m.fp8,
+            f"{what} = {width} must be a multiple of 16 for FP8 GEMMs",
+            "pick model sizes (and tp) that keep every local GEMM dimension a multiple of 16",
+        )

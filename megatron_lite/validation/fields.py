@@ -1,0 +1,130 @@
+"""Per-field rules: enumerated choices, positive sizes and value ranges of single keys."""
+
+from __future__ import annotations
+
+from megatron_lite.config import Config, ModelConfig, TrainConfig
+from megatron_lite.validation.rules import _choice, _rule
+
+
+def _validate_choices(cfg: Config) -> None:
+    """Enumerated string fields (architecture, precision, backends, logging mode)."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    _choice("model.arch", m.arch, ("llama", "gpt"))
+    _choice("train.precision", t.precision, ("fp32", "bf16"))
+    _choice("model.attention_backend", m.attention_backend, ("auto", "sdpa", "flash", "te"))
+    _choice("model.linear_backend", m.linear_backend, ("local", "te"))
+    _choice("parallel.cp_comm_type", p.cp_comm_type, ("a2a",))
+    _choice("log.wandb_mode", cfg.log.wandb_mode, ("offline", "online", "disabled"))
+
+
+def _validate_positive_sizes(cfg: Config) -> None:
+    """Parallel degrees and model dimensions, which every later rule divides by."""
+    m, p = cfg.model, cfg.parallel
+    for key in ("tp", "pp", "vpp", "cp", "ep"):
+        _rule(
+            getattr(p, key) >= 1,
+            f"parallel.{key}",
+            getattr(p, key),
+            "must be >= 1",
+            f"set parallel.{key}=1 or more",
+        )
+    for key in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
+        _rule(
+            getattr(m, key) >= 1,
+            f"model.{key}",
+            getattr(m, key),
+            "must be >= 1",
+            "use a positive integer",
+        )
+
+
+def _validate_dropout_and_schedule(m: ModelConfig, t: TrainConfig) -> None:
+    """Dropout probabilities and the step / learning-rate schedule."""
+    for key in ("hidden_dropout", "attention_dropout"):
+        v = getattr(m, key)
+        _rule(0.0 <= v < 1.0, f"model.{key}", v, "must be in [0, 1)", "use e.g. 0.0 or 0.1")
+    _rule(t.steps >= 1, "train.steps", t.steps, "must be >= 1", "use a positive step count")
+    _rule(t.lr > 0, "train.lr", t.lr, "must be > 0", "use e.g. 3e-4")
+    _rule(0 <= t.warmup_steps, "train.warmup_steps", t.warmup_steps, "must be >= 0", "use 0+")
+
+
+def _validate_model_ranges(m: ModelConfig) -> None:
+    """Model value ranges that would otherwise fail after process groups exist."""
+    head_dim = m.hidden_size // m.num_attention_heads
+    _rule(
+        m.arch != "llama" or head_dim % 2 == 0,
+        "model.hidden_size",
+        m.hidden_size,
+        f"gives head dim {head_dim}; rotary embeddings need an even head dim",
+        "use hidden_size = an even multiple of num_attention_heads",
+    )
+    max_pos = m.max_position_embeddings
+    _rule(
+        max_pos is None or max_pos >= m.seq_length,
+        "model.max_position_embeddings",
+        max_pos,
+        f"must be >= model.seq_length={m.seq_length}",
+        "raise it or leave it null",
+    )
+    _rule(
+        m.make_vocab_size_divisible_by >= 1,
+        "model.make_vocab_size_divisible_by",
+        m.make_vocab_size_divisible_by,
+        "must be >= 1",
+        "use e.g. 128",
+    )
+    _rule(
+        m.vocab_size is None or m.vocab_size >= 1,
+        "model.vocab_size",
+        m.vocab_size,
+        "must be >= 1",
+        "use the tokenizer's vocabulary size or null",
+    )
+
+
+def _validate_train_ranges(cfg: Config) -> None:
+    """Training, logging and data value ranges that would otherwise fail after process groups
+    exist."""
+    m, p, t, d = cfg.model, cfg.parallel, cfg.train, cfg.data
+    _rule(
+        t.global_batch_size >= 1,
+        "train.global_batch_size",
+        t.global_batch_size,
+        "must be >= 1",
+        "use a positive multiple of micro_batch_size·dp",
+    )
+    for key in ("adam_beta1", "adam_beta2"):
+        _rule(
+            0.0 <= getattr(t, key) < 1.0,
+            f"train.{key}",
+            getattr(t, key),
+            "must be in [0, 1)",
+            "use e.g. 0.9 / 0.95",
+        )
+    _rule(t.adam_eps > 0, "train.adam_eps", t.adam_eps, "must be > 0", "use e.g. 1e-8")
+    _rule(t.weight_decay >= 0, "train.weight_decay", t.weight_decay, "must be >= 0", "use 0.1")
+    _rule(t.grad_clip >= 0, "train.grad_clip", t.grad_clip, "must be >= 0 (0 = off)", "use 1.0")
+    _rule(
+        cfg.log.interval >= 1,
+        "log.interval",
+        cfg.log.interval,
+        "must be >= 1",
+        "print every N >= 1 steps",
+    )
+    _rule(p.timeout_s > 0, "parallel.timeout_s", p.timeout_s, "must be > 0 seconds", "use e.g. 300")
+    if d.weights is not None:
+        _rule(
+            all(w >= 0 for w in d.weights) and sum(d.weights) > 0,
+            "data.weights",
+            d.weights,
+            "must be non-negative with a positive sum",
+            "give each path a weight > 0",
+        )
+    _rule(
+        m.num_experts is None or p.tp == 1 or p.sequence_parallel,
+        "parallel.sequence_parallel",
+        p.sequence_parallel,
+        "MoE with tp > 1 needs sequence parallelism (otherwise every TP "
+        "rank routes and computes the same tokens)",
+        "set parallel.sequence_parallel=true",
+    )

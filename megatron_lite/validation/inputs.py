@@ -1,0 +1,96 @@
+"""Rules on what a run reads and writes: checkpoints to save, resume or initialise from, and the
+training data and tokenizer."""
+
+from __future__ import annotations
+
+import os
+
+from megatron_lite.config import Config, TrainConfig
+from megatron_lite.validation.rules import _choice, _rule
+
+
+def _validate_checkpointing(t: TrainConfig) -> None:
+    _rule(
+        t.save_interval >= 0,
+        "train.save_interval",
+        t.save_interval,
+        "must be >= 0",
+        "use 0 (no checkpoints) or a step count, e.g. 100",
+    )
+    _rule(
+        t.keep_checkpoints >= 1,
+        "train.keep_checkpoints",
+        t.keep_checkpoints,
+        "must be >= 1",
+        "keep at least the newest checkpoint, e.g. 2",
+    )
+    _rule(
+        t.resume in ("auto", "none") or os.path.exists(t.resume),
+        "train.resume",
+        t.resume,
+        "must be auto, none or an existing checkpoint path",
+        "use auto (newest checkpoint in train.ckpt_dir) or a step_<N> directory",
+    )
+    if t.init_from is not None:
+        _rule(
+            os.path.isdir(t.init_from),
+            "train.init_from",
+            t.init_from,
+            "must be an existing checkpoint directory",
+            "convert Hugging Face weights with tools/convert_checkpoint.py hf-to-dcp first",
+        )
+        _rule(
+            not os.path.isfile(os.path.join(t.init_from, "config.json")),
+            "train.init_from",
+            t.init_from,
+            "is a Hugging Face model directory, not a checkpoint",
+            "convert it: python tools/convert_checkpoint.py hf-to-dcp <hf_dir> <ckpt_dir>",
+        )
+
+
+def _validate_data(cfg: Config) -> None:
+    """A data source exists: mock tokens, a built-in corpus, or indexed files on disk."""
+    m, d = cfg.model, cfg.data
+    if d.mock:
+        _rule(
+            m.vocab_size is not None,
+            "model.vocab_size",
+            m.vocab_size,
+            "mock data needs an explicit vocabulary size",
+            "set model.vocab_size, e.g. 512",
+        )
+        return
+    _rule(
+        bool(d.paths) or d.corpus is not None,
+        "data.paths",
+        d.paths,
+        "no training data: give indexed dataset prefixes, a built-in corpus or mock data",
+        "set data.paths=[prefix], data.corpus=shakespeare or data.mock=true",
+    )
+    if d.corpus is not None:
+        _choice("data.corpus", d.corpus, ("shakespeare",))
+    if d.weights is not None:
+        _rule(
+            len(d.weights) == len(d.paths),
+            "data.weights",
+            d.weights,
+            f"needs one weight per path ({len(d.paths)} paths)",
+            "list one weight per path",
+        )
+    for prefix in d.paths:
+        for ext in (".bin", ".idx"):
+            _rule(
+                os.path.isfile(prefix + ext),
+                "data.paths",
+                prefix,
+                f"file {prefix + ext} does not exist",
+                "run tools/preprocess_data.py to create it or correct the prefix",
+            )
+    if d.paths and d.tokenizer_model is not None:
+        _rule(
+            os.path.isfile(d.tokenizer_model),
+            "data.tokenizer_model",
+            d.tokenizer_model,
+            "file does not exist",
+            "train one with tools/train_tokenizer.py",
+        )

@@ -1,0 +1,203 @@
+"""Parallel-layout rules: world size and degrees, rank order, attention heads and query groups
+over tp/cp, layers over pipeline stages, batch sizes, and the FFN width over tp."""
+
+from __future__ import annotations
+
+from megatron_lite.config import Config, ParallelConfig
+from megatron_lite.validation.rules import _rule
+
+
+def num_microbatches(cfg: Config) -> int:
+    return cfg.train.global_batch_size // (cfg.train.micro_batch_size * cfg.parallel.dp)
+
+
+def _validate_world_size(p: ParallelConfig, world_size: int) -> None:
+    """world size = tp·pp·cp·dp; fills parallel.dp when it is null."""
+    mp = p.tp * p.pp * p.cp
+    if p.dp is None:
+        _rule(
+            world_size % mp == 0,
+            "parallel.tp·pp·cp",
+            mp,
+            f"world size {world_size} must be divisible by tp·pp·cp = {p.tp}·{p.pp}·{p.cp}",
+            f"launch a multiple of {mp} ranks or change the degrees",
+        )
+        p.dp = world_size // mp
+    else:
+        suggested_dp = world_size // mp if world_size % mp == 0 else "null"
+        _rule(
+            p.tp * p.pp * p.cp * p.dp == world_size,
+            "parallel.dp",
+            p.dp,
+            f"world size {world_size} must equal tp·pp·cp·dp = "
+            f"{p.tp}·{p.pp}·{p.cp}·{p.dp} = {mp * p.dp}",
+            f"launch {mp * p.dp} ranks, or set parallel.dp={suggested_dp}",
+        )
+
+
+def _validate_order(p: ParallelConfig) -> None:
+    """The rank order string that lays the degrees out over ranks."""
+    _rule(
+        sorted(p.order.split("-")) == sorted(["tp", "cp", "ep", "dp", "pp"]),
+        "parallel.order",
+        p.order,
+        "must name tp, cp, ep, dp and pp once each, joined by '-'",
+        "use the default tp-cp-ep-dp-pp",
+    )
+    tokens = p.order.split("-")
+    pos = sorted(tokens.index(a) for a in ("cp", "ep", "dp"))
+    _rule(
+        pos[2] - pos[0] == 2,
+        "parallel.order",
+        p.order,
+        "cp, ep and dp must be adjacent (experts fold into the dp×cp ranks)",
+        "use the default tp-cp-ep-dp-pp",
+    )
+
+
+def _validate_heads(cfg: Config) -> None:
+    """Attention heads and query groups over tp; fills model.num_query_groups when null."""
+    m, p = cfg.model, cfg.parallel
+    _rule(
+        m.hidden_size % m.num_attention_heads == 0,
+        "model.hidden_size",
+        m.hidden_size,
+        f"must be divisible by model.num_attention_heads={m.num_attention_heads}",
+        "pick a hidden size that is a multiple of the head count",
+    )
+    _rule(
+        m.num_attention_heads % p.tp == 0,
+        "parallel.tp",
+        p.tp,
+        f"model.num_attention_heads={m.num_attention_heads} must be divisible by tp",
+        f"use a tp that divides {m.num_attention_heads}",
+    )
+    if m.num_query_groups is None:
+        m.num_query_groups = m.num_attention_heads
+    _rule(
+        m.num_query_groups >= 1,
+        "model.num_query_groups",
+        m.num_query_groups,
+        "must be >= 1",
+        "use a divisor of the head count",
+    )
+    _rule(
+        m.num_attention_heads % m.num_query_groups == 0,
+        "model.num_query_groups",
+        m.num_query_groups,
+        f"must divide model.num_attention_heads={m.num_attention_heads}",
+        "use a divisor of the head count",
+    )
+    _rule(
+        m.num_query_groups % p.tp == 0,
+        "model.num_query_groups",
+        m.num_query_groups,
+        f"must be divisible by parallel.tp={p.tp} (each TP rank owns whole KV groups)",
+        "use more query groups or a smaller tp",
+    )
+
+
+def _validate_sequence_split(cfg: Config) -> None:
+    """Heads and sequence over cp (Ulysses) and, with sequence parallelism, over tp."""
+    m, p = cfg.model, cfg.parallel
+    if p.cp > 1:
+        heads_local = m.num_attention_heads // p.tp
+        _rule(
+            heads_local % p.cp == 0,
+            "parallel.cp",
+            p.cp,
+            f"query heads per TP rank ({heads_local}) must be divisible by cp (Ulysses splits "
+            "heads across the CP group)",
+            "use a cp that divides num_attention_heads/tp",
+        )
+        groups_local = m.num_query_groups // p.tp
+        _rule(
+            groups_local % p.cp == 0 or p.cp % groups_local == 0,
+            "model.num_query_groups",
+            m.num_query_groups,
+            f"KV groups per TP rank ({groups_local}) must divide or be divisible by cp={p.cp}",
+            "use a power-of-two number of query groups",
+        )
+    seq_div = p.cp * (p.tp if p.sequence_parallel else 1)
+    _rule(
+        m.seq_length % seq_div == 0,
+        "model.seq_length",
+        m.seq_length,
+        f"must be divisible by cp{'·tp (sequence parallel)' if p.sequence_parallel else ''}"
+        f" = {seq_div}",
+        f"use a multiple of {seq_div}",
+    )
+
+
+def _validate_pipeline_layers(cfg: Config) -> None:
+    """Layers over pipeline stages and their virtual chunks."""
+    m, p = cfg.model, cfg.parallel
+    _rule(
+        p.vpp == 1 or p.pp > 1,
+        "parallel.vpp",
+        p.vpp,
+        "virtual stages need parallel.pp > 1",
+        "set parallel.vpp=1 or parallel.pp >= 2",
+    )
+    _rule(
+        m.num_layers % (p.pp * p.vpp) == 0,
+        "model.num_layers",
+        m.num_layers,
+        f"must be divisible by pp·vpp = {p.pp}·{p.vpp}",
+        f"use a multiple of {p.pp * p.vpp}",
+    )
+
+
+def _validate_batch_sizes(cfg: Config) -> None:
+    """Micro and global batch sizes over dp, and enough microbatches for the pipeline."""
+    p, t = cfg.parallel, cfg.train
+    _rule(
+        t.micro_batch_size >= 1,
+        "train.micro_batch_size",
+        t.micro_batch_size,
+        "must be >= 1",
+        "use a positive integer",
+    )
+    per_step = t.micro_batch_size * p.dp
+    _rule(
+        t.global_batch_size % per_step == 0,
+        "train.global_batch_size",
+        t.global_batch_size,
+        f"must be a multiple of micro_batch_size·dp = {t.micro_batch_size}·{p.dp}",
+        f"use a multiple of {per_step}",
+    )
+    n_micro = num_microbatches(cfg)
+    if p.pp > 1:
+        _rule(
+            n_micro >= p.pp,
+            "train.global_batch_size",
+            t.global_batch_size,
+            f"gives {n_micro} microbatches per step, fewer than the {p.pp} pipeline stages "
+            "(the 1F1B schedule needs at least one microbatch per stage)",
+            f"use global_batch_size >= {p.pp * per_step}",
+        )
+        if p.vpp > 1:
+            _rule(
+                n_micro % p.pp == 0,
+                "train.global_batch_size",
+                t.global_batch_size,
+                f"gives {n_micro} microbatches; the interleaved schedule needs a multiple of "
+                f"pp={p.pp}",
+                f"use a multiple of {p.pp * per_step}",
+            )
+
+
+def _validate_ffn_hidden_size(cfg: Config) -> None:
+    """The dense MLP width over tp; fills model.ffn_hidden_size when null."""
+    m, p = cfg.model, cfg.parallel
+    if m.ffn_hidden_size is None:
+        m.ffn_hidden_size = (
+            4 * m.hidden_size if m.arch == "gpt" else 64 * -(-int(8 * m.hidden_size / 3) // 64)
+        )
+    _rule(
+        m.ffn_hidden_size % p.tp == 0,
+        "model.ffn_hidden_size",
+        m.ffn_hidden_size,
+        f"must be divisible by parallel.tp={p.tp}",
+        f"use a multiple of {p.tp}",
+    )
