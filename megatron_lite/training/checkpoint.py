@@ -18,8 +18,9 @@ atomic commit and checksums in checkpoint_files.py. Resume semantics:
   with tools/convert_checkpoint.py. A resumable checkpoint in ckpt_dir takes precedence.
 
 Async save (train.async_save) stages a CPU copy at the step boundary and writes on a thread
-(DCP's thread executor) over its own gloo group; rank 0 then checksums and commits. The time
-the step was blocked is logged as ckpt_blocked_s.
+(DCP's thread executor) over its own gloo group; rank 0 then checksums and commits on its own
+thread. A synchronous save splits the checksumming across ranks, and so does resume's
+verification. The time the step was blocked is logged as ckpt_blocked_s.
 """
 
 from __future__ import annotations
@@ -121,36 +122,65 @@ class Checkpointer:
     def resume(self) -> None:
         """Apply train.resume / train.init_from (collective)."""
         t = self.cfg.train
-        chosen = None
-        if self.rank == 0:
-            try:
-                chosen = ("ok", *self._choose(t.resume, t.init_from))
-            except CheckpointError as e:
-                chosen = ("error", str(e))
-        chosen = self._broadcast(chosen)
-        if chosen[0] == "error":
-            raise CheckpointError(chosen[1])
-        _, path, model_only = chosen
+        path, model_only = self._choose(t.resume, t.init_from)
         if path is not None:
             self.load(path, model_only=model_only)
 
     def _choose(self, resume: str, init_from: str | None):
-        """(path, model_only) on rank 0, after verifying checksums."""
+        """(path, model_only) of a checkpoint whose checksums verify (collective)."""
         if resume == "auto":
-            path, notes = files.select_auto(self.dir)
+            candidates = self._from_rank0(lambda: files.auto_candidates(self.dir))
+            path, notes = files.select_auto(self.dir, candidates, check=self._verify)
             for note in notes:
                 self._say(note)
             if path is not None:
                 return path, False
         elif resume != "none":
-            path = files.resolve(resume)
-            files.verify(path)
+            path = self._from_rank0(lambda: files.resolve(resume))
+            self._verify(path)
             return path, False
         if init_from is not None:
-            path = files.resolve(init_from)
-            files.verify(path)
+            path = self._from_rank0(lambda: files.resolve(init_from))
+            self._verify(path)
             return path, True
         return None, False
+
+    def _from_rank0(self, fn):
+        """fn() evaluated on rank 0 (directory listings may differ across nodes' caches) and
+        broadcast; an error there is raised on every rank."""
+        result = None
+        if self.rank == 0:
+            try:
+                result = ("ok", fn())
+            except (CheckpointError, OSError) as e:
+                result = ("error", str(e))
+        status, value = self._broadcast(result)
+        if status == "error":
+            raise CheckpointError(value)
+        return value
+
+    def _verify(self, path: str) -> None:
+        """Every rank checks its share of the checkpoint's file checksums; raises the first
+        error on every rank."""
+        error = None
+        try:
+            files.verify(path, (self.rank, self.world))
+        except CheckpointError as e:
+            error = str(e)
+        first = next((e for e in self._all_gather(error, "checksum check") if e), None)
+        if first is not None:
+            raise CheckpointError(first)
+
+    def _all_gather(self, obj, what: str) -> list:
+        if self.world == 1:
+            return [obj]
+        out = [None] * self.world
+        guarded(
+            f"checkpoint {what}",
+            self.ctl_group,
+            lambda: dist.all_gather_object(out, obj, group=self.ctl_group),
+        )
+        return out
 
     def load(self, path: str, model_only: bool = False) -> None:
         """Load a verified checkpoint into the trainer (collective): see the module doc."""
@@ -225,15 +255,7 @@ class Checkpointer:
             if error:
                 break
         mine = sorted(k for k in buffers if k.startswith("model/"))
-        gathered = [None] * self.world
-        if self.world > 1:
-            guarded(
-                "checkpoint key check",
-                self.ctl_group,
-                lambda: dist.all_gather_object(gathered, (error, mine), group=self.ctl_group),
-            )
-        else:
-            gathered = [(error, mine)]
+        gathered = self._all_gather((error, mine), "key check")
         errors = [e for e, _ in gathered if e]
         used = {k for _, keys in gathered for k in keys}
         unused = sorted(k for k in stored if k.startswith("model/") and k not in used)
@@ -281,22 +303,39 @@ class Checkpointer:
                 state, storage_writer=writer, planner=planner, process_group=self.io_group
             ),
         )
+        table = self._checksums(tmp)
         error = None
         if self.rank == 0:
             try:
-                self._commit(tmp, final, meta)
+                self._commit(tmp, final, meta, table)
             except Exception as e:  # every rank must hear of it, or the others would hang
                 error = e
         self._agree(error)
         return time.perf_counter() - t0
 
+    def _checksums(self, tmp: str) -> dict[str, dict]:
+        """sha256 of the written files, each rank hashing its share (collective)."""
+        if self.world > 1:  # dcp.save may return on a rank before the others' files are done
+            guarded("checkpoint barrier", self.ctl_group, lambda: dist.barrier(self.ctl_group))
+        error, table = None, {}
+        try:
+            table = files.file_table(tmp, (self.rank, self.world))
+        except OSError as e:
+            error = f"checksumming {tmp} failed on rank {self.rank}: {e}"
+        gathered = self._all_gather((error, table), "checksums")
+        errors = [e for e, _ in gathered if e]
+        if errors:
+            raise CheckpointError(errors[0])
+        return {name: row for _, part in gathered for name, row in part.items()}
+
     def _commit_after(self, future, tmp, final, meta) -> None:
         future.result()
         self._commit(tmp, final, meta)
 
-    def _commit(self, tmp: str, final: str, meta: dict) -> None:
-        """Rank 0, once every rank's DCP files are written: checksums, rename, `latest`."""
-        files.commit(tmp, final, meta)
+    def _commit(self, tmp: str, final: str, meta: dict, table: dict | None = None) -> None:
+        """Rank 0, once every rank's DCP files are written: metadata with the checksums
+        (`table`, or all computed here for an async save), rename, `latest`."""
+        files.commit(tmp, final, meta, table)
         files.set_latest(self.dir, final)
         for gone in files.prune(self.dir, self.cfg.train.keep_checkpoints):
             self._say(f"removed old checkpoint {gone}")

@@ -50,19 +50,28 @@ def sha256_file(path: str) -> str:
     return h.hexdigest()
 
 
-def file_table(path: str) -> dict[str, dict]:
-    """sha256 and size of every file of a checkpoint directory except metadata.json."""
+def share(names, part: tuple[int, int]) -> list[str]:
+    """Rank `part[0]` of `part[1]`'s round-robin share of the sorted `names`: checksumming a
+    large checkpoint is split across ranks, so no rank waits on one that hashes everything."""
+    rank, world = part
+    return sorted(names)[rank::world]
+
+
+def file_table(path: str, part: tuple[int, int] = (0, 1)) -> dict[str, dict]:
+    """sha256 and size of the files of a checkpoint directory except metadata.json (of this
+    rank's share of them when `part` = (rank, world))."""
+    names = [n for n in os.listdir(path) if n != METADATA and os.path.isfile(os.path.join(path, n))]
     table = {}
-    for name in sorted(os.listdir(path)):
+    for name in share(names, part):
         full = os.path.join(path, name)
-        if name != METADATA and os.path.isfile(full):
-            table[name] = {"sha256": sha256_file(full), "bytes": os.path.getsize(full)}
+        table[name] = {"sha256": sha256_file(full), "bytes": os.path.getsize(full)}
     return table
 
 
-def commit(tmp: str, final: str, meta: dict) -> None:
-    """Checksum the finished DCP files, write metadata.json, then rename tmp -> final."""
-    meta = {"format": FORMAT, **meta, "files": file_table(tmp)}
+def commit(tmp: str, final: str, meta: dict, table: dict[str, dict] | None = None) -> None:
+    """Write metadata.json with the files' checksums (`table`, or computed here), then rename
+    tmp -> final."""
+    meta = {"format": FORMAT, **meta, "files": file_table(tmp) if table is None else table}
     write_atomic(os.path.join(tmp, METADATA), json.dumps(meta, indent=1, sort_keys=True))
     if os.path.exists(final):  # re-saving a step (resumed from an older checkpoint)
         trash = final + f".old-{os.getpid()}"
@@ -129,12 +138,14 @@ def read_metadata(path: str) -> dict:
     return meta
 
 
-def verify(path: str) -> dict:
-    """Read metadata.json and check every listed file's size and sha256; returns the metadata
-    or raises CheckpointError naming the first damaged, truncated or missing file."""
+def verify(path: str, part: tuple[int, int] = (0, 1)) -> dict:
+    """Read metadata.json and check the listed files' sizes and sha256 (this rank's share of
+    them when `part` = (rank, world)); returns the metadata or raises CheckpointError naming
+    the first damaged, truncated or missing file."""
     meta = read_metadata(path)
     fix = "Fix: resume from an older checkpoint (train.resume=auto picks the newest valid one)"
-    for name, want in meta["files"].items():
+    for name in share(meta["files"], part):
+        want = meta["files"][name]
         file = os.path.join(path, name)
         if not os.path.isfile(file):
             raise CheckpointError(f"checkpoint file {file} is missing. {fix}")
@@ -160,18 +171,25 @@ def resolve(path: str) -> str:
     return newest[0][1] if newest else path
 
 
-def select_auto(ckpt_dir: str) -> tuple[str | None, list[str]]:
-    """resume=auto: the newest checkpoint that verifies (`latest` first, then by step), and
-    messages about every damaged one skipped on the way."""
+def auto_candidates(ckpt_dir: str) -> list[str]:
+    """resume=auto's order of preference: `latest` first, then by step, newest first."""
     candidates = [p for _, p in list_checkpoints(ckpt_dir)]
     latest = read_latest(ckpt_dir)
     if latest is not None and os.path.isdir(latest):
         same = os.path.abspath(latest)
         candidates = [latest] + [p for p in candidates if os.path.abspath(p) != same]
+    return candidates
+
+
+def select_auto(ckpt_dir: str, candidates: list[str] | None = None, check=verify):
+    """resume=auto: the first of `candidates` (default: auto_candidates) that `check` accepts,
+    and messages about every damaged one skipped on the way -> (path | None, notes)."""
+    if candidates is None:
+        candidates = auto_candidates(ckpt_dir)
     notes = []
     for path in candidates:
         try:
-            verify(path)
+            check(path)
         except CheckpointError as e:
             notes.append(f"skipping damaged checkpoint {path}: {e}")
             continue

@@ -46,10 +46,10 @@ def _train(rank, world, overrides, out_dir, mode):
     if mode == "crash20":
         commit = checkpoint_files.commit
 
-        def crash(tmp, final, meta):
+        def crash(tmp, final, meta, table=None):
             if final.endswith("step_20"):
                 raise RuntimeError("simulated crash after the DCP write, before the rename")
-            commit(tmp, final, meta)
+            commit(tmp, final, meta, table)
 
         checkpoint_files.commit = crash
     cfg, dataset, vocab = prepare(["train.out_dir=" + out_dir, *overrides], world_size=world)
