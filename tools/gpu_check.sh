@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# GPU check of the fused kernels in one command (at most 4 + 3.5 minutes on one H200, plus at
-# most 2.7 minutes for step 3 where TE or flash-attn is installed):
+# GPU check in one command (steps 1-2 at most 4 + 3.5 minutes on one H200; step 3 at most
+# 80 s, plus 40 s per TE / flash-attn run where they are installed):
 #   1. tests/kernels with the compiled Triton kernels, including the bf16/fp16 cases that the
 #      CPU interpreter skips;
 #   2. the reduced benchmark (tools/bench_kernels.py --quick) into $OUT_DIR (default runs/bench_kernels);
-#   3. when Transformer Engine / flash-attn are installed: 20 bf16 training steps on one GPU with
-#      the local backends, then TE linears, TE linears in FP8 and flash-attn (compare the losses).
+#   3. 20 bf16 training steps on one GPU saving at step 10, a resume from it (the losses must
+#      repeat), then where installed TE linears, TE FP8, TE on GPT and flash-attn (compare).
 # Extra arguments go to the benchmark, e.g. `tools/gpu_check.sh --providers triton,torch`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,21 +28,24 @@ timeout 240 python -m pytest tests/kernels -q -rs
 echo "== reduced benchmark -> ${OUT_DIR}"
 timeout 210 python tools/bench_kernels.py --quick --rep-ms 50 --out-dir "${OUT_DIR}" "$@"
 
-echo "== GPU backends (only those installed): 20 bf16 steps each on mock data"
+echo "== training on the GPU: 20 bf16 steps on mock data (save at 10, resume, then the GPU backends)"
+RUN_DIR="${OUT_DIR}/train"
 SMOKE=(--config configs/smoke.yaml train.precision=bf16 train.steps=20 model.hidden_size=256
-       model.num_attention_heads=8 model.seq_length=256 log.interval=5)
-run() { echo "-- $*"; timeout 40 python -m megatron_lite.train "${SMOKE[@]}" "$@" | grep -E "step|error"; }
-has_te=$(python -c "import transformer_engine.pytorch" 2>/dev/null && echo 1 || echo 0)
-has_flash=$(python -c "import flash_attn" 2>/dev/null && echo 1 || echo 0)
-if [ "$has_te" = 0 ] && [ "$has_flash" = 0 ]; then
-  echo "-- neither transformer_engine nor flash_attn is installed: nothing to compare"
-  exit 0
+       model.num_attention_heads=8 model.seq_length=256 log.interval=5 train.save_interval=10
+       train.out_dir="${RUN_DIR}")
+run() { echo "-- $*"; timeout 40 python -m megatron_lite.train "${SMOKE[@]}" "$@" | grep -E "step|rror"; }
+run model.attention_backend=sdpa train.resume=none  # the reference curve
+# fused AdamW's state must come back on the GPU: steps 15 and 20 must repeat the lines above
+run model.attention_backend=sdpa train.resume="${RUN_DIR}/checkpoints/step_10"
+if python -c "import transformer_engine.pytorch" 2>/dev/null; then
+  run model.linear_backend=te train.resume=none
+  run model.linear_backend=te model.fp8=hybrid train.resume=none
+  run model.linear_backend=te model.arch=gpt train.resume=none  # biases: dtypes as local
+else
+  echo "-- transformer_engine is not installed: TE linear/FP8 runs skipped"
 fi
-run model.attention_backend=sdpa  # the reference curve
-if [ "$has_te" = 1 ]; then
-  run model.linear_backend=te
-  run model.linear_backend=te model.fp8=hybrid
-fi
-if [ "$has_flash" = 1 ]; then
-  run model.attention_backend=flash
+if python -c "import flash_attn" 2>/dev/null; then
+  run model.attention_backend=flash train.resume=none
+else
+  echo "-- flash_attn is not installed: flash-attn run skipped"
 fi

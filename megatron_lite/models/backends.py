@@ -148,24 +148,26 @@ def resolve_linear_backend(requested: str, fp8: str | None, recipe: str = "tenso
             raise ValueError(
                 f"model.fp8_recipe={recipe!r}: Transformer Engine says it cannot run here "
                 f"({reason}). Fix: pick another model.fp8_recipe (tensorwise and delayed need "
-                "Hopper or Ada; blockwise Hopper and CUDA >= 12.9; mxfp8 Blackwell), or set "
-                "model.fp8=null for bf16 GEMMs through TE"
+                "Hopper or Ada; blockwise Hopper and CUDA >= 12.9; mxfp8 Blackwell), upgrade "
+                "transformer-engine, or set model.fp8=null for bf16 GEMMs through TE"
             )
     return requested
 
 
 def _fp8_support(recipe: str) -> tuple[bool, str]:
+    """(supported, reason) from Transformer Engine for this recipe on this GPU and TE version."""
+    from transformer_engine.common import recipe as te_recipe
+
+    if not hasattr(te_recipe, FP8_RECIPES[recipe]):
+        return False, f"this Transformer Engine version has no {FP8_RECIPES[recipe]} recipe"
     import transformer_engine.pytorch as te
 
-    check = {
-        "blockwise": "is_fp8_block_scaling_available",
-        "mxfp8": "is_mxfp8_available",
-    }.get(recipe, "is_fp8_available")
-    if hasattr(te, check):
-        return getattr(te, check)(return_reason=True)
-    from transformer_engine.pytorch import fp8 as te_fp8  # TE < 2.5
+    name = {"blockwise": "fp8_block_scaling", "mxfp8": "mxfp8"}.get(recipe, "fp8")
+    if hasattr(te, f"is_{name}_available"):
+        return getattr(te, f"is_{name}_available")(return_reason=True)
+    from transformer_engine.pytorch import fp8 as te_fp8  # older TE: the checks live here
 
-    return te_fp8.check_fp8_support()
+    return getattr(te_fp8, f"check_{name}_support")()
 
 
 def fp8_recipe(fmt: str, recipe: str):
@@ -206,6 +208,14 @@ class TELinearGemm:
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
         if self.linear.weight is not weight:  # the layer's parameter was replaced (e.g. .to())
+            if not isinstance(weight, torch.nn.Parameter):
+                raise TypeError(
+                    "the te linear backend computes with a layer's own weight Parameter; "
+                    "pass none (or use gemm='local' for a borrowed plain tensor)"
+                )
             self.linear.weight = weight
         y = self.linear(x)
-        return y if bias is None else y + bias
+        return y if bias is None else y + bias.to(y.dtype)  # as F.linear under autocast
+
+    def train(self, mode: bool = True) -> None:
+        self.linear.train(mode)

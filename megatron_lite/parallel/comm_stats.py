@@ -31,6 +31,10 @@ class CommStats:
         self.elements[kind] += n
         self.recent.append((self.step, kind, group_name, tuple(tensor.shape), str(tensor.dtype)))
 
+    def note(self, kind: str, group_name: str) -> None:
+        """Remember an op that moves no counted tensor (checkpoint control, object gathers)."""
+        self.recent.append((self.step, kind, group_name, (), None))
+
     def start_step(self, step: int) -> None:
         self.step = step
         self.bytes.clear()

@@ -16,6 +16,16 @@ def _tp(group) -> tuple[int, int]:
     return (mappings.size(group), torch.distributed.get_rank(group) if group is not None else 0)
 
 
+class _GemmMode:
+    """train()/eval() also reach a Transformer Engine GEMM, which sits outside the module tree."""
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        if hasattr(self._gemm, "train"):
+            self._gemm.train(mode)
+        return self
+
+
 def _gemm(backend: str, weight: nn.Parameter | None):
     """The local GEMM y = x Wᵀ (+ b): torch's F.linear, or a Transformer Engine Linear (FP8 capable)
     that computes with the layer's own weight (see models/backends.py)."""
@@ -28,7 +38,7 @@ def _gemm(backend: str, weight: nn.Parameter | None):
     raise ValueError(f"unknown linear backend {backend!r} (local | te)")
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(_GemmMode, nn.Module):
     """Y = X Aᵀ + b with A split along its output dim: [s(/tp), b, in] -> [s, b, out/tp].
 
     `out_features` may be a list of segments (e.g. [q, k, v] or [gate, up]); each segment is
@@ -90,7 +100,7 @@ class ColumnParallelLinear(nn.Module):
         return y
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_GemmMode, nn.Module):
     """Y = X Aᵀ + b with A split along its input dim: [s, b, in/tp] -> [s(/tp), b, out].
 
     The partial products are all-reduced, or reduce-scattered along the sequence with

@@ -38,9 +38,15 @@ def group_name(group: dist.ProcessGroup | None) -> str:
     return f"{desc} ranks={dist.get_process_group_ranks(group) if group is not None else 'all'}"
 
 
-def guarded(kind: str, group, fn, detail: str = ""):
-    """Run the collective `fn()`; a failure or timeout becomes a CollectiveError naming rank,
-    step, op and group (for collectives outside this module: checkpoint control, traces)."""
+def guarded(kind: str, group, fn):
+    """Run the collective `fn()` issued outside this module (checkpoint control, DCP, traces):
+    it is the rank's last op in a hang dump, and a failure or timeout becomes a CollectiveError
+    naming rank, step, op and group."""
+    STATS.note(kind, getattr(group, "group_desc", "world"))
+    return _guard(kind, group, fn)
+
+
+def _guard(kind: str, group, fn, detail: str = ""):
     try:
         return fn()
     except CollectiveError:
@@ -54,7 +60,7 @@ def guarded(kind: str, group, fn, detail: str = ""):
 
 def _run(kind: str, payload: torch.Tensor, group, fn):
     STATS.record(kind, payload, getattr(group, "group_desc", "world"))
-    return guarded(kind, group, fn, f" of shape {tuple(payload.shape)}")
+    return _guard(kind, group, fn, f" of shape {tuple(payload.shape)}")
 
 
 def size(group) -> int:

@@ -152,8 +152,8 @@ class Checkpointer:
         if self.rank == 0:
             try:
                 result = ("ok", fn())
-            except (CheckpointError, OSError) as e:
-                result = ("error", str(e))
+            except Exception as e:  # every rank must hear of it, or the others would hang
+                result = ("error", str(e) if isinstance(e, CheckpointError) else repr(e))
         status, value = self._broadcast(result)
         if status == "error":
             raise CheckpointError(value)
@@ -167,6 +167,8 @@ class Checkpointer:
             files.verify(path, (self.rank, self.world))
         except CheckpointError as e:
             error = str(e)
+        except Exception as e:  # I/O errors too: every rank must reach the gather below
+            error = f"checking {path} failed on rank {self.rank}: {e!r}"
         first = next((e for e in self._all_gather(error, "checksum check") if e), None)
         if first is not None:
             raise CheckpointError(first)
@@ -317,16 +319,20 @@ class Checkpointer:
         """sha256 of the written files, each rank hashing its share (collective)."""
         if self.world > 1:  # dcp.save may return on a rank before the others' files are done
             guarded("checkpoint barrier", self.ctl_group, lambda: dist.barrier(self.ctl_group))
+        names = self._from_rank0(lambda: files.data_files(tmp))  # one listing for all ranks
         error, table = None, {}
         try:
-            table = files.file_table(tmp, (self.rank, self.world))
-        except OSError as e:
-            error = f"checksumming {tmp} failed on rank {self.rank}: {e}"
+            table = files.file_table(tmp, (self.rank, self.world), names)
+        except Exception as e:  # every rank must reach the gather below
+            error = f"checksumming {tmp} failed on rank {self.rank}: {e!r}"
         gathered = self._all_gather((error, table), "checksums")
         errors = [e for e, _ in gathered if e]
         if errors:
             raise CheckpointError(errors[0])
-        return {name: row for _, part in gathered for name, row in part.items()}
+        table = {name: row for _, part in gathered for name, row in part.items()}
+        if sorted(table) != names:
+            raise CheckpointError(f"checksums of {tmp} cover {sorted(table)}, not {names}")
+        return table
 
     def _commit_after(self, future, tmp, final, meta) -> None:
         future.result()

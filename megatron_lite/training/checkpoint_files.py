@@ -57,12 +57,20 @@ def share(names, part: tuple[int, int]) -> list[str]:
     return sorted(names)[rank::world]
 
 
-def file_table(path: str, part: tuple[int, int] = (0, 1)) -> dict[str, dict]:
-    """sha256 and size of the files of a checkpoint directory except metadata.json (of this
-    rank's share of them when `part` = (rank, world))."""
-    names = [n for n in os.listdir(path) if n != METADATA and os.path.isfile(os.path.join(path, n))]
+def data_files(path: str) -> list[str]:
+    """The files of a checkpoint directory that metadata.json lists (all but itself)."""
+    return sorted(
+        n for n in os.listdir(path) if n != METADATA and os.path.isfile(os.path.join(path, n))
+    )
+
+
+def file_table(
+    path: str, part: tuple[int, int] = (0, 1), names: list[str] | None = None
+) -> dict[str, dict]:
+    """sha256 and size of `names` (default: data_files(path)), or of this rank's share of
+    them when `part` = (rank, world)."""
     table = {}
-    for name in share(names, part):
+    for name in share(data_files(path) if names is None else names, part):
         full = os.path.join(path, name)
         table[name] = {"sha256": sha256_file(full), "bytes": os.path.getsize(full)}
     return table

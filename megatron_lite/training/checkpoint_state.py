@@ -193,7 +193,7 @@ def load_targets(chunks, optimizer, with_optimizer: bool):
         for p, entries, step_key in plan:
             dest = {"model": p.data}
             if with_optimizer:
-                state = {"step": buffers[step_key].clone()}
+                state = {"step": buffers[step_key].to(_step_device(optimizer, p))}
                 state.update({k: torch.zeros_like(p) for k in MOMENTS})
                 optimizer.state[p] = state
                 dest.update({f"optim/{k}": state[k] for k in MOMENTS})
@@ -203,6 +203,14 @@ def load_targets(chunks, optimizer, with_optimizer: bool):
                 piece.local(dest[kind]).copy_(buffers[key])
 
     return buffers, pieces, apply
+
+
+def _step_device(optimizer: torch.optim.Optimizer, p: torch.nn.Parameter) -> torch.device:
+    """Where torch keeps Adam's step count: on the parameter's device for the fused and
+    capturable implementations (their kernels reject a CPU step), else on the CPU."""
+    group = next(g for g in optimizer.param_groups if any(q is p for q in g["params"]))
+    on_device = group.get("fused") or group.get("capturable")
+    return p.device if on_device else torch.device("cpu")
 
 
 class ShardSavePlanner(DefaultSavePlanner):

@@ -130,6 +130,8 @@ class Trainer:
             from megatron_lite.moe.layer import moe_metrics
 
             moe = moe_metrics(self.chunks, mesh)
+        if self.device.type == "cuda":  # the step's time includes its optimizer kernels
+            torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         global_tokens = cfg.train.global_batch_size * cfg.model.seq_length
         record = {

@@ -22,7 +22,7 @@ def check_hardware(cfg: Config) -> None:
 
 def _validate_fp8(cfg: Config) -> None:
     """FP8 runs through Transformer Engine linears, in bf16 training, on GEMM shapes TE accepts
-    (every dimension a multiple of 16)."""
+    (every dimension a multiple of 16; of 32 for MXFP8's 32-element blocks)."""
     from megatron_lite.models.backends import FP8_FORMATS, FP8_RECIPES
 
     m, p, t = cfg.model, cfg.parallel, cfg.train
@@ -44,13 +44,14 @@ def _validate_fp8(cfg: Config) -> None:
         "FP8 training keeps bf16 activations around the FP8 GEMMs",
         "set train.precision=bf16",
     )
+    align = 32 if m.fp8_recipe == "mxfp8" else 16
     tokens = m.seq_length // p.cp * t.micro_batch_size
     _rule(
-        tokens % 16 == 0,
+        tokens % align == 0,
         "model.fp8",
         m.fp8,
         f"the tokens per GEMM, seq_length/cp × micro_batch_size = {tokens}, must be a "
-        "multiple of 16 for FP8 GEMMs",
+        f"multiple of {align} for {m.fp8_recipe} FP8 GEMMs",
         "change model.seq_length or train.micro_batch_size",
     )
     tp = p.tp
@@ -67,9 +68,9 @@ def _validate_fp8(cfg: Config) -> None:
         widths["model.ffn_hidden_size / tp"] = m.ffn_hidden_size // tp
     for what, width in widths.items():
         _rule(
-            width % 16 == 0,
+            width % align == 0,
             "model.fp8",
             m.fp8,
-            f"{what} = {width} must be a multiple of 16 for FP8 GEMMs",
-            "pick model sizes (and tp) that keep every local GEMM dimension a multiple of 16",
+            f"{what} = {width} must be a multiple of {align} for {m.fp8_recipe} FP8 GEMMs",
+            f"pick model sizes (and tp) that keep every local GEMM dimension a multiple of {align}",
         )

@@ -171,14 +171,17 @@ def _stalled_object_collective(rank, world):
             lambda: dist.broadcast_object_list(box, src=1, group=ctl),
         )
     except mappings.CollectiveError as e:
-        return str(e)
+        return str(e), STATS.recent[-1]
     return None
 
 
 def test_checkpoint_control_collective_timeout_names_rank_step_op_group():
-    message = run_ranks(2, _stalled_object_collective, timeout=60)[0]
-    assert message is not None, "rank 0 did not time out"
+    """The error names the op, and a hang dump's last_op would be it too."""
+    result = run_ranks(2, _stalled_object_collective, timeout=60)[0]
+    assert result is not None, "rank 0 did not time out"
+    message, last_op = result
     assert message.startswith("rank 0 step 7: checkpoint broadcast on group ckpt_ctl ranks=[0, 1]")
+    assert last_op[:3] == (7, "checkpoint broadcast", "ckpt_ctl"), last_op
 
 
 def test_stalled_rank_cli_reports_hang_files(tmp_path):

@@ -51,8 +51,18 @@ def test_te_linears_match_local_backend(tmp_path):
         assert s["fp8_forwards"] == 0 and not s["autocasts"], s
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
-def test_fp8_runs_te_gemms_under_autocast(recipe, tmp_path):
+# recipe, world, layout, linears per rank (4 per layer), microbatches per step, amax groups
+FP8_CASES = {
+    "tensorwise_tp2_dp2": ("tensorwise", 4, [], 16, 2, [(0, 1, 2, 3)]),
+    # delayed scaling all-reduces amaxes after each region: a group spanning both pipeline
+    # stages would deadlock, so the stage's own tp×cp×dp ranks must be used
+    "delayed_tp2_pp2": ("delayed", 4, ["parallel.pp=2"], 8, 4, [(0, 1), (2, 3)]),
+}
+
+
+@pytest.mark.parametrize("case", FP8_CASES)
+def test_fp8_runs_te_gemms_under_autocast(case, tmp_path):
+    recipe, world, layout, linears, micro, groups = FP8_CASES[case]
     ref = reference_losses(("model.arch=llama",))
     fp8 = [
         "model.linear_backend=te",
@@ -60,12 +70,14 @@ def test_fp8_runs_te_gemms_under_autocast(recipe, tmp_path):
         f"model.fp8_recipe={recipe}",
         "train.precision=bf16",
     ]
-    got, stats = _run(4, [*fp8, *TP2_SP], str(tmp_path))
+    got, stats = _run(world, [*fp8, *TP2_SP, *layout], str(tmp_path))
     diff = max_rel_diff(got, ref)
-    print(f"FP8 {recipe} (stand-in TE) tp2+SP×dp2: max rel diff vs fp32 {diff:.2e}")
+    print(f"FP8 {case} (stand-in TE): max rel diff vs fp32 {diff:.2e}")
     assert 1e-5 < diff < 5e-2, f"FP8 rounding should show, but stay small: {got} vs {ref}"
     name = {"tensorwise": "Float8CurrentScaling", "delayed": "DelayedScaling"}[recipe]
-    for s in stats:  # one autocast per microbatch forward; amax group = tp·dp = 4 ranks
-        assert s["fp8_forwards"] == s["forwards"] == 16 * 20 * 2, s
-        assert set(s["autocasts"]) == {(name, "HYBRID", 4)}, s["autocasts"][:3]
-        assert len(s["autocasts"]) == 20 * 2, len(s["autocasts"])
+    for rank, s in enumerate(stats):  # one autocast per microbatch forward
+        assert s["linears"] == linears and s["fp8_forwards"] == s["forwards"], s
+        assert s["forwards"] == linears * 20 * micro, s
+        group = next(g for g in groups if rank in g)
+        assert set(s["autocasts"]) == {(name, "HYBRID", group)}, s["autocasts"][:3]
+        assert len(s["autocasts"]) == 20 * micro, len(s["autocasts"])

@@ -1,5 +1,7 @@
 """Attention/linear backend selection and its error messages (CPU machine: no CUDA)."""
 
+import sys
+
 import pytest
 import torch
 
@@ -144,3 +146,61 @@ def test_sdpa_gqa_matches_float64_softmax_attention():
     scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
     ref = torch.einsum("bnst,tbnd->sbnd", scores.softmax(-1), vv)
     assert (out - ref).abs().max() < 1e-12
+
+
+def test_mxfp8_needs_32_aligned_gemms():
+    fp8 = ["model.linear_backend=te", "model.fp8=hybrid", "train.precision=bf16"]
+    sizes = ["model.hidden_size=48", "model.num_attention_heads=3", "model.ffn_hidden_size=96"]
+    base = ["data.mock=true", "model.vocab_size=64", "model.seq_length=64", *fp8, *sizes]
+    validate(load_config(None, [*base, "model.fp8_recipe=tensorwise"]), 1)  # 16-aligned: fine
+    with pytest.raises(ConfigError, match="model.hidden_size = 48 must be a multiple of 32"):
+        validate(load_config(None, [*base, "model.fp8_recipe=mxfp8"]), 1)
+
+
+@pytest.fixture
+def fake_te(monkeypatch):
+    """tests/fake_te importable as transformer_engine for one test."""
+    import os
+
+    here = os.path.dirname(os.path.dirname(__file__))
+    monkeypatch.syspath_prepend(os.path.join(here, "fake_te"))
+    yield
+    for name in [n for n in sys.modules if n.split(".")[0] == "transformer_engine"]:
+        del sys.modules[name]  # later tests must not find the stand-in as installed
+
+
+def test_fp8_support_asks_te_and_names_a_missing_recipe(fake_te, monkeypatch):
+    from megatron_lite.models import backends
+
+    assert backends._fp8_support("tensorwise") == (True, "")
+    from transformer_engine.common import recipe
+
+    monkeypatch.delattr(recipe, "MXFP8BlockScaling")
+    ok, reason = backends._fp8_support("mxfp8")
+    assert not ok and "no MXFP8BlockScaling recipe" in reason
+
+
+def test_te_gemm_keeps_dtypes_train_mode_and_own_weight(fake_te):
+    """Under bf16 autocast a TE layer with a bias gives the dtype F.linear gives (bf16 for a
+    column-parallel layer; the row-parallel bias add after the reduction keeps fp32, as in the
+    local backend); in fp32 the same numbers; eval() reaches the TE module, which computes
+    with the layer's own weight."""
+    from megatron_lite.parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 2, 16)
+    for cls in (ColumnParallelLinear, RowParallelLinear):
+        local, te = cls(16, 32, None, bias=True), cls(16, 32, None, bias=True, gemm="te")
+        with torch.no_grad():
+            for a, b in zip(local.parameters(), te.parameters(), strict=True):
+                b.copy_(a.normal_())
+        assert te._gemm.linear.weight is te.weight
+        assert torch.allclose(te(x), local(x), atol=1e-6)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            want, got = local(x), te(x)
+        assert got.dtype == want.dtype, (cls, got.dtype, want.dtype)  # qkv/fc1 outputs: bf16
+        assert cls is RowParallelLinear or got.dtype == torch.bfloat16
+        te.eval()
+        assert not te._gemm.linear.training
+        te.train()
+        assert te._gemm.linear.training

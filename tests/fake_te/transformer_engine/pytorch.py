@@ -27,13 +27,16 @@ def _round_to_fp8(t: torch.Tensor, dtype) -> torch.Tensor:
 
 @contextlib.contextmanager
 def autocast(enabled=True, calibrating=False, recipe=None, amax_reduction_group=None):
-    group_size = torch.distributed.get_world_size(amax_reduction_group)
-    STATS["autocasts"].append((type(recipe).__name__, recipe.fp8_format.name, group_size))
+    ranks = tuple(torch.distributed.get_process_group_ranks(amax_reduction_group))
+    STATS["autocasts"].append((type(recipe).__name__, recipe.fp8_format.name, ranks))
     _ACTIVE.append(recipe if enabled else None)
     try:
         yield
     finally:
         _ACTIVE.pop()
+    if type(recipe).__name__ == "DelayedScaling":  # TE reduces amaxes as the region ends
+        amax = torch.ones(1)
+        torch.distributed.all_reduce(amax, torch.distributed.ReduceOp.MAX, amax_reduction_group)
 
 
 class Linear(torch.nn.Module):
