@@ -86,7 +86,7 @@ def main(argv=None) -> None:
     init_distributed(cfg)
     from megatron_lite.parallel.mappings import CollectiveError
     from megatron_lite.parallel.mesh import ParallelMesh, RankLayout
-    from megatron_lite.training.checkpoint import CheckpointError
+    from megatron_lite.training.checkpoint import CheckpointError, CheckpointReadError
     from megatron_lite.training.hang_dump import exit_on_collective_error
     from megatron_lite.training.trainer import Trainer
 
@@ -104,7 +104,7 @@ def main(argv=None) -> None:
         print(rank_map, flush=True)
     try:
         trainer = Trainer(cfg, mesh, dataset, vocab_size)  # resumes from a checkpoint
-    except CheckpointError as e:
+    except (CheckpointError, CheckpointReadError) as e:
         user_error(e)
     n_params = trainer.num_parameters()
     if dist.get_rank() == 0:

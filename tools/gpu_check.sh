@@ -31,12 +31,17 @@ timeout 210 python tools/bench_kernels.py --quick --rep-ms 50 --out-dir "${OUT_D
 echo "== training on the GPU: 20 bf16 steps on mock data (save at 10, resume, then the GPU backends)"
 RUN_DIR="${OUT_DIR}/train"
 SMOKE=(--config configs/smoke.yaml train.precision=bf16 train.steps=20 model.hidden_size=256
-       model.num_attention_heads=8 model.seq_length=256 log.interval=5 train.save_interval=10
+       model.num_attention_heads=8 model.seq_length=256 log.interval=5
        train.out_dir="${RUN_DIR}")
 run() { echo "-- $*"; timeout 40 python -m megatron_lite.train "${SMOKE[@]}" "$@" | grep -E "step|rror"; }
-run model.attention_backend=sdpa train.resume=none  # the reference curve
-# fused AdamW's state must come back on the GPU: steps 15 and 20 must repeat the lines above
-run model.attention_backend=sdpa train.resume="${RUN_DIR}/checkpoints/step_10"
+losses() { grep -E "^step +(15|20)/" | sed -E 's/ \| lr.*//'; }  # "step N/20 | loss X"
+run model.attention_backend=sdpa train.resume=none train.save_interval=10 | tee "${RUN_DIR}.ref"
+# fused AdamW's state must come back on the GPU and the run continue exactly
+run model.attention_backend=sdpa train.resume="${RUN_DIR}/checkpoints/step_10" | tee "${RUN_DIR}.res"
+if [ "$(losses < "${RUN_DIR}.ref")" != "$(losses < "${RUN_DIR}.res")" ]; then
+  echo "gpu_check.sh: the resumed run's losses at steps 15 and 20 differ from the unbroken run's"
+  exit 1
+fi
 if python -c "import transformer_engine.pytorch" 2>/dev/null; then
   run model.linear_backend=te train.resume=none
   run model.linear_backend=te model.fp8=hybrid train.resume=none

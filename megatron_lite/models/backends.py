@@ -207,7 +207,7 @@ class TELinearGemm:
         self.linear.weight = weight  # TE reads its weight by name at every forward
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
-        if self.linear.weight is not weight:  # the layer's parameter was replaced (e.g. .to())
+        if self.linear.weight is not weight:  # the layer's parameter object was replaced
             if not isinstance(weight, torch.nn.Parameter):
                 raise TypeError(
                     "the te linear backend computes with a layer's own weight Parameter; "

@@ -39,7 +39,7 @@ import torch.distributed.checkpoint as dcp
 
 from megatron_lite.parallel.mappings import guarded
 from megatron_lite.training import checkpoint_files as files
-from megatron_lite.training.checkpoint_files import CheckpointError
+from megatron_lite.training.checkpoint_files import CheckpointError, CheckpointReadError
 from megatron_lite.training.checkpoint_state import (
     Piece,
     ShardLoadPlanner,
@@ -73,6 +73,37 @@ def _async_save(state, writer, planner, group):
         pass
     out = dcp.async_save(state, storage_writer=writer, planner=planner, process_group=group, **kw)
     return getattr(out, "upload_completion", out)
+
+
+def _error_entry(e: Exception, where: str) -> tuple[str, str]:
+    """(kind, message) of an error to share with the other ranks."""
+    if isinstance(e, CheckpointError):
+        return "damaged", str(e)
+    return "read", f"{where}: {type(e).__name__}: {e}"
+
+
+def _raise_agreed(errors: list[tuple[str, str]]) -> None:
+    """Raise the gathered errors' verdict the same way on every rank: CheckpointReadError when
+    any rank could not read (never mistaken for damage: resume=auto must not skip a good
+    checkpoint over an I/O hiccup), else CheckpointError for the first damage found."""
+    if not errors:
+        return
+    kind, message = next((e for e in errors if e[0] == "read"), errors[0])
+    raise (CheckpointReadError if kind == "read" else CheckpointError)(message)
+
+
+def _listing_with_dcp_files(tmp: str) -> list[str]:
+    """The files to checksum, after checking that every file DCP's index names is visible."""
+    names = files.data_files(tmp)
+    index = (dcp.FileSystemReader(tmp).read_metadata().storage_data or {}).values()
+    wanted = {".metadata"} | {getattr(v, "relative_path", ".metadata") for v in index}
+    missing = sorted(wanted - set(names))
+    if missing:
+        raise CheckpointError(
+            f"{tmp}: DCP wrote {missing} but rank 0 cannot see them. Fix: checkpoints need a "
+            "file system that every rank shares (train.ckpt_dir)"
+        )
+    return names
 
 
 class Checkpointer:
@@ -147,31 +178,32 @@ class Checkpointer:
 
     def _from_rank0(self, fn):
         """fn() evaluated on rank 0 (directory listings may differ across nodes' caches) and
-        broadcast; an error there is raised on every rank."""
+        broadcast; an error there is raised on every rank (see _raise_agreed)."""
         result = None
         if self.rank == 0:
             try:
                 result = ("ok", fn())
             except Exception as e:  # every rank must hear of it, or the others would hang
-                result = ("error", str(e) if isinstance(e, CheckpointError) else repr(e))
+                result = _error_entry(e, "rank 0")
         status, value = self._broadcast(result)
-        if status == "error":
-            raise CheckpointError(value)
+        if status != "ok":
+            _raise_agreed([(status, value)])
         return value
 
-    def _verify(self, path: str) -> None:
-        """Every rank checks its share of the checkpoint's file checksums; raises the first
-        error on every rank."""
-        error = None
+    def _on_every_rank(self, fn, what: str):
+        """fn() on every rank; a failure on any rank is raised on all of them."""
+        result, error = None, None
         try:
-            files.verify(path, (self.rank, self.world))
-        except CheckpointError as e:
-            error = str(e)
-        except Exception as e:  # I/O errors too: every rank must reach the gather below
-            error = f"checking {path} failed on rank {self.rank}: {e!r}"
-        first = next((e for e in self._all_gather(error, "checksum check") if e), None)
-        if first is not None:
-            raise CheckpointError(first)
+            result = fn()
+        except Exception as e:  # every rank must reach the gather below
+            error = _error_entry(e, f"{what} on rank {self.rank}")
+        _raise_agreed([e for e in self._all_gather(error, what) if e])
+        return result
+
+    def _verify(self, path: str) -> None:
+        """Every rank checks its share of the checkpoint's file checksums; raises on every
+        rank: CheckpointError for a damaged checkpoint, CheckpointReadError for I/O trouble."""
+        self._on_every_rank(lambda: files.verify(path, (self.rank, self.world)), "checksum check")
 
     def _all_gather(self, obj, what: str) -> list:
         if self.world == 1:
@@ -187,13 +219,16 @@ class Checkpointer:
     def load(self, path: str, model_only: bool = False) -> None:
         """Load a verified checkpoint into the trainer (collective): see the module doc."""
         tr = self.trainer
-        meta = files.read_metadata(path)
+
+        def read():
+            reader = dcp.FileSystemReader(path)
+            return files.read_metadata(path), reader, reader.read_metadata().state_dict_metadata
+
+        meta, reader, stored = self._on_every_rank(read, f"reading {path}")
         self._check_model_config(path, meta["config"].get("model", {}))
         with_optim = meta["kind"] == "train" and not model_only
         same_layout = with_optim and meta["layout"] == layout_of(self.cfg)
         buffers, pieces, apply = load_targets(tr.chunks, tr.optimizer, with_optim)
-        reader = dcp.FileSystemReader(path)
-        stored = reader.read_metadata().state_dict_metadata
         if same_layout:
             for key, t in stored.items():
                 prefix = f"rng/{self.rank}/"
@@ -276,11 +311,12 @@ class Checkpointer:
         self.wait()
         tr, t = self.trainer, self.cfg.train
         tmp, final = files.tmp_dir(self.dir, tr.step), files.step_dir(self.dir, tr.step)
-        if self.rank == 0:
+
+        def fresh_dir():
             shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier save of this step
             os.makedirs(tmp)
-        if self.world > 1:
-            guarded("checkpoint barrier", self.ctl_group, lambda: dist.barrier(self.ctl_group))
+
+        self._from_rank0(fresh_dir)  # every rank waits for the directory (or its error)
         state, pieces = save_state(tr.chunks, tr.optimizer, tr.mesh, tr.tracker, self.rank)
         meta = {
             "kind": "train",
@@ -319,20 +355,17 @@ class Checkpointer:
         """sha256 of the written files, each rank hashing its share (collective)."""
         if self.world > 1:  # dcp.save may return on a rank before the others' files are done
             guarded("checkpoint barrier", self.ctl_group, lambda: dist.barrier(self.ctl_group))
-        names = self._from_rank0(lambda: files.data_files(tmp))  # one listing for all ranks
+        names = self._from_rank0(lambda: _listing_with_dcp_files(tmp))  # one listing for all
         error, table = None, {}
         try:
             table = files.file_table(tmp, (self.rank, self.world), names)
         except Exception as e:  # every rank must reach the gather below
-            error = f"checksumming {tmp} failed on rank {self.rank}: {e!r}"
+            error = f"checksumming {tmp} failed on rank {self.rank}: {type(e).__name__}: {e}"
         gathered = self._all_gather((error, table), "checksums")
         errors = [e for e, _ in gathered if e]
         if errors:
             raise CheckpointError(errors[0])
-        table = {name: row for _, part in gathered for name, row in part.items()}
-        if sorted(table) != names:
-            raise CheckpointError(f"checksums of {tmp} cover {sorted(table)}, not {names}")
-        return table
+        return {name: row for _, part in gathered for name, row in part.items()}
 
     def _commit_after(self, future, tmp, final, meta) -> None:
         future.result()

@@ -34,6 +34,11 @@ class CheckpointError(RuntimeError):
     """A checkpoint cannot be used; the message names the file and says what to do."""
 
 
+class CheckpointReadError(RuntimeError):
+    """Reading checkpoints failed for another reason than damage (I/O, permissions): resume
+    stops here rather than fall back to an older checkpoint or to a fresh start."""
+
+
 def step_dir(ckpt_dir: str, step: int) -> str:
     return os.path.join(ckpt_dir, f"step_{step}")
 

@@ -190,10 +190,12 @@ def load_targets(chunks, optimizer, with_optimizer: bool):
 
     @torch.no_grad()
     def apply() -> None:
+        step_device = _step_devices(optimizer) if with_optimizer else {}
         for p, entries, step_key in plan:
             dest = {"model": p.data}
             if with_optimizer:
-                state = {"step": buffers[step_key].to(_step_device(optimizer, p))}
+                step = buffers[step_key].to(step_device[id(p)], copy=True)
+                state = {"step": step}
                 state.update({k: torch.zeros_like(p) for k in MOMENTS})
                 optimizer.state[p] = state
                 dest.update({f"optim/{k}": state[k] for k in MOMENTS})
@@ -205,12 +207,15 @@ def load_targets(chunks, optimizer, with_optimizer: bool):
     return buffers, pieces, apply
 
 
-def _step_device(optimizer: torch.optim.Optimizer, p: torch.nn.Parameter) -> torch.device:
-    """Where torch keeps Adam's step count: on the parameter's device for the fused and
-    capturable implementations (their kernels reject a CPU step), else on the CPU."""
-    group = next(g for g in optimizer.param_groups if any(q is p for q in g["params"]))
-    on_device = group.get("fused") or group.get("capturable")
-    return p.device if on_device else torch.device("cpu")
+def _step_devices(optimizer: torch.optim.Optimizer) -> dict[int, torch.device]:
+    """id(param) -> where torch keeps its Adam step count: on the parameter's device for the
+    fused and capturable implementations (their kernels reject a CPU step), else the CPU."""
+    out = {}
+    for group in optimizer.param_groups:
+        on_device = group.get("fused") or group.get("capturable")
+        for p in group["params"]:
+            out[id(p)] = p.device if on_device else torch.device("cpu")
+    return out
 
 
 class ShardSavePlanner(DefaultSavePlanner):

@@ -33,7 +33,8 @@ def _has(module: str) -> bool:
 def _train(rank, world, overrides, out_dir, mode):
     """Train with the real Trainer; rank 0 returns [(step, loss, ckpt_blocked_s)].
     mode "crash20": the commit (rename) of step 20's checkpoint raises after the DCP write;
-    mode "signal3": rank 1 sends itself SIGUSR1 during step index 3."""
+    mode "signal3": rank 1 sends itself SIGUSR1 during step index 3;
+    mode "ioerror": rank 1 cannot read any checkpoint (PermissionError while verifying)."""
     import signal
 
     import torch.distributed as dist
@@ -52,6 +53,12 @@ def _train(rank, world, overrides, out_dir, mode):
             commit(tmp, final, meta, table)
 
         checkpoint_files.commit = crash
+    if mode == "ioerror" and rank == 1:
+
+        def unreadable(path, part=(0, 1)):
+            raise PermissionError(13, "Permission denied", path)
+
+        checkpoint_files.verify = unreadable
     cfg, dataset, vocab = prepare(["train.out_dir=" + out_dir, *overrides], world_size=world)
     p = cfg.parallel
     mesh = ParallelMesh(RankLayout(world, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, order=p.order))
@@ -178,6 +185,19 @@ def test_crash_during_save_and_damaged_file(llama_tp2, tmp_path):
     assert [s for s, _, _ in got] == list(range(10, 20)), "auto did not fall back to step 10"
     diff = max_rel_diff(losses(got), losses(llama_tp2[1][10:]))
     assert diff < 1e-4, f"resumed after the crash, losses differ by {diff:.2e}"
+
+
+def test_unreadable_checkpoint_stops_resume_instead_of_falling_back(llama_tp2, tmp_path):
+    """An I/O error on one rank is not damage: resume=auto must not skip the good checkpoints
+    (or start from scratch); every rank stops with the error naming the rank."""
+    ckpt_dir = llama_tp2[0] / "checkpoints"
+    before = sorted(os.listdir(ckpt_dir))
+    overrides = [*LLAMA, "parallel.tp=2", f"train.ckpt_dir={ckpt_dir}", "train.steps=30"]
+    with pytest.raises(
+        RuntimeError, match="CheckpointReadError: checksum check on rank 1: PermissionError"
+    ):
+        train(2, overrides, tmp_path, mode="ioerror")
+    assert sorted(os.listdir(ckpt_dir)) == before
 
 
 def test_signal_on_one_rank_saves_and_stops_all(tmp_path):
