@@ -37,6 +37,8 @@ class _Run:
         self.input_grads: dict[Key, torch.Tensor] = {}  # d(loss)/d(input), to send back
         device = p2p.device
         self.total = torch.zeros((), dtype=torch.float64, device=device)  # unscaled loss sum
+        # profiling on CUDA: spans must time the GPU work, not the kernel launches
+        self.sync = torch.cuda.synchronize if recorder and device.type == "cuda" else None
 
     def forward(self, a: Action) -> None:
         key, chunk = (a.microbatch, a.chunk), self.chunks[a.chunk]
@@ -79,6 +81,8 @@ class _Run:
                 self.output_grads[key] = t
 
     def execute(self, step: Action | tuple[Action, ...]) -> None:
+        if self.sync:
+            self.sync()
         start = self.recorder.now() if self.recorder else 0.0
         if isinstance(step, tuple):
             self.communicate(step)
@@ -87,6 +91,8 @@ class _Run:
         else:
             self.backward(step)
         if self.recorder:
+            if self.sync:
+                self.sync()
             end = self.recorder.now()
             for a in step if isinstance(step, tuple) else (step,):
                 self.recorder.add(a.kind, a.microbatch, a.chunk, start, end)

@@ -3,11 +3,12 @@
 With train.profile_pipeline=true the engine aligns all ranks with a world barrier at the start
 of each step's forward/backward, then records every forward, backward, send and recv of this
 rank (`perf_counter`, seconds since that barrier; a send/recv lasts from posting its batch to
-the batch completing). At the end of the step all ranks' spans are gathered to rank 0
-(`gather_object` over the world group) and rank 0 rewrites `<train.out_dir>/pipeline_trace.json`,
-so the file always holds the latest step. One process per global rank (pid = rank), one thread
-row per op kind; `otherData` carries pp, vpp, microbatches and the step for the analysis in
-`summarize` (tools/pipeline_timeline.py).
+the batch completing; on CUDA each span is bracketed by `torch.cuda.synchronize()`, so it times
+the GPU work rather than the kernel launches, and a profiled step runs slower). At the end of
+the step all ranks' spans are gathered to rank 0 (`gather_object` over the world group) and
+rank 0 rewrites `<train.out_dir>/pipeline_trace.json`, so the file always holds the latest step.
+One process per global rank (pid = rank), one thread row per op kind; `otherData` carries pp,
+vpp, microbatches and the step for the analysis in `summarize` (tools/pipeline_timeline.py).
 """
 
 from __future__ import annotations
