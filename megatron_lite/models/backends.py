@@ -40,25 +40,30 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
+def _require_cuda_package(key: str, requested: str, instead: str) -> None:
+    """The GPU backend `requested` for config `key` needs CUDA and its package (INSTALL)."""
+    module, how = INSTALL[requested]
+    if not _cuda():
+        raise ValueError(
+            f"{key}={requested!r} needs a CUDA GPU and {module}; this machine has no GPU. "
+            f"Fix: use {instead}"
+        )
+    if not _installed(module):
+        raise ValueError(
+            f"{key}={requested!r} needs the package {module}, which is not installed. "
+            f"Fix: {how}, or use {instead}"
+        )
+
+
 def resolve_attention_backend(requested: str, precision: str) -> str:
     """auto|sdpa|flash|te -> the backend to use; raises ValueError(message) when unusable."""
-    cuda = _cuda()
     if requested == "auto":
         # flash-attn has no fp32 kernels: in fp32 training it would change the math
-        return "flash" if cuda and precision == "bf16" and _installed("flash_attn") else "sdpa"
+        return "flash" if _cuda() and precision == "bf16" and _installed("flash_attn") else "sdpa"
     if requested in INSTALL:
-        module, how = INSTALL[requested]
-        if not cuda:
-            raise ValueError(
-                f"model.attention_backend={requested!r} needs a CUDA GPU and "
-                f"{module}; this machine has no GPU. Fix: use "
-                "model.attention_backend=sdpa (or auto)"
-            )
-        if not _installed(module):
-            raise ValueError(
-                f"model.attention_backend={requested!r} needs the package {module}, "
-                f"which is not installed. Fix: {how}, or use sdpa/auto"
-            )
+        _require_cuda_package(
+            "model.attention_backend", requested, "model.attention_backend=sdpa (or auto)"
+        )
         if requested == "flash" and precision != "bf16":
             raise ValueError(
                 "model.attention_backend='flash' computes in bf16/fp16 only. Fix: "
@@ -131,17 +136,7 @@ def resolve_linear_backend(requested: str, fp8: str | None, recipe: str = "tenso
     """local|te -> the backend; raises ValueError(message) when TE or FP8 is unusable here."""
     if requested == "local":
         return requested
-    module, how = INSTALL["te"]
-    if not _cuda():
-        raise ValueError(
-            f"model.linear_backend={requested!r} needs a CUDA GPU and {module}; this "
-            "machine has no GPU. Fix: use model.linear_backend=local (and model.fp8=null)"
-        )
-    if not _installed(module):
-        raise ValueError(
-            f"model.linear_backend={requested!r} needs the package {module}, which is not "
-            f"installed. Fix: {how}, or use model.linear_backend=local"
-        )
+    _require_cuda_package("model.linear_backend", requested, "model.linear_backend=local")
     if fp8 is not None:
         ok, reason = _fp8_support(recipe)
         if not ok:

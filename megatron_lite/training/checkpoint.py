@@ -190,15 +190,17 @@ class Checkpointer:
             _raise_agreed([(status, value)])
         return value
 
-    def _on_every_rank(self, fn, what: str):
-        """fn() on every rank; a failure on any rank is raised on all of them."""
+    def _on_every_rank(self, fn, what: str, gather: bool = False):
+        """fn() on every rank; a failure on any rank is raised on all of them. Returns this
+        rank's result, or with `gather` every rank's results in rank order."""
         result, error = None, None
         try:
             result = fn()
         except Exception as e:  # every rank must reach the gather below
             error = _error_entry(e, f"{what} on rank {self.rank}")
-        _raise_agreed([e for e in self._all_gather(error, what) if e])
-        return result
+        entries = self._all_gather((error, result if gather else None), what)
+        _raise_agreed([e for e, _ in entries if e])
+        return [r for _, r in entries] if gather else result
 
     def _verify(self, path: str) -> None:
         """Every rank checks its share of the checkpoint's file checksums; raises on every
@@ -356,16 +358,12 @@ class Checkpointer:
         if self.world > 1:  # dcp.save may return on a rank before the others' files are done
             guarded("checkpoint barrier", self.ctl_group, lambda: dist.barrier(self.ctl_group))
         names = self._from_rank0(lambda: _listing_with_dcp_files(tmp))  # one listing for all
-        error, table = None, {}
-        try:
-            table = files.file_table(tmp, (self.rank, self.world), names)
-        except Exception as e:  # every rank must reach the gather below
-            error = f"checksumming {tmp} failed on rank {self.rank}: {type(e).__name__}: {e}"
-        gathered = self._all_gather((error, table), "checksums")
-        errors = [e for e, _ in gathered if e]
-        if errors:
-            raise CheckpointError(errors[0])
-        return {name: row for _, part in gathered for name, row in part.items()}
+        parts = self._on_every_rank(
+            lambda: files.file_table(tmp, (self.rank, self.world), names),
+            f"checksumming {tmp}",
+            gather=True,
+        )
+        return {name: row for part in parts for name, row in part.items()}
 
     def _commit_after(self, future, tmp, final, meta) -> None:
         future.result()

@@ -109,9 +109,10 @@ class Trainer:
             dtype=torch.float64,
         )
         mappings.all_reduce(n_tokens, mesh.dp_group)
+        n_tokens = n_tokens.item()
         lr = lr_at(self.step, cfg.train)
         set_lr(self.optimizer, lr)
-        loss_sum = self._forward_backward(micro, 1.0 / n_tokens.item())
+        loss_sum = self._forward_backward(micro, 1.0 / n_tokens)
         finalize_grads(self.params, mesh, cfg.model.tie_embeddings, self.embedding_param)
         # one world all-reduce for [Σg², loss sum]: the loss lives on the last stage (tp rank 0
         # reports it) and each CP rank holds a slice of the sum
@@ -136,7 +137,7 @@ class Trainer:
         global_tokens = cfg.train.global_batch_size * cfg.model.seq_length
         record = {
             "step": self.step,
-            "loss": loss_total / n_tokens.item(),
+            "loss": loss_total / n_tokens,
             "lr": lr,
             "grad_norm": grad_norm,
             "tokens_per_s": global_tokens / dt,
