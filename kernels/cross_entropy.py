@@ -4,11 +4,12 @@ the softmax: Triton kernels + torch reference.
     loss[i] = logsumexp(logits[i, :]) - logits[i, target[i]]       (0 where target == ignore)
 
 logits: [N, V_local] (any leading shape works; it is flattened), target: [N] global vocabulary
-ids. With a process group of size tp the vocabulary is sharded evenly in rank order: rank r
-holds ids [r·V_local, (r+1)·V_local). Each rank reduces its shard to three numbers per token
-(max, sum of exp relative to that max, target logit if local), and only those cross ranks:
-one MAX all-reduce and one SUM all-reduce of [2, N]. The backward needs no collective:
-dlogits = (softmax - onehot) · dloss, written blockwise in the logits dtype.
+ids. This file is leaf code (no collectives): `cross_entropy` is the whole-vocabulary loss, and
+`shard_stats` / `global_lse` / `logits_grad` are the per-shard pieces from which
+`megatron_lite.parallel.cross_entropy` builds the vocab-parallel loss. A shard holds ids
+[vocab_start, vocab_start + V_local) and reduces to three numbers per token (max, sum of exp
+relative to that max, target logit if local); dlogits = (softmax - onehot) · dloss is written
+blockwise in the logits dtype and needs only the global log-sum-exp.
 
 Logits may hold -inf (padded vocabulary entries masked by the caller): they contribute exp = 0,
 and a shard or block that is entirely -inf is handled without NaN.
@@ -17,13 +18,11 @@ and a shard or block that is entirely -inf is handled without NaN.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import triton
 import triton.language as tl
 from megatron_lite.kernels.dispatch import as_rows, compute_dtype, num_warps_for, use_triton
 
-from megatron_lite.parallel.mappings import all_reduce
-
+IGNORE_INDEX = -100  # targets that get loss 0 and no gradient (padding), as in torch
 BLOCK_V = 4096  # vocab chunk per loop step (tests shrink it to exercise the online softmax)
 
 
@@ -73,22 +72,14 @@ def _ce_bwd_kernel(
         tl.store(DLOGITS + row * stride_d + cols, d.to(DLOGITS.dtype.element_ty), mask=mask)
 
 
-def _vocab_start(n_vocab: int, group) -> int:
-    if group is None or dist.get_world_size(group) == 1:
-        return 0
-    return dist.get_rank(group) * n_vocab
+def safe_max(m: torch.Tensor) -> torch.Tensor:
+    """Row maxima with -inf (an all-masked row or shard) replaced by 0, so exp(x - m) stays 0."""
+    return torch.where(m == float("-inf"), torch.zeros_like(m), m)
 
 
-def _global_lse(local_max, local_sumexp, target_logit, group):
-    """[N] per-shard stats -> [N] global log-sum-exp and target logit (2 small all-reduces)."""
-    safe = lambda m: torch.where(m == float("-inf"), torch.zeros_like(m), m)
-    if group is not None and dist.get_world_size(group) > 1:
-        global_max = all_reduce(local_max.clone(), group, op=dist.ReduceOp.MAX)
-        # rescale each shard's sum from its own max to the global one before summing
-        rescaled = local_sumexp * torch.exp(local_max - safe(global_max))
-        stats = all_reduce(torch.stack([rescaled, target_logit]), group)
-        local_sumexp, target_logit, local_max = stats[0], stats[1], global_max
-    return safe(local_max) + torch.log(local_sumexp), target_logit
+def global_lse(row_max: torch.Tensor, sumexp: torch.Tensor) -> torch.Tensor:
+    """log Σ exp from the (global) row max and the sum of exp relative to it."""
+    return safe_max(row_max) + torch.log(sumexp)
 
 
 def _shard_stats_torch(logits, target, vocab_start, ignore_index):
@@ -96,8 +87,7 @@ def _shard_stats_torch(logits, target, vocab_start, ignore_index):
     x = logits.to(compute_dtype(logits.dtype))
     n_vocab = x.shape[-1]
     m = x.max(dim=-1).values
-    m_safe = torch.where(m == float("-inf"), torch.zeros_like(m), m)
-    s = torch.exp(x - m_safe[:, None]).sum(-1)
+    s = torch.exp(x - safe_max(m)[:, None]).sum(-1)
     local = target - vocab_start
     is_local = (local >= 0) & (local < n_vocab) & (target != ignore_index)
     t_logit = x.gather(1, local.clamp(0, n_vocab - 1)[:, None]).squeeze(1)
@@ -116,31 +106,44 @@ def _grad_torch(logits, target, lse, dloss, vocab_start, ignore_index):
     return d.to(logits.dtype)
 
 
+def use_triton_path(logits: torch.Tensor, target: torch.Tensor) -> bool:
+    """Triton kernels for CUDA tensors (or when forced), the torch path otherwise."""
+    return target.numel() > 0 and use_triton(logits)
+
+
+def shard_stats(logits, target, vocab_start: int, ignore_index: int, triton_path: bool):
+    """logits [N, V_local], target [N] -> per-row (max, sum-exp relative to it, target logit
+    where the target lies in this shard, else 0), each [N] fp32 (fp64 for fp64 logits)."""
+    if triton_path:
+        return _stats_triton(logits, target, vocab_start, ignore_index)
+    return _shard_stats_torch(logits, target, vocab_start, ignore_index)
+
+
+def logits_grad(logits, target, lse, dloss, vocab_start: int, ignore_index: int, triton_path):
+    """d(loss)/d(logits) [N, V_local] in the logits dtype, from the global log-sum-exp [N]."""
+    if triton_path:
+        return _grad_triton(logits, target, lse, dloss, vocab_start, ignore_index)
+    return _grad_torch(logits, target, lse, dloss, vocab_start, ignore_index)
+
+
 class CrossEntropyFunction(torch.autograd.Function):
-    """Per-token vocab-parallel cross-entropy; `triton` picks the kernels or the torch path."""
+    """Per-token cross-entropy over a whole (local) vocabulary."""
 
     @staticmethod
-    def forward(ctx, logits, target, ignore_index, group, triton_path):
-        vocab_start = _vocab_start(logits.shape[-1], group)
-        if triton_path:
-            stats = _stats_triton(logits, target, vocab_start, ignore_index)
-        else:
-            stats = _shard_stats_torch(logits, target, vocab_start, ignore_index)
-        lse, target_logit = _global_lse(*stats, group)
+    def forward(ctx, logits, target, ignore_index, triton_path):
+        stats = shard_stats(logits, target, 0, ignore_index, triton_path)
+        lse, target_logit = global_lse(stats[0], stats[1]), stats[2]
         loss = torch.where(target == ignore_index, torch.zeros_like(lse), lse - target_logit)
         ctx.save_for_backward(logits, target, lse)
-        ctx.meta = (vocab_start, ignore_index, triton_path)
+        ctx.meta = (ignore_index, triton_path)
         return loss
 
     @staticmethod
     def backward(ctx, dloss):
         logits, target, lse = ctx.saved_tensors
-        vocab_start, ignore_index, triton_path = ctx.meta
-        if triton_path:
-            dlogits = _grad_triton(logits, target, lse, dloss, vocab_start, ignore_index)
-        else:
-            dlogits = _grad_torch(logits, target, lse, dloss, vocab_start, ignore_index)
-        return dlogits, None, None, None, None
+        ignore_index, triton_path = ctx.meta
+        dlogits = logits_grad(logits, target, lse, dloss, 0, ignore_index, triton_path)
+        return dlogits, None, None, None
 
 
 def _block_v(n_vocab: int) -> int:
@@ -170,35 +173,38 @@ def _grad_triton(logits, target, lse, dloss, vocab_start, ignore_index):
     return dlogits
 
 
-def cross_entropy_reference(logits, target, ignore_index=-100, group=None):
-    """Torch-only cross-entropy with the same contract (and collectives) as `cross_entropy`."""
-    shape = target.shape
-    loss = CrossEntropyFunction.apply(
-        as_rows(logits), target.reshape(-1), ignore_index, group, False
-    )
-    return loss.view(shape)
-
-
-def cross_entropy(
-    logits: torch.Tensor,
-    target: torch.Tensor,
-    ignore_index: int = -100,
-    group: dist.ProcessGroup | None = None,
-) -> torch.Tensor:
-    """Per-token loss [N] (fp32; fp64 for fp64 logits) from logits [N, V_local] and global
-    target ids [N].
-
-    `group` is the tensor-parallel group over which the vocabulary is sharded (None: the full
-    vocabulary is local). Tokens whose target is `ignore_index` get loss 0 and zero gradient.
-    """
+def _check_shapes(logits: torch.Tensor, target: torch.Tensor) -> None:
     if logits.shape[:-1] != target.shape:
         raise ValueError(
             f"cross_entropy: logits {tuple(logits.shape)} and target {tuple(target.shape)} "
-            "must agree on the token dims ([N, V_local] and [N])"
+            "must agree on the token dims ([N, V] and [N])"
         )
-    if target.numel() == 0 or not use_triton(logits):
-        return cross_entropy_reference(logits, target, ignore_index, group)
-    loss = CrossEntropyFunction.apply(
-        as_rows(logits), target.reshape(-1).contiguous(), ignore_index, group, True
-    )
+
+
+def _check_shapes(logits: torch.Tensor, target: torch.Tensor) -> None:
+    if logits.shape[:-1] != target.shape:
+        raise ValueError(
+            f"cross_entropy: logits {tuple(logits.shape)} and target {tuple(target.shape)} "
+            "must agree on the token dims ([N, V] and [N])"
+        )
+
+
+def _apply(logits, target, ignore_index: int, triton_path: bool) -> torch.Tensor:
+    _check_shapes(logits, target)
+    rows = target.reshape(-1).contiguous() if triton_path else target.reshape(-1)
+    loss = CrossEntropyFunction.apply(as_rows(logits), rows, ignore_index, triton_path)
     return loss.view(target.shape)
+
+
+def cross_entropy_reference(logits, target, ignore_index=IGNORE_INDEX):
+    """The torch path of `cross_entropy` (same contract, no Triton)."""
+    return _apply(logits, target, ignore_index, False)
+
+
+def cross_entropy(
+    logits: torch.Tensor, target: torch.Tensor, ignore_index: int = IGNORE_INDEX
+) -> torch.Tensor:
+    """Per-token loss [N] (fp32; fp64 for fp64 logits) from logits [N, V] and target ids [N].
+    Tokens whose target is `ignore_index` get loss 0 and zero gradient. For a vocabulary
+    sharded over tensor parallelism use `megatron_lite.parallel.cross_entropy`."""
+    return _apply(logits, target, ignore_index, use_triton_path(logits, target))

@@ -20,6 +20,21 @@ import torch
 from megatron_lite.parallel import mappings
 
 
+def ulysses_kv_heads(g: int, cp: int) -> int:
+    """KV heads that enter the all-to-all from g per rank: replicated up to cp when g < cp
+    (every CP rank then gets whole KV groups for its query heads), so each CP rank attends with
+    `ulysses_kv_heads(g, cp) // cp` of them. g must divide or be divisible by cp."""
+    if g < cp:
+        if cp % g:
+            raise ValueError(
+                f"Ulysses: {g} KV heads per rank neither divide nor are divisible by cp={cp}"
+            )
+        return cp
+    if g % cp:
+        raise ValueError(f"Ulysses: {g} KV heads per rank not divisible by cp={cp}")
+    return g
+
+
 def ulysses_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group, attn_fn: Callable
 ) -> torch.Tensor:
@@ -33,14 +48,9 @@ def ulysses_attention(
     n, g = q.shape[2], k.shape[2]
     if n % cp:
         raise ValueError(f"Ulysses: {n} query heads per rank not divisible by cp={cp}")
-    if g < cp:
-        if cp % g:
-            raise ValueError(
-                f"Ulysses: {g} KV heads per rank neither divide nor are divisible by cp={cp}"
-            )
-        k, v = k.repeat_interleave(cp // g, dim=2), v.repeat_interleave(cp // g, dim=2)
-    elif g % cp:
-        raise ValueError(f"Ulysses: {g} KV heads per rank not divisible by cp={cp}")
+    g_total = ulysses_kv_heads(g, cp)
+    if g_total > g:
+        k, v = k.repeat_interleave(g_total // g, dim=2), v.repeat_interleave(g_total // g, dim=2)
     # one all-to-all for q, k and v: lay out the heads as [cp, (n + 2g)/cp] so that chunk r
     # holds rank r's query, key and value heads, then [s/cp, b, heads, d] -> [s, b, heads/cp, d]
     s_local, b, g, d = *k.shape[:3], q.shape[3]

@@ -45,3 +45,9 @@ def microbatches_for_step(
         samples = [dataset[i] for i in range(start, start + micro_batch_size)]
         batches.append(torch.from_numpy(np.stack(samples).astype(np.int64, copy=False)))
     return batches
+
+
+def split_sample(sample: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sample contract: token ids [b, s + 1] -> (inputs [b, s], labels [b, s]), the labels
+    being the inputs shifted by one token."""
+    return sample[:, :-1], sample[:, 1:]

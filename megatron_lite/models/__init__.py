@@ -2,21 +2,24 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from megatron_lite.config import Config
-from megatron_lite.models.gpt import GPT
-from megatron_lite.models.llama import LLAMA
-from megatron_lite.models.transformer import Context, ModelChunk
+from megatron_lite.models.chunk import ModelChunk
+from megatron_lite.models.transformer_config import SPECS, TransformerConfig
 from megatron_lite.parallel.mesh import ParallelMesh
 from megatron_lite.parallel.params import init_parameters
 from megatron_lite.parallel.random import RNGStatesTracker
+from megatron_lite.pipeline.schedules import virtual_stage
 
-SPECS = {"llama": LLAMA, "gpt": GPT}
+__all__ = ["SPECS", "ModelChunk", "TransformerConfig", "build_model", "chunk_layers"]
 
 
 def chunk_layers(num_layers: int, pp: int, vpp: int, pp_rank: int, chunk: int) -> list[int]:
-    """Global layer numbers of virtual stage chunk·pp + pp_rank (Megatron's interleaving)."""
+    """Global layer numbers of local `chunk` on `pp_rank` (Megatron's interleaving: virtual
+    stage chunk·pp + pp_rank holds the stage-th block of num_layers/(pp·vpp) layers)."""
     per_stage = num_layers // (pp * vpp)
-    stage = chunk * pp + pp_rank
+    stage = virtual_stage(pp_rank, chunk, pp)
     return list(range(stage * per_stage, (stage + 1) * per_stage))
 
 
@@ -25,16 +28,17 @@ def build_model(
 ) -> list[ModelChunk]:
     """This rank's model chunks (vpp of them), initialized layout-independently from
     `train.seed`."""
-    ctx = Context(cfg, mesh, tracker)
-    pp, vpp = mesh.pp_size, cfg.parallel.vpp
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab_size))
+    config = TransformerConfig.from_config(cfg, mesh.layout.world_size)
+    pp, vpp = mesh.pp.size, cfg.parallel.vpp
     chunks = []
     for c in range(vpp):
-        stage = c * pp + mesh.pp_rank
+        stage = virtual_stage(mesh.pp.rank, c, pp)
         chunk = ModelChunk(
-            ctx,
-            SPECS[cfg.model.arch],
-            chunk_layers(cfg.model.num_layers, pp, vpp, mesh.pp_rank, c),
-            vocab_size,
+            config,
+            mesh,
+            tracker,
+            chunk_layers(config.num_layers, pp, vpp, mesh.pp.rank, c),
             pre_process=stage == 0,
             post_process=stage == pp * vpp - 1,
         )

@@ -14,61 +14,73 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron_lite.config import Config
 from megatron_lite.moe.dispatcher import AllToAllTokenDispatcher
 from megatron_lite.moe.experts import LocalExperts
 from megatron_lite.moe.router import MoEAuxLossAutoScaler, TopKRouter
 from megatron_lite.parallel import mappings
-from megatron_lite.parallel.params import scaled_std
-from megatron_lite.validation import num_microbatches
-
-
-def is_moe_layer(cfg: Config, layer_number: int) -> bool:
-    m = cfg.model
-    return m.num_experts is not None and layer_number % m.moe_layer_freq == 0
-
-
-def num_moe_layers(cfg: Config) -> int:
-    return sum(is_moe_layer(cfg, i) for i in range(cfg.model.num_layers))
 
 
 class MoELayer(nn.Module):
     """Drop-in replacement of the MLP: [s/cp(/tp), b, h] -> same shape.
 
     Each rank routes its own tokens (its sequence shard under CP/SP); experts are spread over
-    the EP group, the router is replicated. Per forward it appends microbatch-global statistics
-    (tokens per expert, aux loss, z-loss, dropped assignments) that `moe_metrics` collects.
+    `ep_group` (this rank holds experts ep_rank·E/ep ... (ep_rank+1)·E/ep - 1), the router is
+    replicated. `token_groups` are the groups holding the other sequence shards of the same
+    microbatch, innermost first ([tp_group, cp_group] under sequence parallelism, else
+    [cp_group]): the router's aux loss, z-loss and capacity are computed over the whole
+    microbatch. `aux_loss_scale` is the gradient each microbatch's aux term gets (module doc).
+    `layer_number` keys this layer's statistics in `moe_metrics`: unique across the model.
+    Per forward it appends microbatch-global statistics (tokens per expert, aux loss, z-loss,
+    dropped assignments) that `moe_metrics` collects.
     """
 
-    def __init__(self, ctx, spec):
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        num_experts: int,
+        topk: int,
+        *,
+        ep_group=None,
+        token_groups: list | None = None,
+        sequence_parallel: bool = False,
+        gated: bool = True,
+        aux_loss_coeff: float = 0.0,
+        z_loss_coeff: float = 0.0,
+        aux_loss_scale: float = 1.0,
+        capacity_factor: float | None = None,
+        init_std: float = 0.02,
+        output_std: float = 0.02,
+        layer_number: int = 0,
+    ):
         super().__init__()
-        cfg, mesh = ctx.cfg, ctx.mesh
-        m = cfg.model
-        token_groups = ([mesh.tp_group] if ctx.sp else []) + [mesh.cp_group]
+        ep_size = mappings.size(ep_group)
+        ep_rank = torch.distributed.get_rank(ep_group) if ep_size > 1 else 0
+        self.num_experts, self.layer_number = num_experts, layer_number
         self.router = TopKRouter(
-            m.hidden_size,
-            m.num_experts,
-            m.moe_router_topk,
-            aux_loss_coeff=m.moe_aux_loss_coeff,
-            z_loss_coeff=m.moe_z_loss_coeff,
-            capacity_factor=m.moe_capacity_factor,
+            hidden_size,
+            num_experts,
+            topk,
+            aux_loss_coeff=aux_loss_coeff,
+            z_loss_coeff=z_loss_coeff,
+            capacity_factor=capacity_factor,
             token_groups=token_groups,
-            sequence_parallel=ctx.sp,
-            init_std=m.init_method_std,
+            sequence_parallel=sequence_parallel,
+            init_std=init_std,
         )
         self.experts = LocalExperts(
-            m.num_experts,
-            m.hidden_size,
-            m.moe_ffn_hidden_size or m.ffn_hidden_size,
-            ep_rank=mesh.ep_rank,
-            ep_size=mesh.ep_size,
-            gated=spec.gated_mlp,
-            sequence_parallel=ctx.sp,
-            init_std=m.init_method_std,
-            output_std=scaled_std(m.init_method_std, m.num_layers),
+            num_experts,
+            hidden_size,
+            ffn_hidden_size,
+            ep_rank=ep_rank,
+            ep_size=ep_size,
+            gated=gated,
+            sequence_parallel=sequence_parallel,
+            init_std=init_std,
+            output_std=output_std,
         )
-        self.dispatcher = AllToAllTokenDispatcher(m.num_experts, mesh.ep_group)
-        self.aux_scale = 1.0 / (num_microbatches(cfg) * cfg.parallel.dp * num_moe_layers(cfg))
+        self.dispatcher = AllToAllTokenDispatcher(num_experts, ep_group)
+        self.aux_scale = aux_loss_scale
         self.stats: list[torch.Tensor] = []  # float64 [E + 3] per forward since the last pop
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -90,41 +102,56 @@ class MoELayer(nn.Module):
         return stats
 
 
-def moe_metrics(chunks, mesh) -> dict:
-    """Step metrics of every MoE layer, reduced over the whole world with one all-reduce.
+def moe_layers(modules: list[nn.Module]) -> list[MoELayer]:
+    """Every MoELayer inside `modules` (found by walking them, whatever the model)."""
+    return [m for module in modules for m in module.modules() if isinstance(m, MoELayer)]
 
-    Call on every rank once per step (after the forward/backward passes): aux_loss (the
-    unscaled load-balancing loss, 1.0 = uniform, mean over the microbatches of the global batch
-    and the MoE layers), z_loss (same mean, only when moe_z_loss_coeff > 0),
-    tokens_per_expert_min/_max (token assignments per expert summed over the global batch,
-    before capacity dropping; min/max over every (layer, expert)) and dropped_tokens
-    (assignments dropped over capacity, summed over the global batch and layers).
+
+def moe_metrics(
+    modules: list[nn.Module],
+    num_layers: int,
+    num_experts: int,
+    count_here: bool,
+    with_z_loss: bool = False,
+    group=None,
+) -> dict:
+    """Step metrics of every MoE layer, reduced over `group` (default: the world) with one
+    all-reduce. Call on every rank of the group once per step, after the forward/backward passes.
+
+    `num_layers` bounds the layer numbers (`MoELayer.layer_number`) over the whole model (a rank
+    may hold no MoE layer: a pipeline stage of dense layers);
+    `count_here` is true on the one rank per microbatch shard group whose statistics count
+    (they are microbatch-global, identical on its TP and CP ranks: tp rank 0 and cp rank 0).
+    Returns aux_loss (the unscaled load-balancing loss, 1.0 = uniform, mean over the microbatches
+    of the global batch and the MoE layers), z_loss (same mean, only when a layer has a z-loss
+    coefficient), tokens_per_expert_min/_max (token assignments per expert summed over the global
+    batch, before capacity dropping; min/max over every (layer, expert)) and dropped_tokens
+    (assignments dropped over capacity, summed over the global batch and layers); z_loss too
+    with `with_z_loss`.
     """
-    cfg = chunks[0].ctx.cfg
-    E, L = cfg.model.num_experts, cfg.model.num_layers
-    device = next(chunks[0].parameters()).device  # NCCL reduces device tensors only
-    # [L·E] tokens per (layer, expert) | aux sum, z sum, (microbatch, layer) entries, dropped
-    vec = torch.zeros(L * E + 4, dtype=torch.float64, device=device)
-    # statistics are microbatch-global, identical on its TP and CP ranks: count them once
-    owner = mesh.tp_rank == 0 and mesh.cp_rank == 0
-    for chunk in chunks:
-        for name, layer in chunk.layers.items():
-            if not isinstance(layer.mlp, MoELayer):
-                continue
-            for st in layer.mlp.pop_stats():
-                if owner:
-                    i = int(name)
-                    vec[i * E : (i + 1) * E] += st[:E]
-                    vec[L * E :] += torch.stack([st[E], st[E + 1], st.new_ones(()), st[E + 2]])
-    mappings.all_reduce(vec, dist.group.WORLD, kind="all_reduce_report")
-    counts = vec[: L * E].view(L, E).cpu()[[is_moe_layer(cfg, i) for i in range(L)]]
-    aux, z, entries, dropped = vec[L * E :].tolist()
+    layers = moe_layers(modules)
+    E, L = num_experts, num_layers
+    device = next(modules[0].parameters()).device  # NCCL reduces device tensors only
+    # [L·E] tokens per (layer, expert) | aux sum, z sum, (microbatch, layer) entries, dropped |
+    # [L] 1 where a rank holds that MoE layer (so dense layers stay out of the min/max)
+    vec = torch.zeros(L * E + 4 + L, dtype=torch.float64, device=device)
+    totals, held = vec[L * E : L * E + 4], vec[L * E + 4 :]
+    for layer in layers:
+        i = layer.layer_number
+        held[i] = 1.0
+        for st in layer.pop_stats():
+            if count_here:
+                vec[i * E : (i + 1) * E] += st[:E]
+                totals += torch.stack([st[E], st[E + 1], st.new_ones(()), st[E + 2]])
+    mappings.all_reduce(vec, group or dist.group.WORLD, kind="all_reduce_report")
+    counts = vec[: L * E].view(L, E).cpu()[(held > 0).cpu()]
+    aux, z, entries, dropped = totals.tolist()
     out = {
         "aux_loss": aux / max(entries, 1.0),
         "tokens_per_expert_min": int(counts.min().item()),
         "tokens_per_expert_max": int(counts.max().item()),
         "dropped_tokens": int(dropped),
     }
-    if cfg.model.moe_z_loss_coeff:
+    if with_z_loss:
         out["z_loss"] = z / max(entries, 1.0)
     return out

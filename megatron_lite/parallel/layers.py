@@ -28,11 +28,11 @@ class _GemmMode:
 
 def _gemm(backend: str, weight: nn.Parameter | None):
     """The local GEMM y = x Wᵀ (+ b): torch's F.linear, or a Transformer Engine Linear (FP8 capable)
-    that computes with the layer's own weight (see models/backends.py)."""
+    that computes with the layer's own weight (see parallel/te_linear.py)."""
     if backend == "local" or weight is None:
         return F.linear
     if backend == "te":
-        from megatron_lite.models.backends import TELinearGemm
+        from megatron_lite.parallel.te_linear import TELinearGemm
 
         return TELinearGemm(weight)
     raise ValueError(f"unknown linear backend {backend!r} (local | te)")

@@ -18,7 +18,9 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 import numpy as np
+import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 AXES = ("tp", "cp", "ep", "dp", "pp")
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"
@@ -47,6 +49,24 @@ def _groups(world: int, sizes: dict[str, int], order: list[str], axes) -> list[l
     return grid.transpose(rest + keep).reshape(-1, n).tolist()
 
 
+def order_problem(order: str) -> str | None:
+    """Why `order` is not a valid rank order, or None (the one owner of the order rules)."""
+    tokens = order.split("-")
+    if sorted(tokens) != sorted(AXES):
+        return f"must name each of {', '.join(AXES)} once, joined by '-'"
+    pos = sorted(tokens.index(a) for a in ("cp", "ep", "dp"))
+    if pos[2] - pos[0] != 2:
+        return "cp, ep and dp must be adjacent (experts fold into the dp×cp ranks)"
+    return None
+
+
+def expert_problem(ep: int, dp: int, cp: int) -> str | None:
+    """Why `ep` cannot fold into the dp×cp ranks, or None."""
+    if (dp * cp) % ep:
+        return f"must divide dp·cp = {dp}·{cp} (experts spread over data/context ranks)"
+    return None
+
+
 @dataclass(frozen=True)
 class RankLayout:
     """World size, degrees and order; `groups(name)` lists every group of that kind."""
@@ -59,23 +79,15 @@ class RankLayout:
     order: str = DEFAULT_ORDER
 
     def __post_init__(self):
-        tokens = self.order.split("-")
-        if sorted(tokens) != sorted(AXES):
-            raise ValueError(
-                f"parallel.order={self.order!r} must name each of {AXES} once, "
-                f"e.g. {DEFAULT_ORDER!r}"
-            )
-        pos = sorted(tokens.index(a) for a in ("cp", "ep", "dp"))
-        if pos[2] - pos[0] != 2:
-            raise ValueError(
-                f"parallel.order={self.order!r}: cp, ep and dp must be adjacent "
-                "(experts fold into the dp×cp ranks), e.g. " + DEFAULT_ORDER
-            )
+        problem = order_problem(self.order)
+        if problem:
+            raise ValueError(f"parallel.order={self.order!r} {problem}, e.g. {DEFAULT_ORDER!r}")
         mp = self.tp * self.pp * self.cp
         if self.world_size % mp:
             raise ValueError(f"world size {self.world_size} is not divisible by tp·pp·cp = {mp}")
-        if (self.dp * self.cp) % self.ep:
-            raise ValueError(f"parallel.ep={self.ep} must divide dp·cp = {self.dp * self.cp}")
+        problem = expert_problem(self.ep, self.dp, self.cp)
+        if problem:
+            raise ValueError(f"parallel.ep={self.ep} {problem}")
 
     @property
     def dp(self) -> int:
@@ -85,18 +97,25 @@ class RankLayout:
     def edp(self) -> int:
         return self.dp * self.cp // self.ep
 
+    def _sizes(self, expert: bool) -> dict[str, int]:
+        if expert:  # the expert grid: ep inside the dp×cp ranks, dp = expert-data-parallel
+            return {"tp": self.tp, "ep": self.ep, "dp": self.edp, "pp": self.pp}
+        return {"tp": self.tp, "cp": self.cp, "dp": self.dp, "pp": self.pp}
+
+    def grid(self, axes: list[str]) -> list:
+        """Nested lists of ranks indexed by `axes` reversed (slowest first): the dense grid when
+        `axes` holds cp, the expert grid when it holds ep."""
+        sizes = self._sizes(expert="ep" in axes)
+        return np.arange(self.world_size).reshape([sizes[a] for a in reversed(axes)]).tolist()
+
     def groups(self, name: str) -> list[list[int]]:
         tokens = self.order.split("-")
         if name in DENSE_GROUPS:
-            sizes = {"tp": self.tp, "cp": self.cp, "dp": self.dp, "pp": self.pp}
-            return _groups(
-                self.world_size, sizes, [a for a in tokens if a != "ep"], DENSE_GROUPS[name]
-            )
+            dense = [a for a in tokens if a != "ep"]
+            return _groups(self.world_size, self._sizes(False), dense, DENSE_GROUPS[name])
         if name in EXPERT_GROUPS:
-            sizes = {"tp": self.tp, "ep": self.ep, "dp": self.edp, "pp": self.pp}
-            return _groups(
-                self.world_size, sizes, [a for a in tokens if a != "cp"], EXPERT_GROUPS[name]
-            )
+            expert = [a for a in tokens if a != "cp"]
+            return _groups(self.world_size, self._sizes(True), expert, EXPERT_GROUPS[name])
         if name == "embedding":  # first and last pipeline stage of each pipeline
             return [sorted({g[0], g[-1]}) for g in self.groups("pp")]
         raise KeyError(f"unknown group {name!r}")
@@ -131,13 +150,45 @@ class RankLayout:
         return "\n".join(lines)
 
 
-class ParallelMesh:
-    """Process groups for one rank. Must be built by every rank in the same order.
+@dataclass(frozen=True)
+class Group:
+    """One kind of process group as this rank sees it."""
 
-    Attributes: `layout`, `rank`, `<name>_group`, `<name>_rank`, `<name>_size` for each group
-    name in `RankLayout.group_names()` (tp, cp, dp, pp, dp_cp, tp_pp, tp_dp_cp, ep, edp,
-    embedding).
+    name: str
+    group: dist.ProcessGroup | None  # None when this rank is not a member (embedding group)
+    ranks: tuple[int, ...]  # global ranks, in group order
+    rank: int  # this rank's index in `ranks`, -1 when not a member
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+
+class ParallelMesh:
+    """Process groups for one rank, as typed fields. Every rank builds it in the same order.
+
+    `tp`, `cp`, `dp`, `pp`: one axis each; `dp_cp`: dense-gradient reduction; `tp_pp`, `tp_dp_cp`
+    (one pipeline stage: FP8 amax reduction); `ep`, `edp`: expert and expert-data-parallel;
+    `embedding`: first and last pipeline stage (tied embeddings). `device_mesh` is a torch
+    `DeviceMesh` over the same groups with dims named by the dense axes, slowest first (pp, dp,
+    cp, tp for the default order), for DTensor, DCP and FSDP2; `expert_device_mesh` likewise
+    over (pp, edp, ep, tp).
     """
+
+    layout: RankLayout
+    rank: int
+    tp: Group
+    cp: Group
+    dp: Group
+    pp: Group
+    dp_cp: Group
+    tp_pp: Group
+    tp_dp_cp: Group
+    ep: Group
+    edp: Group
+    embedding: Group
+    device_mesh: DeviceMesh
+    expert_device_mesh: DeviceMesh
 
     def __init__(self, layout: RankLayout, timeout_s: float | None = None):
         if not dist.is_initialized():
@@ -146,26 +197,45 @@ class ParallelMesh:
             raise ValueError(
                 f"layout is for {layout.world_size} ranks, world has {dist.get_world_size()}"
             )
-        self.layout = layout
-        self.rank = dist.get_rank()
+        self.layout, self.rank = layout, dist.get_rank()
         kw = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}
-        for name in layout.group_names():
-            mine, my_ranks = None, []
-            for ranks in layout.groups(name):
-                g = dist.new_group(ranks, group_desc=name, **kw)
-                if self.rank in ranks:
-                    mine, my_ranks = g, ranks
-            setattr(self, f"{name}_group", mine)
-            setattr(self, f"{name}_ranks", my_ranks)
-            setattr(
-                self, f"{name}_rank", my_ranks.index(self.rank) if self.rank in my_ranks else -1
-            )
-            setattr(self, f"{name}_size", len(my_ranks))
+        self.tp = self._new_groups("tp", kw)
+        self.cp = self._new_groups("cp", kw)
+        self.dp = self._new_groups("dp", kw)
+        self.pp = self._new_groups("pp", kw)
+        self.dp_cp = self._new_groups("dp_cp", kw)
+        self.tp_pp = self._new_groups("tp_pp", kw)
+        self.tp_dp_cp = self._new_groups("tp_dp_cp", kw)
+        self.ep = self._new_groups("ep", kw)
+        self.edp = self._new_groups("edp", kw)
+        self.embedding = self._new_groups("embedding", kw)
+        tokens = layout.order.split("-")
+        self.device_mesh = self._device_mesh([a for a in tokens if a != "ep"], {"dp": "dp"})
+        self.expert_device_mesh = self._device_mesh([a for a in tokens if a != "cp"], {"dp": "edp"})
+
+    def _new_groups(self, name: str, kw: dict) -> Group:
+        """Create every group of kind `name` (all ranks must, in the same order); keep ours."""
+        mine = Group(name, None, (), -1)
+        for ranks in self.layout.groups(name):
+            g = dist.new_group(ranks, group_desc=name, **kw)
+            if self.rank in ranks:
+                mine = Group(name, g, tuple(ranks), ranks.index(self.rank))
+        return mine
+
+    def _device_mesh(self, axes: list[str], rename: dict[str, str]) -> DeviceMesh:
+        """A DeviceMesh over our existing groups (no new communicators), slowest axis first."""
+        names = [rename.get(a, a) for a in reversed(axes)]
+        groups = [getattr(self, n) for n in names]
+        grid = torch.tensor(self.layout.grid(axes))
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        return DeviceMesh.from_group(
+            [g.group for g in groups], device, mesh=grid, mesh_dim_names=tuple(names)
+        )
 
     @property
     def is_first_stage(self) -> bool:
-        return self.pp_rank == 0
+        return self.pp.rank == 0
 
     @property
     def is_last_stage(self) -> bool:
-        return self.pp_rank == self.pp_size - 1
+        return self.pp.rank == self.pp.size - 1

@@ -2,8 +2,14 @@
 
 Every parameter carries a `ParamMeta` saying how its full (logical) tensor is sharded. The
 initializer draws the FULL tensor from a generator seeded by (seed, init name) and keeps this
-rank's shard, so the same seed gives the same model whatever the layout. Gradient finalization
-and grad-norm clipping read the same metadata.
+rank's shard, so the same seed gives the same model whatever the layout. Gradient finalization,
+grad-norm clipping and checkpoints read the same metadata.
+
+A parameter without metadata (a plain `nn.Linear` or `nn.LayerNorm` mixed into a model) is
+treated as replicated on every rank: `init_parameters` marks it so and runs its module's own
+`reset_parameters()` under a generator seeded by (seed, module name), so every rank and layout
+gets the same values; a module that cannot do that is refused with a message saying how to mark
+the parameter.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ class ParamMeta:
     tp_size: int = 1
     segments: tuple[int, ...] | None = None  # sizes along tp_dim, each sharded separately
     padded: int | None = None  # size of tp_dim after vocabulary padding (zeros)
-    init: str = "normal"  # normal | zeros | ones
+    init: str = "normal"  # normal | zeros | ones | module (its module's reset_parameters)
     std: float = 0.02
     sequence_parallel: bool = False  # replicated over TP but fed sequence shards: TP grad sum
     is_expert: bool = False  # sharded over EP; grads reduce over expert-data-parallel
@@ -38,13 +44,21 @@ def unique_owner(meta: ParamMeta, mesh) -> bool:
     if meta.tied_copy:
         return False
     if meta.is_expert:  # sharded over EP (meta.tp_*), replicated over TP and edp
-        return mesh.edp_rank == 0 and mesh.tp_rank == 0
-    return mesh.dp_cp_rank == 0 and (meta.tp_dim is not None or mesh.tp_rank == 0)
+        return mesh.edp.rank == 0 and mesh.tp.rank == 0
+    return mesh.dp_cp.rank == 0 and (meta.tp_dim is not None or mesh.tp.rank == 0)
 
 
 def set_meta(p: torch.nn.Parameter, **kw) -> torch.nn.Parameter:
+    """Attach sharding/init metadata to `p` (ParamMeta's fields as keywords); returns `p`."""
     p.meta = ParamMeta(**kw)
     return p
+
+
+def meta_of(p: torch.nn.Parameter) -> ParamMeta:
+    """`p.meta`; a parameter without metadata is marked replicated (module-initialized)."""
+    if not hasattr(p, "meta"):
+        p.meta = ParamMeta(full_shape=tuple(p.shape), init="module")
+    return p.meta
 
 
 def _generator(seed: int, name: str) -> torch.Generator:
@@ -83,9 +97,34 @@ def shard(full: torch.Tensor, meta: ParamMeta) -> torch.Tensor:
 
 @torch.no_grad()
 def init_parameters(module: torch.nn.Module, seed: int) -> None:
-    """Fill every parameter from its seeded full tensor (see module docstring)."""
+    """Fill every parameter layout-independently (see module docstring): unmarked parameters
+    through their module's reset_parameters() under a seeded generator, then every marked one
+    from its seeded full tensor."""
+    for mod_name, mod in module.named_modules():
+        own = [(n, p) for n, p in mod.named_parameters(recurse=False) if not hasattr(p, "meta")]
+        if own:
+            _reset_replicated(mod_name, mod, [n for n, _ in own], seed)
+            for _, p in own:
+                meta_of(p)
     for name, p in module.named_parameters():
-        p.copy_(shard(full_tensor(p.meta, name, seed), p.meta))
+        if p.meta.init != "module":
+            p.copy_(shard(full_tensor(p.meta, name, seed), p.meta))
+
+
+def _reset_replicated(mod_name: str, mod: torch.nn.Module, names: list[str], seed: int) -> None:
+    reset = getattr(mod, "reset_parameters", None)
+    if reset is None:
+        where = f"{mod_name}.{names[0]}" if mod_name else names[0]
+        raise ValueError(
+            f"parameter {where!r} ({type(mod).__name__}) has no sharding metadata and its module "
+            "has no reset_parameters() to initialize it the same on every rank. Fix: mark it "
+            "with megatron_lite.parallel.params.set_meta(param, full_shape=..., init='normal' | "
+            "'zeros' | 'ones', std=...), or give the module a reset_parameters()"
+        )
+    devices = [p.device for p in mod.parameters(recurse=False) if p.device.type == "cuda"]
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(_generator(seed, mod_name or "<root>").initial_seed())
+        reset()
 
 
 def scaled_std(std: float, num_layers: int) -> float:

@@ -50,6 +50,17 @@ class RNGStatesTracker:
             self._set(saved)
 
 
+def dropout(
+    x: torch.Tensor, p: float, tracker: RNGStatesTracker | None = None, per_tp_rank: bool = False
+) -> torch.Tensor:
+    """Dropout while gradients are enabled (training); activations that differ per TP rank
+    (sequence-parallel shards) draw their mask from the tracker's TP-rank state."""
+    if p == 0.0 or not torch.is_grad_enabled():
+        return x
+    with tracker.fork() if per_tp_rank else contextlib.nullcontext():
+        return torch.nn.functional.dropout(x, p, training=True)
+
+
 def model_parallel_seed(seed: int, tp_rank: int, pp_rank: int) -> RNGStatesTracker:
     """Seed the default generator per pipeline stage and a TP-rank-specific tracker state."""
     torch.manual_seed(seed + 100 * pp_rank)

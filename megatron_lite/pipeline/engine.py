@@ -1,65 +1,69 @@
-"""Execute a pipeline schedule table over this rank's model chunks.
+"""Execute a pipeline schedule table over this rank's model chunks, for any model.
 
-`run_schedule` walks `comm_batches(get_schedule(pp, pp_rank, m, vpp))`: forward/backward of
-(microbatch, chunk) run on the chunk; each batch of sends/receives is one
-`P2PCommunicator.exchange`. Per (microbatch, chunk) it keeps the received input (a leaf that
-requires grad, so its .grad is what send_backward ships), the output (hidden state, or the
-scaled loss sum on the last virtual stage) and the received output grad, and frees them after
-that backward. `forward_backward_pipelining` is the Trainer's entry point; `run_schedule` takes
-plain chunks, so models outside the trainer can use it.
+`forward_backward` (in the style of Megatron's `get_forward_backward_func`) walks
+`comm_batches(get_schedule(pp, pp_rank, m, vpp))`: a forward of (microbatch, chunk) calls the
+caller's `forward_step(chunk, microbatch, input)`, a backward runs autograd from what it
+returned; each batch of sends/receives is one `P2PCommunicator.exchange`. pp = 1 runs the
+`no_pipelining` table (gradient accumulation), so a trainer has one path for every layout. Per
+(microbatch, chunk) it keeps the received input (a leaf that requires grad, so its .grad is what
+send_backward ships), the output (hidden state, or the scaled loss on the last virtual stage)
+and the received output grad, and frees them after that backward.
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from megatron_lite.parallel import mappings
-from megatron_lite.pipeline.p2p import P2PCommunicator, activation_shape, pipeline_dtype
-from megatron_lite.pipeline.schedules import Action, comm_batches, get_schedule
-from megatron_lite.pipeline.trace import SpanRecorder, write_trace
+from megatron_lite.pipeline.p2p import P2PCommunicator
+from megatron_lite.pipeline.schedules import Action, comm_batches, get_schedule, virtual_stage
+from megatron_lite.pipeline.trace import SpanRecorder
 
 Key = tuple[int, int]  # (microbatch, chunk)
+# forward_step(chunk, microbatch, input) -> the chunk's output activation, or on the last virtual
+# stage a scalar loss; `input` is None on virtual stage 0 (the chunk reads the microbatch).
+ForwardStep = Callable[[torch.nn.Module, Any, "torch.Tensor | None"], torch.Tensor]
 
 
 class _Run:
     """State of one schedule execution on one rank."""
 
-    def __init__(self, chunks, microbatches, loss_scale, p2p, autocast, recorder):
+    def __init__(self, chunks, microbatches, forward_step, loss_scale, p2p, pp, dtype, recorder):
         self.chunks, self.microbatches, self.loss_scale = chunks, microbatches, loss_scale
-        self.p2p, self.autocast, self.recorder = p2p, autocast, recorder
+        self.forward_step, self.p2p, self.dtype, self.recorder = forward_step, p2p, dtype, recorder
+        self.pp_rank, self.pp_size, device = pp
+        self.last_stage = self.pp_size * len(chunks) - 1
         self.inputs: dict[Key, torch.Tensor] = {}  # received activations (leaves)
         self.outputs: dict[Key, torch.Tensor] = {}  # hidden out, or scaled loss (last stage)
         self.output_grads: dict[Key, torch.Tensor] = {}  # received d(loss)/d(output)
         self.input_grads: dict[Key, torch.Tensor] = {}  # d(loss)/d(input), to send back
-        device = p2p.device
         self.total = torch.zeros((), dtype=torch.float64, device=device)  # unscaled loss sum
         # profiling on CUDA: spans must time the GPU work, not the kernel launches
         self.sync = torch.cuda.synchronize if recorder and device.type == "cuda" else None
 
+    def stage(self, chunk: int) -> int:
+        return virtual_stage(self.pp_rank, chunk, self.pp_size)
+
     def forward(self, a: Action) -> None:
-        key, chunk = (a.microbatch, a.chunk), self.chunks[a.chunk]
-        mb = self.microbatches[a.microbatch]  # token ids [b, s + 1]
-        x = mb[:, :-1] if chunk.pre_process else self.inputs[key]  # ids [b, s] | [s/cp(/tp), b, h]
-        labels = mb[:, 1:] if chunk.post_process else None  # [b, s]
-        with self.autocast():
-            out = chunk(x, labels)  # loss [s/cp, b] on the last stage, else [s/cp(/tp), b, h]
-        if chunk.post_process:
-            loss = out.sum()
-            self.total += loss.detach()
-            self.outputs[key] = loss * self.loss_scale
-        else:  # the wire dtype is fixed (p2p.pipeline_dtype); a bf16 output is upcast exactly
-            self.outputs[key] = out.to(self.p2p.dtype)
+        key, stage = (a.microbatch, a.chunk), self.stage(a.chunk)
+        x = None if stage == 0 else self.inputs[key]  # [s/cp(/tp), b, h] from the previous stage
+        out = self.forward_step(self.chunks[a.chunk], self.microbatches[a.microbatch], x)
+        if stage == self.last_stage:
+            self.total += out.detach()
+            self.outputs[key] = out * self.loss_scale
+        else:  # the wire dtype is fixed; a bf16 output is upcast exactly
+            self.outputs[key] = out.to(self.dtype)
 
     def backward(self, a: Action) -> None:
-        key, chunk = (a.microbatch, a.chunk), self.chunks[a.chunk]
+        key, stage = (a.microbatch, a.chunk), self.stage(a.chunk)
         out = self.outputs.pop(key)
-        grad = None if chunk.post_process else self.output_grads.pop(key)
+        grad = None if stage == self.last_stage else self.output_grads.pop(key)
         torch.autograd.backward(out, grad_tensors=grad)
-        if not chunk.pre_process:
+        if stage != 0:
             inp = self.inputs.pop(key)
             if inp.grad is None:
                 raise RuntimeError(f"{a}: the chunk's input got no gradient (is it used?)")
@@ -109,73 +113,42 @@ class _Run:
             raise RuntimeError(f"schedule finished with unconsumed tensors (mb, chunk): {left}")
 
 
-def run_schedule(
+def forward_backward(
     chunks: Sequence[torch.nn.Module],
-    microbatches: Sequence[torch.Tensor],
-    loss_scale: float,
-    p2p: P2PCommunicator,
-    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    microbatches: Sequence[Any],
+    forward_step: ForwardStep,
+    *,
+    pp_group: dist.ProcessGroup | None = None,
+    tensor_shape: Sequence[int] | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | None = None,
+    loss_scale: float = 1.0,
+    timeout_s: float = 300.0,
     recorder: SpanRecorder | None = None,
 ) -> torch.Tensor:
-    """Forward and backward of every microbatch through the pipeline; returns the summed
-    unscaled per-token loss (float64, 0-dim; zero unless this rank holds the last stage).
+    """Forward and backward of every microbatch through this rank's `chunks`; returns the sum of
+    the unscaled losses `forward_step` returned (float64, 0-dim; zero unless this rank holds the
+    last virtual stage). Backward runs on each loss times `loss_scale`.
 
-    chunks[c] is virtual stage c·pp + pp_rank, with `pre_process`/`post_process` flags and
-    forward(x, labels); microbatches are token ids [b, s + 1]; backward runs on the loss sum
-    times `loss_scale`.
+    chunks[c] is virtual stage c·pp + pp_rank of `pp_group` (None or size 1: no pipelining,
+    plain gradient accumulation). `tensor_shape`/`dtype` are the activation that crosses stages
+    (every microbatch the same, e.g. `activation_shape(...)`); `timeout_s` bounds each
+    send/recv batch (errors name rank, step, action and peer). `recorder` collects one span per
+    action for a pipeline trace.
     """
-    actions = get_schedule(p2p.pp_size, p2p.pp_rank, len(microbatches), len(chunks))
-    run = _Run(chunks, microbatches, loss_scale, p2p, autocast, recorder)
+    pp = mappings.size(pp_group)
+    pp_rank = dist.get_rank(pp_group) if pp > 1 else 0
+    device = device or torch.device("cpu")
+    actions = get_schedule(pp, pp_rank, len(microbatches), len(chunks))
+    p2p = None
+    if pp > 1:
+        if tensor_shape is None:
+            raise ValueError("forward_backward: pp > 1 needs the tensor_shape that crosses stages")
+        ranks = dist.get_process_group_ranks(pp_group)
+        p2p = P2PCommunicator(pp_group, ranks, tensor_shape, dtype, device, timeout_s)
+    pp_info = (pp_rank, pp, device)
+    run = _Run(chunks, microbatches, forward_step, loss_scale, p2p, pp_info, dtype, recorder)
     for step in comm_batches(actions):
         run.execute(step)
     run.check_done()
     return run.total
-
-
-def forward_backward_pipelining(trainer, microbatches, loss_scale: float) -> torch.Tensor:
-    """The Trainer's pp > 1 step: `run_schedule` over `trainer.chunks`, with the trainer's
-    autocast, the mesh's pipeline group and, under train.profile_pipeline, a trace file."""
-    from megatron_lite.training.trainer import autocast
-
-    cfg, mesh = trainer.cfg, trainer.mesh
-    sp = cfg.parallel.sequence_parallel
-    shape = activation_shape(
-        cfg.model.seq_length,
-        cfg.train.micro_batch_size,
-        cfg.model.hidden_size,
-        mesh.cp_size,
-        mesh.tp_size,
-        sp,
-    )
-    p2p = P2PCommunicator(
-        mesh.pp_group,
-        mesh.pp_ranks,
-        shape,
-        pipeline_dtype(cfg.train.precision),
-        trainer.device,
-        cfg.parallel.timeout_s,
-    )
-    recorder = None
-    if cfg.train.profile_pipeline:  # a common time origin for all ranks' spans
-        mappings.all_reduce(
-            torch.zeros(1, device=trainer.device), dist.group.WORLD, kind="profile_sync"
-        )
-        recorder = SpanRecorder()
-    total = run_schedule(
-        trainer.chunks,
-        microbatches,
-        loss_scale,
-        p2p,
-        lambda: autocast(cfg, trainer.device),
-        recorder,
-    )
-    if recorder is not None:
-        meta = {
-            "pp": mesh.pp_size,
-            "vpp": len(trainer.chunks),
-            "step": trainer.step,
-            "num_microbatches": len(microbatches),
-            "world_size": dist.get_world_size(),
-        }
-        write_trace(recorder, mesh.pp_rank, meta, cfg.train.out_dir)
-    return total

@@ -59,7 +59,7 @@ def activation_shape(
 
 class P2PCommunicator:
     """Sends/receives of one pipeline rank with its neighbours in `ranks` (global ranks of the
-    pipeline group in stage order, i.e. `mesh.pp_ranks`).
+    pipeline group in stage order, i.e. `mesh.pp.ranks`).
 
     `shape`/`dtype`: the one tensor kind that crosses (see `activation_shape`). `timeout_s`
     bounds each batch. `trace` defaults to the MEGATRON_LITE_P2P_TRACE environment variable.

@@ -121,19 +121,33 @@ def check_schedule_args(pp_size: int, num_microbatches: int, vpp: int = 1) -> No
                 "with pp=1 use vpp=1"
             )
         return
+    problem = microbatches_problem(pp_size, num_microbatches, vpp)
+    if problem is None:
+        return
     if num_microbatches < pp_size:
         raise ValueError(
-            f"num_microbatches={num_microbatches} must be >= pp={pp_size} for the 1F1B "
-            f"schedule, or the pipeline never fills; use num_microbatches >= {pp_size} "
+            f"{problem}; use num_microbatches >= {pp_size} "
             f"(the bubble is (pp-1)/num_microbatches, so more is better)"
         )
-    if vpp > 1 and num_microbatches % pp_size != 0:
-        lower = num_microbatches // pp_size * pp_size
-        raise ValueError(
+    lower = num_microbatches // pp_size * pp_size
+    raise ValueError(f"{problem}; use num_microbatches={lower} or {lower + pp_size}, or vpp=1")
+
+
+def microbatches_problem(pp_size: int, num_microbatches: int, vpp: int = 1) -> str | None:
+    """Why the pipeline schedules cannot run `num_microbatches` on (pp, vpp), or None: the one
+    owner of the microbatch-count rules (config validation words its message from this)."""
+    if pp_size > 1 and num_microbatches < pp_size:
+        return (
+            f"num_microbatches={num_microbatches} must be >= pp={pp_size} for the 1F1B "
+            f"schedule: with fewer than the {pp_size} pipeline stages the pipeline never fills"
+        )
+    if pp_size > 1 and vpp > 1 and num_microbatches % pp_size:
+        return (
             f"num_microbatches={num_microbatches} must be a multiple of pp={pp_size} for the "
             f"interleaved schedule (vpp={vpp}): microbatches pass through the model chunks in "
-            f"groups of pp; use num_microbatches={lower} or {lower + pp_size}, or vpp=1"
+            "groups of pp"
         )
+    return None
 
 
 def _check_rank(pp_size: int, pp_rank: int) -> None:

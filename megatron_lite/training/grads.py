@@ -13,6 +13,7 @@ import torch
 
 from megatron_lite.parallel import mappings
 from megatron_lite.parallel.mesh import ParallelMesh
+from megatron_lite.parallel.params import meta_of
 
 
 def _all_reduce_flat(grads: list[torch.Tensor], group) -> None:
@@ -37,12 +38,12 @@ def finalize_grads(
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    _all_reduce_flat([p.grad for p in params if p.meta.sequence_parallel], mesh.tp_group)
-    if tie_embeddings and mesh.pp_size > 1:
-        tied = [p for p in params if p.meta.tied_copy or p is embedding_param]
-        _all_reduce_flat([p.grad for p in tied], mesh.embedding_group)
-    _all_reduce_flat([p.grad for p in params if not p.meta.is_expert], mesh.dp_cp_group)
-    _all_reduce_flat([p.grad for p in params if p.meta.is_expert], mesh.edp_group)
+    _all_reduce_flat([p.grad for p in params if meta_of(p).sequence_parallel], mesh.tp.group)
+    if tie_embeddings and mesh.pp.size > 1:
+        tied = [p for p in params if meta_of(p).tied_copy or p is embedding_param]
+        _all_reduce_flat([p.grad for p in tied], mesh.embedding.group)
+    _all_reduce_flat([p.grad for p in params if not meta_of(p).is_expert], mesh.dp_cp.group)
+    _all_reduce_flat([p.grad for p in params if meta_of(p).is_expert], mesh.edp.group)
 
 
 @torch.no_grad()
@@ -53,11 +54,11 @@ def local_grad_square_sum(params: list[torch.nn.Parameter], mesh: ParallelMesh) 
     counts zero times)."""
     total = torch.zeros((), dtype=torch.float64, device=params[0].device)
     for p in params:
-        if p.meta.tied_copy:
+        if meta_of(p).tied_copy:
             continue
-        replicas = mesh.edp_size if p.meta.is_expert else mesh.dp_cp_size
-        if p.meta.tp_dim is None or p.meta.is_expert:  # experts: tp_dim is the EP shard dim
-            replicas *= mesh.tp_size
+        replicas = mesh.edp.size if meta_of(p).is_expert else mesh.dp_cp.size
+        if meta_of(p).tp_dim is None or meta_of(p).is_expert:  # experts: tp_dim is the EP shard dim
+            replicas *= mesh.tp.size
         total += torch.linalg.vector_norm(p.grad, dtype=torch.float64).square() / replicas
     return total
 

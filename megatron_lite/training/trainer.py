@@ -3,47 +3,28 @@ finalization -> clipping -> AdamW, with per-step metrics."""
 
 from __future__ import annotations
 
-import contextlib
 import time
 
 import torch
 import torch.distributed as dist
 
 from megatron_lite.config import Config
-from megatron_lite.data.sampler import microbatches_for_step
+from megatron_lite.data.sampler import microbatches_for_step, split_sample
 from megatron_lite.models import build_model
 from megatron_lite.parallel import mappings
 from megatron_lite.parallel.comm_stats import STATS
+from megatron_lite.parallel.cross_entropy import IGNORE_INDEX
 from megatron_lite.parallel.mesh import ParallelMesh
 from megatron_lite.parallel.params import unique_owner
 from megatron_lite.parallel.random import model_parallel_seed
+from megatron_lite.pipeline.engine import forward_backward
+from megatron_lite.pipeline.p2p import activation_shape, pipeline_dtype
+from megatron_lite.pipeline.trace import SpanRecorder, write_trace
 from megatron_lite.training.checkpoint import Checkpointer
 from megatron_lite.training.grads import clip_grads, finalize_grads, local_grad_square_sum
+from megatron_lite.training.lm_step import lm_forward_step
 from megatron_lite.training.logging import MetricsLogger
 from megatron_lite.training.optimizer import build_optimizer, lr_at, set_lr
-
-IGNORE_INDEX = -100
-
-
-def autocast(cfg: Config, device: torch.device):
-    if cfg.train.precision == "bf16":
-        return torch.autocast(device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
-def forward_backward_no_pipelining(
-    chunk, microbatches, loss_scale: float, cfg: Config, device
-) -> torch.Tensor:
-    """Gradient accumulation over microbatches; returns the summed (unscaled) token loss."""
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    for mb in microbatches:
-        tokens, labels = mb[:, :-1], mb[:, 1:]  # [b, s]
-        with autocast(cfg, device):
-            losses = chunk(tokens, labels)  # [s/cp, b]
-        loss = losses.sum()
-        (loss * loss_scale).backward()
-        total += loss.detach()
-    return total
 
 
 class Trainer:
@@ -56,7 +37,7 @@ class Trainer:
             if torch.cuda.is_available()
             else torch.device("cpu")
         )
-        self.tracker = model_parallel_seed(cfg.train.seed, mesh.tp_rank, mesh.pp_rank)
+        self.tracker = model_parallel_seed(cfg.train.seed, mesh.tp.rank, mesh.pp.rank)
         self.chunks = [c.to(self.device) for c in build_model(cfg, mesh, self.tracker, vocab_size)]
         self.params = [p for c in self.chunks for p in c.parameters()]
         self.embedding_param = next(
@@ -79,13 +60,48 @@ class Trainer:
         return int(t.item())
 
     def _forward_backward(self, microbatches, loss_scale: float) -> torch.Tensor:
-        if self.mesh.pp_size == 1:
-            return forward_backward_no_pipelining(
-                self.chunks[0], microbatches, loss_scale, self.cfg, self.device
-            )
-        from megatron_lite.pipeline.engine import forward_backward_pipelining
+        """One path for every layout: the pipeline engine (pp = 1 runs no_pipelining)."""
+        cfg, mesh = self.cfg, self.mesh
+        shape = activation_shape(
+            cfg.model.seq_length,
+            cfg.train.micro_batch_size,
+            cfg.model.hidden_size,
+            mesh.cp.size,
+            mesh.tp.size,
+            cfg.parallel.sequence_parallel,
+        )
+        recorder = self._pipeline_recorder()
+        total = forward_backward(
+            self.chunks,
+            microbatches,
+            lm_forward_step(cfg.train.precision, self.device),
+            pp_group=mesh.pp.group,
+            tensor_shape=shape,
+            dtype=pipeline_dtype(cfg.train.precision),
+            device=self.device,
+            loss_scale=loss_scale,
+            timeout_s=cfg.parallel.timeout_s,
+            recorder=recorder,
+        )
+        if recorder is not None:
+            meta = {
+                "pp": mesh.pp.size,
+                "vpp": len(self.chunks),
+                "step": self.step,
+                "num_microbatches": len(microbatches),
+                "world_size": dist.get_world_size(),
+            }
+            write_trace(recorder, mesh.pp.rank, meta, cfg.train.out_dir)
+        return total
 
-        return forward_backward_pipelining(self, microbatches, loss_scale)
+    def _pipeline_recorder(self) -> SpanRecorder | None:
+        """Under train.profile_pipeline (pp > 1): a span recorder with a common time origin."""
+        if not self.cfg.train.profile_pipeline or self.mesh.pp.size == 1:
+            return None
+        mappings.all_reduce(
+            torch.zeros(1, device=self.device), dist.group.WORLD, kind="profile_sync"
+        )
+        return SpanRecorder()
 
     def train_step(self) -> dict:
         cfg, mesh = self.cfg, self.mesh
@@ -98,17 +114,17 @@ class Trainer:
                 self.step,
                 cfg.train.global_batch_size,
                 cfg.train.micro_batch_size,
-                mesh.dp_rank,
-                mesh.dp_size,
+                mesh.dp.rank,
+                mesh.dp.size,
             )
         ]
         # token-weighted mean over the global batch: every rank divides by the same count
         n_tokens = torch.tensor(
-            [float(sum((mb[:, 1:] != IGNORE_INDEX).sum() for mb in micro))],
+            [float(sum((split_sample(mb)[1] != IGNORE_INDEX).sum() for mb in micro))],
             device=self.device,
             dtype=torch.float64,
         )
-        mappings.all_reduce(n_tokens, mesh.dp_group)
+        mappings.all_reduce(n_tokens, mesh.dp.group)
         n_tokens = n_tokens.item()
         lr = lr_at(self.step, cfg.train)
         set_lr(self.optimizer, lr)
@@ -116,7 +132,7 @@ class Trainer:
         finalize_grads(self.params, mesh, cfg.model.tie_embeddings, self.embedding_param)
         # one world all-reduce for [Σg², loss sum]: the loss lives on the last stage (tp rank 0
         # reports it) and each CP rank holds a slice of the sum
-        owner = mesh.is_last_stage and mesh.tp_rank == 0
+        owner = mesh.is_last_stage and mesh.tp.rank == 0
         grad_sq = local_grad_square_sum(self.params, mesh)
         loss_part = loss_sum.reshape(()).double() if owner else torch.zeros_like(grad_sq)
         sums = torch.stack([grad_sq, loss_part])
@@ -126,11 +142,7 @@ class Trainer:
         clip_grads(self.params, grad_norm, cfg.train.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        moe = {}
-        if cfg.model.num_experts is not None:
-            from megatron_lite.moe.layer import moe_metrics
-
-            moe = moe_metrics(self.chunks, mesh)
+        moe = self._moe_metrics()
         if self.device.type == "cuda":  # the step's time includes its optimizer kernels
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
@@ -147,6 +159,16 @@ class Trainer:
         }
         self.step += 1
         return record
+
+    def _moe_metrics(self) -> dict:
+        m, mesh = self.cfg.model, self.mesh
+        if m.num_experts is None:
+            return {}
+        from megatron_lite.moe.layer import moe_metrics
+
+        count_here = mesh.tp.rank == 0 and mesh.cp.rank == 0  # one rank per microbatch shard
+        z_loss = bool(m.moe_z_loss_coeff)
+        return moe_metrics(self.chunks, m.num_layers, m.num_experts, count_here, z_loss)
 
     def train(self) -> list[dict]:
         records = []

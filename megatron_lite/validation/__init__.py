@@ -4,6 +4,7 @@ exists. Each `ConfigError` names the key, its value, the rule and a fix."""
 from __future__ import annotations
 
 from megatron_lite.config import Config
+from megatron_lite.resolve import resolve
 from megatron_lite.validation.backends import _validate_fp8, check_hardware
 from megatron_lite.validation.fields import (
     _validate_choices,
@@ -22,30 +23,32 @@ from megatron_lite.validation.parallel import (
     _validate_pipeline_layers,
     _validate_sequence_split,
     _validate_world_size,
-    num_microbatches,
 )
 
-__all__ = ["check_hardware", "num_microbatches", "validate"]
+__all__ = ["check_hardware", "validate"]
 
 
 def validate(cfg: Config, world_size: int) -> Config:
-    """Check every rule before any process group exists; fills derived values (parallel.dp,
-    model.ffn_hidden_size, model.num_query_groups). Raises ConfigError naming key/rule/fix."""
+    """Check every rule before any process group exists; raises ConfigError naming key, value,
+    rule and fix. Checks only: `cfg` is not changed. Returns `resolve(cfg, world_size)`, the
+    copy with the derived fields (parallel.dp, model.ffn_hidden_size, model.num_query_groups)
+    filled in."""
     # the order decides which error a config breaking several rules reports first
     _validate_choices(cfg)
     _validate_positive_sizes(cfg)
     _validate_world_size(cfg.parallel, world_size)
-    _validate_order(cfg.parallel)
-    _validate_heads(cfg)
-    _validate_sequence_split(cfg)
-    _validate_pipeline_layers(cfg)
-    _validate_batch_sizes(cfg)
-    _validate_moe(cfg)
-    _validate_ffn_hidden_size(cfg)
-    _validate_dropout_and_schedule(cfg.model, cfg.train)
-    _validate_checkpointing(cfg.train)
-    _validate_model_ranges(cfg.model)
-    _validate_train_ranges(cfg)
-    _validate_fp8(cfg)
-    _validate_data(cfg)
-    return cfg
+    r = resolve(cfg, world_size)  # the later rules check what will actually run
+    _validate_order(r.parallel)
+    _validate_heads(r)
+    _validate_sequence_split(r)
+    _validate_pipeline_layers(r)
+    _validate_batch_sizes(r)
+    _validate_moe(r)
+    _validate_ffn_hidden_size(r)
+    _validate_dropout_and_schedule(r.model, r.train)
+    _validate_checkpointing(r.train)
+    _validate_model_ranges(r.model)
+    _validate_train_ranges(r)
+    _validate_fp8(r)
+    _validate_data(r)
+    return r

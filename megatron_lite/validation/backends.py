@@ -10,7 +10,8 @@ from megatron_lite.validation.rules import _choice, _rule
 def check_hardware(cfg: Config) -> None:
     """Rules that depend on the machine the ranks run on (GPU, optional packages); kept out of
     validate() so a login node without GPUs can validate a GPU job."""
-    from megatron_lite.models.backends import resolve_attention_backend, resolve_linear_backend
+    from megatron_lite.models.attention import resolve_attention_backend
+    from megatron_lite.parallel.te_linear import resolve_linear_backend
 
     m = cfg.model
     try:
@@ -23,7 +24,7 @@ def check_hardware(cfg: Config) -> None:
 def _validate_fp8(cfg: Config) -> None:
     """FP8 runs through Transformer Engine linears, in bf16 training, on GEMM shapes TE accepts
     (every dimension a multiple of 16; of 32 for MXFP8's 32-element blocks)."""
-    from megatron_lite.models.backends import FP8_FORMATS, FP8_RECIPES
+    from megatron_lite.parallel.te_linear import FP8_FORMATS, FP8_RECIPES
 
     m, p, t = cfg.model, cfg.parallel, cfg.train
     _choice("model.fp8_recipe", m.fp8_recipe, tuple(FP8_RECIPES))

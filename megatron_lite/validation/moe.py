@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from megatron_lite.config import Config, ModelConfig
+from megatron_lite.parallel.mesh import expert_problem
 from megatron_lite.validation.rules import _rule
 
 
@@ -40,13 +41,8 @@ def _validate_moe(cfg: Config) -> None:
             "expert parallelism needs an MoE model",
             "set model.num_experts or parallel.ep=1",
         )
-    _rule(
-        (p.dp * p.cp) % p.ep == 0,
-        "parallel.ep",
-        p.ep,
-        f"must divide dp·cp = {p.dp}·{p.cp} (experts spread over data/context ranks)",
-        "use an ep that divides dp·cp",
-    )
+    problem = expert_problem(p.ep, p.dp, p.cp)
+    _rule(problem is None, "parallel.ep", p.ep, str(problem), "use an ep that divides dp·cp")
 
 
 def _validate_moe_ranges(m: ModelConfig) -> None:

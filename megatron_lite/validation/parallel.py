@@ -4,15 +4,14 @@ over tp/cp, layers over pipeline stages, batch sizes, and the FFN width over tp.
 from __future__ import annotations
 
 from megatron_lite.config import Config, ParallelConfig
+from megatron_lite.parallel.mesh import order_problem
+from megatron_lite.pipeline.schedules import microbatches_problem
+from megatron_lite.resolve import num_microbatches
 from megatron_lite.validation.rules import _rule
 
 
-def num_microbatches(cfg: Config) -> int:
-    return cfg.train.global_batch_size // (cfg.train.micro_batch_size * cfg.parallel.dp)
-
-
 def _validate_world_size(p: ParallelConfig, world_size: int) -> None:
-    """world size = tp·pp·cp·dp; fills parallel.dp when it is null."""
+    """world size = tp·pp·cp·dp (dp may be null: then it is derived by `resolve`)."""
     mp = p.tp * p.pp * p.cp
     if p.dp is None:
         _rule(
@@ -22,7 +21,6 @@ def _validate_world_size(p: ParallelConfig, world_size: int) -> None:
             f"world size {world_size} must be divisible by tp·pp·cp = {p.tp}·{p.pp}·{p.cp}",
             f"launch a multiple of {mp} ranks or change the degrees",
         )
-        p.dp = world_size // mp
     else:
         suggested_dp = world_size // mp if world_size % mp == 0 else "null"
         _rule(
@@ -36,27 +34,14 @@ def _validate_world_size(p: ParallelConfig, world_size: int) -> None:
 
 
 def _validate_order(p: ParallelConfig) -> None:
-    """The rank order string that lays the degrees out over ranks."""
-    _rule(
-        sorted(p.order.split("-")) == sorted(["tp", "cp", "ep", "dp", "pp"]),
-        "parallel.order",
-        p.order,
-        "must name tp, cp, ep, dp and pp once each, joined by '-'",
-        "use the default tp-cp-ep-dp-pp",
-    )
-    tokens = p.order.split("-")
-    pos = sorted(tokens.index(a) for a in ("cp", "ep", "dp"))
-    _rule(
-        pos[2] - pos[0] == 2,
-        "parallel.order",
-        p.order,
-        "cp, ep and dp must be adjacent (experts fold into the dp×cp ranks)",
-        "use the default tp-cp-ep-dp-pp",
-    )
+    """The rank order string that lays the degrees out over ranks (rules: parallel/mesh.py)."""
+    problem = order_problem(p.order)
+    fix = "use the default tp-cp-ep-dp-pp"
+    _rule(problem is None, "parallel.order", p.order, str(problem), fix)
 
 
 def _validate_heads(cfg: Config) -> None:
-    """Attention heads and query groups over tp; fills model.num_query_groups when null."""
+    """Attention heads and query groups over tp (on the resolved config)."""
     m, p = cfg.model, cfg.parallel
     _rule(
         m.hidden_size % m.num_attention_heads == 0,
@@ -72,8 +57,6 @@ def _validate_heads(cfg: Config) -> None:
         f"model.num_attention_heads={m.num_attention_heads} must be divisible by tp",
         f"use a tp that divides {m.num_attention_heads}",
     )
-    if m.num_query_groups is None:
-        m.num_query_groups = m.num_attention_heads
     _rule(
         m.num_query_groups >= 1,
         "model.num_query_groups",
@@ -166,34 +149,21 @@ def _validate_batch_sizes(cfg: Config) -> None:
         f"must be a multiple of micro_batch_size·dp = {t.micro_batch_size}·{p.dp}",
         f"use a multiple of {per_step}",
     )
-    n_micro = num_microbatches(cfg)
-    if p.pp > 1:
-        _rule(
-            n_micro >= p.pp,
-            "train.global_batch_size",
-            t.global_batch_size,
-            f"gives {n_micro} microbatches per step, fewer than the {p.pp} pipeline stages "
-            "(the 1F1B schedule needs at least one microbatch per stage)",
-            f"use global_batch_size >= {p.pp * per_step}",
-        )
-        if p.vpp > 1:
-            _rule(
-                n_micro % p.pp == 0,
-                "train.global_batch_size",
-                t.global_batch_size,
-                f"gives {n_micro} microbatches; the interleaved schedule needs a multiple of "
-                f"pp={p.pp}",
-                f"use a multiple of {p.pp * per_step}",
-            )
+    n_micro = num_microbatches(t, p.dp)
+    problem = microbatches_problem(p.pp, n_micro, p.vpp)
+    multiple = p.pp * per_step
+    _rule(
+        problem is None,
+        "train.global_batch_size",
+        t.global_batch_size,
+        f"gives {n_micro} microbatches of micro_batch_size·dp = {per_step}, and {problem}",
+        f"use a multiple of {multiple}" if p.vpp > 1 else f"use global_batch_size >= {multiple}",
+    )
 
 
 def _validate_ffn_hidden_size(cfg: Config) -> None:
-    """The dense MLP width over tp; fills model.ffn_hidden_size when null."""
+    """The dense MLP width over tp (on the resolved config)."""
     m, p = cfg.model, cfg.parallel
-    if m.ffn_hidden_size is None:
-        m.ffn_hidden_size = (
-            4 * m.hidden_size if m.arch == "gpt" else 64 * -(-int(8 * m.hidden_size / 3) // 64)
-        )
     _rule(
         m.ffn_hidden_size % p.tp == 0,
         "model.ffn_hidden_size",

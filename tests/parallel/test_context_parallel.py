@@ -30,7 +30,7 @@ def test_cp_loss_parity(layout, model, tmp_path):
 
 def _ulysses_vs_local(rank, world, n, g):
     from megatron_lite.context.ulysses import ulysses_attention
-    from megatron_lite.models.backends import sdpa_attention as core_attention
+    from megatron_lite.models.attention import sdpa_attention as core_attention
     from megatron_lite.parallel.comm_stats import STATS
 
     torch.manual_seed(0)

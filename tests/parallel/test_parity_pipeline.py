@@ -67,15 +67,18 @@ def _engine_bad_count(rank, world):
     import torch
     import torch.distributed as dist
 
-    from megatron_lite.pipeline.engine import run_schedule
-    from megatron_lite.pipeline.p2p import P2PCommunicator
+    from megatron_lite.pipeline.engine import forward_backward
 
-    p2p = P2PCommunicator(
-        dist.group.WORLD, [0, 1], (4, 1, 8), torch.float32, torch.device("cpu"), timeout_s=5
-    )
     chunks = [torch.nn.Identity(), torch.nn.Identity()]  # vpp=2
     try:
-        run_schedule(chunks, [torch.zeros(1, 5, dtype=torch.long)] * 3, 1.0, p2p)
+        forward_backward(
+            chunks,
+            [torch.zeros(1, 5, dtype=torch.long)] * 3,
+            lambda chunk, mb, x: chunk(x),
+            pp_group=dist.group.WORLD,
+            tensor_shape=(4, 1, 8),
+            timeout_s=5,
+        )
     except ValueError as e:
         return str(e)
     return "no error"

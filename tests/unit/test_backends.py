@@ -6,11 +6,8 @@ import pytest
 import torch
 
 from megatron_lite.config import ConfigError, load_config
-from megatron_lite.models.backends import (
-    resolve_attention_backend,
-    resolve_linear_backend,
-    sdpa_attention,
-)
+from megatron_lite.models.attention import resolve_attention_backend, sdpa_attention
+from megatron_lite.parallel.te_linear import resolve_linear_backend
 from megatron_lite.validation import check_hardware, validate
 
 
@@ -40,7 +37,7 @@ def test_gpu_backends_on_cpu_name_package_and_fix(backend, package):
 
 def test_missing_package_names_install_command(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr("megatron_lite.models.backends._installed", lambda m: False)
+    monkeypatch.setattr("megatron_lite.optional._installed", lambda m: False)
     with pytest.raises(ValueError, match="pip install flash-attn"):
         resolve_attention_backend("flash", "bf16")
     with pytest.raises(ValueError, match="transformer-engine"):
@@ -50,7 +47,7 @@ def test_missing_package_names_install_command(monkeypatch):
 
 def test_flash_needs_bf16_and_auto_never_changes_fp32_math(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr("megatron_lite.models.backends._installed", lambda m: True)
+    monkeypatch.setattr("megatron_lite.optional._installed", lambda m: True)
     with pytest.raises(ValueError, match="train.precision=bf16"):
         resolve_attention_backend("flash", "fp32")
     assert resolve_attention_backend("auto", "fp32") == "sdpa"
@@ -67,15 +64,15 @@ def test_te_linear_backend_on_cpu_names_package_and_fix():
 
 
 def test_te_linear_backend_missing_package_and_fp8_support(monkeypatch):
-    monkeypatch.setattr("megatron_lite.models.backends._cuda", lambda: True)
-    monkeypatch.setattr("megatron_lite.models.backends._installed", lambda m: False)
+    monkeypatch.setattr("megatron_lite.optional._cuda", lambda: True)
+    monkeypatch.setattr("megatron_lite.optional._installed", lambda m: False)
     with pytest.raises(ValueError, match=r"pip install 'transformer-engine\[pytorch\]'"):
         resolve_linear_backend("te", None)
     assert resolve_linear_backend("local", None) == "local"  # never needs TE
-    monkeypatch.setattr("megatron_lite.models.backends._installed", lambda m: True)
+    monkeypatch.setattr("megatron_lite.optional._installed", lambda m: True)
     assert resolve_linear_backend("te", None) == "te"  # bf16 GEMMs: no FP8 check
     monkeypatch.setattr(
-        "megatron_lite.models.backends._fp8_support",
+        "megatron_lite.parallel.te_linear._fp8_support",
         lambda recipe: (False, "Device compute capability 8.9 or higher required"),
     )
     with pytest.raises(ValueError) as e:
@@ -170,7 +167,7 @@ def fake_te(monkeypatch):
 
 
 def test_fp8_support_asks_te_and_names_a_missing_recipe(fake_te, monkeypatch):
-    from megatron_lite.models import backends
+    from megatron_lite.parallel import te_linear as backends
 
     assert backends._fp8_support("tensorwise") == (True, "")
     from transformer_engine.common import recipe

@@ -153,13 +153,22 @@ def test_pieces_reassemble_the_full_tensor(tp):
         assert torch.all(seen == 1), f"{key}: elements stored {seen.unique().tolist()} times"
 
 
+def _mesh(tp_rank: int, dp_cp_rank: int, edp_rank: int) -> SimpleNamespace:
+    """The coordinates of ParallelMesh that the writer rule reads."""
+    return SimpleNamespace(
+        tp=SimpleNamespace(rank=tp_rank),
+        dp_cp=SimpleNamespace(rank=dp_cp_rank),
+        edp=SimpleNamespace(rank=edp_rank),
+    )
+
+
 def test_one_writer_per_piece():
     """On tp2 x dp2 x pp2 with ep2, each (stage, piece) is written by exactly one rank."""
     layout = RankLayout(8, tp=2, pp=2, ep=2)
     writers: dict[tuple, list[int]] = {}
     for rank in range(8):
         c = layout.coords(rank)
-        mesh = SimpleNamespace(tp_rank=c["tp"], dp_cp_rank=c["dp_cp"], edp_rank=c["edp"])
+        mesh = _mesh(c["tp"], c["dp_cp"], c["edp"])
         for name, meta in metas(2, c["tp"]).items():
             if meta.is_expert:
                 meta.tp_rank, meta.tp_size = c["ep"], 2
@@ -167,7 +176,7 @@ def test_one_writer_per_piece():
                 for piece in param_pieces(name, meta):
                     writers.setdefault((c["pp"], piece.key, piece.offsets), []).append(rank)
     tied = ParamMeta((13, 16), tp_dim=0, padded=16, tied_copy=True, init_name="embedding.weight")
-    assert not writes(tied, SimpleNamespace(tp_rank=0, dp_cp_rank=0, edp_rank=0))
+    assert not writes(tied, _mesh(0, 0, 0))
     assert all(len(r) == 1 for r in writers.values()), writers
     assert len({k for _, k, _ in writers}) == 9  # qkv 3, fc1 bias 2, fc2, norm, emb, experts
 

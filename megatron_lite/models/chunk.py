@@ -1,0 +1,144 @@
+"""`ModelChunk`: the layers of one pipeline (virtual) stage, plus the embedding on the first stage
+and the final norm, output layer and loss on the last."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from megatron_lite.models.transformer import TransformerLayer, rope_tables
+from megatron_lite.models.transformer_config import TransformerConfig
+from megatron_lite.parallel import mappings
+from megatron_lite.parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron_lite.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
+from megatron_lite.parallel.mesh import ParallelMesh
+from megatron_lite.parallel.params import set_meta
+from megatron_lite.parallel.random import RNGStatesTracker, dropout
+from megatron_lite.parallel.te_linear import fp8_autocast, fp8_recipe
+
+
+class ModelChunk(nn.Module):
+    """Layers `layer_ids` (global numbers) plus the embedding on the first stage and the final
+    norm, output layer and loss on the last.
+
+    forward(x, labels): x is token ids [b, s] on the first stage, else the hidden state
+    [s/cp(/tp), b, h] from the previous stage; returns the per-token loss [s/cp, b] on the last
+    stage, else the hidden state for the next one.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        mesh: ParallelMesh,
+        tracker: RNGStatesTracker,
+        layer_ids: list[int],
+        pre_process: bool,
+        post_process: bool,
+    ):
+        super().__init__()
+        c = config
+        self.pre_process, self.post_process = pre_process, post_process
+        self.rotary, self.sp, self.tracker = c.spec.rotary, c.sequence_parallel, tracker
+        self.tp_group, self.tp_rank = mesh.tp.group, mesh.tp.rank
+        self.hidden_dropout = c.hidden_dropout
+        self.padded_vocab, self.vocab_size = c.padded_vocab_size, c.vocab_size
+        self.fp8_recipe = None if c.fp8 is None else fp8_recipe(c.fp8, c.fp8_recipe)
+        self.fp8_group = mesh.tp_dp_cp.group  # FP8 amax reduction: one pipeline stage
+        s_local = c.seq_length // mesh.cp.size
+        if pre_process:
+            self.embedding = VocabParallelEmbedding(
+                c.vocab_size, c.padded_vocab_size, c.hidden_size, mesh.tp.group,
+                init_std=c.init_method_std,
+            )  # fmt: skip
+            if not c.spec.rotary:
+                max_pos = c.max_position_embeddings
+                self.position_embeddings = set_meta(
+                    nn.Parameter(torch.empty(max_pos, c.hidden_size)),
+                    full_shape=(max_pos, c.hidden_size),
+                    std=c.init_method_std,
+                    sequence_parallel=c.sequence_parallel,
+                )
+        self.layers = nn.ModuleDict(
+            {str(i): TransformerLayer(c, mesh, tracker, i) for i in layer_ids}
+        )
+        if post_process:
+            self._build_output(c, mesh, tied_here=c.tie_embeddings and pre_process)
+        self.cp_offset = mesh.cp.rank * s_local
+        self.s_local = s_local
+        if c.spec.rotary:
+            cos, sin = rope_tables(s_local, c.head_dim, c.rope_theta, offset=self.cp_offset)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+
+    def _build_output(self, c: TransformerConfig, mesh: ParallelMesh, tied_here: bool) -> None:
+        """Final norm and output layer; the output weight is the embedding's when tied here."""
+        self.final_norm = c.spec.norm(c.hidden_size, c.norm_eps, c.sequence_parallel)
+        self.output_layer = ColumnParallelLinear(
+            c.hidden_size,
+            c.padded_vocab_size,
+            mesh.tp.group,
+            bias=False,
+            sequence_parallel=c.sequence_parallel,
+            init_std=c.init_method_std,
+            skip_weight=tied_here,
+        )
+        if self.output_layer.weight is not None:  # its own weight, vocabulary-padded
+            meta = self.output_layer.weight.meta
+            meta.full_shape, meta.padded, meta.segments = (
+                (c.vocab_size, c.hidden_size),
+                c.padded_vocab_size,
+                None,
+            )
+            if c.tie_embeddings:  # tied copy on the last stage: same init, synced grads
+                meta.tied_copy, meta.init_name = True, "embedding.weight"
+        v_local = c.padded_vocab_size // mesh.tp.size
+        cols = torch.arange(v_local) + mesh.tp.rank * v_local
+        self.register_buffer("vocab_pad_mask", cols >= c.vocab_size, persistent=False)
+        self.has_vocab_pad = bool(self.vocab_pad_mask.any())
+
+    def fp8(self):
+        """Context for the transformer layers: FP8 GEMMs in TE linears when model.fp8 is set
+        (the embedding, output layer and loss stay outside it, in bf16/fp32)."""
+        if self.fp8_recipe is None:
+            return contextlib.nullcontext()
+        return fp8_autocast(self.fp8_recipe, self.fp8_group)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [b, s] -> [s/cp(/tp), b, h]."""
+        ids = ids.t()[self.cp_offset : self.cp_offset + self.s_local]  # [s/cp, b]
+        x = self.embedding(ids)  # [s/cp, b, h] partial sums over TP
+        if self.sp:
+            x = mappings.reduce_scatter_to_sequence_parallel_region(x, self.tp_group)  # [s/cp/tp]
+        else:
+            x = mappings.reduce_from_tensor_parallel_region(x, self.tp_group)
+        if not self.rotary:
+            start, n = self.cp_offset, x.shape[0]
+            if self.sp:
+                start += self.tp_rank * n
+            x = x + self.position_embeddings[start : start + n].unsqueeze(1)
+        return dropout(x, self.hidden_dropout, self.tracker, self.sp)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        if self.pre_process:
+            x = self.embed(x)
+        rope = (self.rope_cos, self.rope_sin) if self.rotary else None
+        with self.fp8():
+            for layer in self.layers.values():
+                x = layer(x, rope)
+        if not self.post_process:
+            return x
+        return self.loss(self.final_norm(x), labels)
+
+    def output_weight(self) -> torch.Tensor:
+        w = self.output_layer.weight
+        return self.embedding.weight if w is None else w
+
+    def loss(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """x [s/cp(/tp), b, h], labels [b, s] -> per-token loss [s/cp, b]."""
+        logits = self.output_layer(x, self.output_weight())  # [s/cp, b, V/tp]
+        if self.has_vocab_pad:  # padded vocabulary never takes probability mass
+            logits = logits.masked_fill(self.vocab_pad_mask, float("-inf"))
+        labels = labels.t()[self.cp_offset : self.cp_offset + self.s_local]  # [s/cp, b]
+        return vocab_parallel_cross_entropy(logits.float(), labels, self.tp_group)

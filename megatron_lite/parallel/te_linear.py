@@ -1,0 +1,106 @@
+"""Transformer Engine for the local GEMM of the column/row-parallel linears, and its FP8 recipes.
+
+With `gemm="te"` (model.linear_backend=te) the local GEMM of a parallel linear is a Transformer
+Engine `Linear` (its FP8 recipes under `model.fp8`); our layers keep doing the tensor/sequence
+parallel communication around it, own the weight (same name, init and checkpoint as the local
+backend) and hand it to TE. The FP8 tables are read by config validation and by the model.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_lite import optional
+
+# model.fp8_recipe -> the Transformer Engine recipe class (transformer_engine.common.recipe)
+FP8_RECIPES = {
+    "tensorwise": "Float8CurrentScaling",  # per-tensor scale from the current amax (stateless)
+    "delayed": "DelayedScaling",  # per-tensor scale from an amax history
+    "blockwise": "Float8BlockScaling",  # 1×128 / 128×128 block scales (Hopper, CUDA ≥ 12.9)
+    "mxfp8": "MXFP8BlockScaling",  # 32-element microscaling (Blackwell)
+}
+FP8_FORMATS = {"e4m3": "E4M3", "hybrid": "HYBRID"}  # hybrid: E4M3 forward, E5M2 gradients
+
+
+def resolve_linear_backend(requested: str, fp8: str | None, recipe: str = "tensorwise") -> str:
+    """local|te -> the backend; raises ValueError(message) when TE or FP8 is unusable here."""
+    if requested == "local":
+        return requested
+    optional.require_cuda_package("model.linear_backend", requested, "model.linear_backend=local")
+    if fp8 is not None:
+        ok, reason = _fp8_support(recipe)
+        if not ok:
+            raise ValueError(
+                f"model.fp8_recipe={recipe!r}: Transformer Engine says it cannot run here "
+                f"({reason}). Fix: pick another model.fp8_recipe (tensorwise and delayed need "
+                "Hopper or Ada; blockwise Hopper and CUDA >= 12.9; mxfp8 Blackwell), upgrade "
+                "transformer-engine, or set model.fp8=null for bf16 GEMMs through TE"
+            )
+    return requested
+
+
+def _fp8_support(recipe: str) -> tuple[bool, str]:
+    """(supported, reason) from Transformer Engine for this recipe on this GPU and TE version."""
+    from transformer_engine.common import recipe as te_recipe
+
+    if not hasattr(te_recipe, FP8_RECIPES[recipe]):
+        return False, f"this Transformer Engine version has no {FP8_RECIPES[recipe]} recipe"
+    import transformer_engine.pytorch as te
+
+    name = {"blockwise": "fp8_block_scaling", "mxfp8": "mxfp8"}.get(recipe, "fp8")
+    if hasattr(te, f"is_{name}_available"):
+        return getattr(te, f"is_{name}_available")(return_reason=True)
+    from transformer_engine.pytorch import fp8 as te_fp8  # older TE: the checks live here
+
+    return getattr(te_fp8, f"check_{name}_support")()
+
+
+def fp8_recipe(fmt: str, recipe: str):
+    """The Transformer Engine recipe object for model.fp8 / model.fp8_recipe."""
+    from transformer_engine.common import recipe as te_recipe
+
+    cls = getattr(te_recipe, FP8_RECIPES[recipe])
+    return cls(fp8_format=getattr(te_recipe.Format, FP8_FORMATS[fmt]))
+
+
+def fp8_autocast(recipe, group):
+    """Context in which TE linears run their GEMMs in FP8; `group` reduces amaxes (delayed
+    scaling) over the ranks of one pipeline stage (tp×cp×dp)."""
+    import transformer_engine.pytorch as te
+
+    if hasattr(te, "autocast"):  # TE ≥ 2.8
+        return te.autocast(enabled=True, recipe=recipe, amax_reduction_group=group)
+    return te.fp8_autocast(enabled=True, fp8_recipe=recipe, fp8_group=group)
+
+
+class TELinearGemm:
+    """y = x Wᵀ (+ b, added after) through a Transformer Engine Linear without bias or
+    communication, computing with the `weight` that the calling layer owns. Kept out of the
+    nn.Module tree, so parameter names, init, grad sync and checkpoints are the local backend's."""
+
+    def __init__(self, weight: torch.nn.Parameter):
+        import transformer_engine.pytorch as te
+
+        out_features, in_features = weight.shape
+        self.linear = te.Linear(
+            in_features,
+            out_features,
+            bias=False,
+            params_dtype=weight.dtype,
+            device=weight.device,
+        )
+        self.linear.weight = weight  # TE reads its weight by name at every forward
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
+        if self.linear.weight is not weight:  # the layer's parameter object was replaced
+            if not isinstance(weight, torch.nn.Parameter):
+                raise TypeError(
+                    "the te linear backend computes with a layer's own weight Parameter; "
+                    "pass none (or use gemm='local' for a borrowed plain tensor)"
+                )
+            self.linear.weight = weight
+        y = self.linear(x)
+        return y if bias is None else y + bias.to(y.dtype)  # as F.linear under autocast
+
+    def train(self, mode: bool = True) -> None:
+        self.linear.train(mode)

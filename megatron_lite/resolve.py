@@ -1,0 +1,78 @@
+"""The resolve step: every field derived from a run config, computed in one place.
+
+`validate()` only checks; `resolve(cfg, world_size)` returns a copy of the config with the
+derived fields the user may leave null filled in (parallel.dp, model.num_query_groups,
+model.ffn_hidden_size). The small functions below are the one owner of each derivation: the
+validators, the per-model `TransformerConfig` and the trainer import them.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+from megatron_lite.config import Config, ModelConfig, ParallelConfig, TrainConfig
+
+
+def data_parallel_size(p: ParallelConfig, world_size: int) -> int:
+    """parallel.dp, or world / (tp·pp·cp) when it is null."""
+    return p.dp if p.dp is not None else world_size // (p.tp * p.pp * p.cp)
+
+
+def num_query_groups(m: ModelConfig) -> int:
+    """KV heads: model.num_query_groups, or one per attention head when null."""
+    return m.num_query_groups if m.num_query_groups is not None else m.num_attention_heads
+
+
+def ffn_hidden_size(m: ModelConfig) -> int:
+    """The dense MLP width: 4h (gpt) or 8h/3 rounded up to a multiple of 64 (llama)."""
+    if m.ffn_hidden_size is not None:
+        return m.ffn_hidden_size
+    return 4 * m.hidden_size if m.arch == "gpt" else 64 * -(-int(8 * m.hidden_size / 3) // 64)
+
+
+def moe_ffn_hidden_size(m: ModelConfig) -> int:
+    return m.moe_ffn_hidden_size or ffn_hidden_size(m)
+
+
+def num_microbatches(t: TrainConfig, dp: int) -> int:
+    """Microbatches per step on each data-parallel rank."""
+    return t.global_batch_size // (t.micro_batch_size * dp)
+
+
+def sequence_parallel(p: ParallelConfig) -> bool:
+    """Sequence parallelism is in effect only with tp > 1."""
+    return p.sequence_parallel and p.tp > 1
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Vocabulary rounded up to a multiple of divisible_by·tp (padding never changes the loss)."""
+    multiple = divisible_by * tp
+    return multiple * math.ceil(vocab_size / multiple)
+
+
+def is_moe_layer(num_experts: int | None, moe_layer_freq: int, layer_number: int) -> bool:
+    """Every moe_layer_freq-th layer (from layer 0) is MoE in a model with experts."""
+    return num_experts is not None and layer_number % moe_layer_freq == 0
+
+
+def num_moe_layers(m: ModelConfig) -> int:
+    return sum(is_moe_layer(m.num_experts, m.moe_layer_freq, i) for i in range(m.num_layers))
+
+
+def moe_aux_loss_scale(cfg: Config, dp: int) -> float:
+    """Gradient of each microbatch's aux term: 1 / (microbatches · dp · MoE layers), a constant
+    of the config, so the trained objective is the same on every layout (see moe/layer.py)."""
+    n_layers = num_moe_layers(cfg.model)
+    if n_layers == 0:
+        return 0.0
+    return 1.0 / (num_microbatches(cfg.train, dp) * dp * n_layers)
+
+
+def resolve(cfg: Config, world_size: int) -> Config:
+    """A copy of `cfg` with every null derived field filled in; `cfg` is left as it is."""
+    out = copy.deepcopy(cfg)
+    out.parallel.dp = data_parallel_size(cfg.parallel, world_size)
+    out.model.num_query_groups = num_query_groups(cfg.model)
+    out.model.ffn_hidden_size = ffn_hidden_size(cfg.model)
+    return out

@@ -1,0 +1,35 @@
+"""The language-model forward step the pipeline engine runs for every (microbatch, chunk).
+
+A microbatch is token ids [b, s + 1] (the sample contract, `data.sampler.split_sample`): the
+first stage embeds the inputs, the last one returns the summed per-token loss against the labels.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from megatron_lite.data.sampler import split_sample
+from megatron_lite.pipeline.engine import ForwardStep
+
+
+def autocast(precision: str, device: torch.device):
+    """bf16 autocast for train.precision=bf16, nothing for fp32."""
+    if precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def lm_forward_step(precision: str, device: torch.device) -> ForwardStep:
+    """forward_step(chunk, sample [b, s + 1], input) for `ModelChunk`s: the hidden state
+    [s/cp(/tp), b, h] for the next stage, or on the last stage the loss summed over this rank's
+    tokens (unscaled; the engine scales it for backward)."""
+
+    def forward_step(chunk, sample: torch.Tensor, x: torch.Tensor | None) -> torch.Tensor:
+        tokens, labels = split_sample(sample)  # [b, s] each
+        with autocast(precision, device):
+            out = chunk(tokens if x is None else x, labels if chunk.post_process else None)
+        return out.sum() if chunk.post_process else out  # per-token loss [s/cp, b] summed
+
+    return forward_step
