@@ -1,0 +1,73 @@
+"""The resolve step (derived fields) is separate from validation, and the frozen per-model
+TransformerConfig needs no validate() first. Parameters without metadata are replicated."""
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+from megatron_lite.config import load_config
+from megatron_lite.models.transformer_config import TransformerConfig
+from megatron_lite.parallel.params import init_parameters, meta_of
+from megatron_lite.resolve import resolve
+from megatron_lite.validation import validate
+
+
+def _cfg(*overrides):
+    return load_config(None, ["data.mock=true", "model.vocab_size=100", *overrides])
+
+
+def test_validate_only_checks_and_resolve_derives():
+    cfg = _cfg("parallel.tp=2", "model.hidden_size=96", "model.num_attention_heads=6")
+    before = dataclasses.asdict(cfg)
+    resolved = validate(cfg, 8)
+    assert dataclasses.asdict(cfg) == before  # the input is never changed
+    assert dataclasses.asdict(resolved) == dataclasses.asdict(resolve(cfg, 8))
+    assert resolved.parallel.dp == 4 and resolved.model.num_query_groups == 6
+    assert resolved.model.ffn_hidden_size == 256  # 8·96/3 = 256, already a multiple of 64
+
+
+def test_transformer_config_from_an_unvalidated_config():
+    cfg = _cfg("parallel.tp=2", "model.arch=gpt", "parallel.sequence_parallel=true")
+    c = TransformerConfig.from_config(cfg, world_size=4)  # no validate() anywhere
+    assert (c.num_query_groups, c.ffn_hidden_size, c.padded_vocab_size) == (4, 256, 256)
+    assert c.sequence_parallel and c.attention_backend == "sdpa" and c.head_dim == 16
+    one_rank = TransformerConfig.from_config(_cfg("parallel.sequence_parallel=true"), 1)
+    assert not one_rank.sequence_parallel  # no tensor parallelism: nothing to split
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.hidden_size = 3
+
+
+class _Mixed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+
+
+def test_unmarked_parameters_are_replicated_and_seeded():
+    a, b, c = _Mixed(), _Mixed(), _Mixed()
+    torch.manual_seed(1)  # the global generator's state must not matter
+    init_parameters(a, seed=5)
+    torch.manual_seed(2)
+    init_parameters(b, seed=5)
+    init_parameters(c, seed=6)
+    assert torch.equal(a.proj.weight, b.proj.weight) and torch.equal(a.proj.bias, b.proj.bias)
+    assert not torch.equal(a.proj.weight, c.proj.weight)
+    assert torch.equal(a.norm.weight, torch.ones(8))  # LayerNorm's own reset_parameters
+    meta = meta_of(a.proj.weight)
+    assert meta.tp_dim is None and meta.full_shape == (8, 8) and not meta.sequence_parallel
+
+
+def test_unmarked_parameter_without_reset_is_refused_by_name():
+    class Scale(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gain = nn.Parameter(torch.ones(3))
+
+    model = nn.Sequential(nn.Linear(3, 3), Scale())
+    with pytest.raises(
+        ValueError, match=r"parameter '1.gain' \(Scale\) has no sharding metadata.*set_meta"
+    ):
+        init_parameters(model, seed=0)
