@@ -24,6 +24,7 @@ from megatron_lite.validation.parallel import (
     _validate_world_size,
     num_microbatches,
 )
+from megatron_lite.validation.paths import _validate_output_paths
 
 __all__ = ["check_hardware", "num_microbatches", "validate"]
 
@@ -48,4 +49,5 @@ def validate(cfg: Config, world_size: int) -> Config:
     _validate_train_ranges(cfg)
     _validate_fp8(cfg)
     _validate_data(cfg)
+    _validate_output_paths(cfg)
     return cfg
