@@ -11,8 +11,8 @@ import os
 from megatron_lite.config import Config
 from megatron_lite.validation.rules import _rule
 
-# the longest suffix a writer appends to a file name (IndexedDatasetBuilder's temporaries)
-_TMP_SUFFIX = ".idx.tmp.4194304"
+# the longest tail a writer appends to a file name (IndexedDatasetBuilder's temporaries)
+TMP_SUFFIX = ".idx.tmp.4194304"
 
 
 def _limit(path: str, name: str, default: int) -> int:
@@ -32,28 +32,25 @@ def _existing_ancestor(path: str) -> str:
     return path
 
 
-def output_dir_problem(path: str, suffix: str = "") -> str | None:
-    """Why the directory `path` cannot be created or written (None if it can). `suffix` is the
-    longest file-name tail written into it (checked against NAME_MAX with the last component
-    when `path` is a file prefix). Works for root too, except the permission case, which
-    os.access answers only as far as the kernel lets root write."""
+def output_dir_problem(path: str, file_name: str = "") -> str | None:
+    """Why the directory `path` cannot be created or written (None if it can); `file_name` is
+    the longest name to be written into it. Works for root too, except the permission case:
+    os.access says what the kernel lets this user write, which for root is nearly everything."""
     if path == "":
         return "is empty"
     full = os.path.abspath(path)
     anchor = _existing_ancestor(full)
     name_max = _limit(anchor if os.path.isdir(anchor) else "/", "PC_NAME_MAX", 255)
     path_max = _limit("/", "PC_PATH_MAX", 4096)
-    size = len(os.fsencode(full + suffix))
+    size = len(os.fsencode(os.path.join(full, file_name)))
     if size >= path_max:
-        return f"is {size} bytes long as an absolute path; the limit is {path_max - 1} (PATH_MAX)"
-    for part in os.fsencode(full).split(b"/"):
+        return f"gives a {size}-byte absolute path; the limit is {path_max - 1} bytes (PATH_MAX)"
+    for part in [*os.fsencode(full).split(b"/"), os.fsencode(file_name)]:
         if len(part) > name_max:
             return (
-                f"has a {len(part)}-byte component {part[:16].decode(errors='replace')}...; "
-                f"the limit is {name_max} bytes (NAME_MAX)"
+                f"has a {len(part)}-byte name {part[:20].decode(errors='replace')}...; the "
+                f"limit is {name_max} bytes (NAME_MAX)"
             )
-    if suffix and len(os.fsencode(os.path.basename(full) + suffix)) > name_max:
-        return f"gives file names longer than {name_max} bytes (NAME_MAX) with {suffix!r}"
     if os.path.islink(anchor) and not os.path.exists(anchor):
         return f"runs through the broken symbolic link {anchor}"
     if not os.path.isdir(anchor):
@@ -66,9 +63,22 @@ def output_dir_problem(path: str, suffix: str = "") -> str | None:
     return None
 
 
-def check_output_dir(key: str, path: str, fix: str, suffix: str = "") -> None:
+def output_prefix_problem(prefix: str) -> str | None:
+    """Why `<prefix>.bin/.idx` (and their temporaries) cannot be written, or None."""
+    name = os.path.basename(prefix)
+    if not name:
+        return "does not end in a file name prefix"
+    for ext in (".bin", ".idx"):
+        if os.path.isdir(prefix + ext):
+            return f"{prefix + ext} is a directory"
+    parent = os.path.dirname(os.path.abspath(prefix))
+    problem = output_dir_problem(parent, file_name=name + TMP_SUFFIX)
+    return None if problem is None else f"its directory {parent} {problem}"
+
+
+def check_output_dir(key: str, path: str, fix: str) -> None:
     """ConfigError naming the key, the path, what is wrong and `fix` if `path` is not usable."""
-    problem = output_dir_problem(path, suffix)
+    problem = output_dir_problem(path)
     _rule(problem is None, key, path, f"{problem}", fix)
 
 
