@@ -219,6 +219,11 @@ _UniqueKeyLoader.add_constructor(
 def _read_yaml(path: str):
     """The YAML file's content; ConfigError for a missing, unreadable, non-UTF-8 or invalid file
     and for duplicate keys."""
+    if os.path.isdir(path):
+        raise ConfigError(
+            f"config file {path!r} is a directory. Fix: pass --config with the path of a YAML "
+            f"file in it, e.g. configs/quickstart.yaml"
+        )
     if not os.path.isfile(path):
         raise ConfigError(
             f"config file {path!r} does not exist. Fix: pass --config with the "

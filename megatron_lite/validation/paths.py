@@ -45,12 +45,17 @@ def output_dir_problem(path: str, file_name: str = "") -> str | None:
     size = len(os.fsencode(os.path.join(full, file_name)))
     if size >= path_max:
         return f"gives a {size}-byte absolute path; the limit is {path_max - 1} bytes (PATH_MAX)"
-    for part in [*os.fsencode(full).split(b"/"), os.fsencode(file_name)]:
+    for part in os.fsencode(full).split(b"/"):
         if len(part) > name_max:
             return (
                 f"has a {len(part)}-byte name {part[:20].decode(errors='replace')}...; the "
                 f"limit is {name_max} bytes (NAME_MAX)"
             )
+    if len(os.fsencode(file_name)) > name_max:
+        return (
+            f"would hold the {len(os.fsencode(file_name))}-byte file name "
+            f"{file_name[:20]}...; the limit is {name_max} bytes (NAME_MAX)"
+        )
     if os.path.islink(anchor) and not os.path.exists(anchor):
         return f"runs through the broken symbolic link {anchor}"
     if not os.path.isdir(anchor):
