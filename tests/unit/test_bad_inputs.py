@@ -357,6 +357,24 @@ def test_cli_train_bad_file_prints_no_traceback(tmp):
     assert "Traceback" not in r.stderr + r.stdout
 
 
+def test_cli_launch_bad_path_prints_no_traceback(tmp):
+    argv = ["-m", "megatron_lite.launch", "--config", SMOKE, f"train.out_dir={tmp}/afile/run"]
+    r = _cli([sys.executable, *argv])
+    assert r.returncode == 2 and f"train.out_dir='{tmp}/afile/run'" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr + r.stdout
+
+
+def test_validation_creates_no_directory(tmp_path):
+    """Checking that out_dir, ckpt_dir and cache_dir can be created must not create them."""
+    from megatron_lite.config import load_config
+    from megatron_lite.validation import validate
+
+    argv = [f"train.out_dir={tmp_path}/new/run", "train.save_interval=5", "data.mock=false"]
+    argv += ["data.corpus=shakespeare", f"data.cache_dir={tmp_path}/c/d"]
+    validate(load_config(SMOKE, argv), 1)
+    assert os.listdir(tmp_path) == [], os.listdir(tmp_path)
+
+
 def test_cli_preprocess_empty_input_writes_nothing(tmp, tokenizer, tmp_path):
     out = tmp_path / "sub" / "out"
     args = ["--input", f"{tmp}/empty.txt", "--tokenizer-model", tokenizer]
