@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -160,43 +161,116 @@ def _coerce(key: str, value, ftype: str, current):
         if ftype.endswith("| None"):
             return None
         raise ConfigError(f"{key}: null is not allowed. Fix: give a {base}, e.g. {key}={current!r}")
+    if base != "list":
+        return _coerce_scalar(value, base, f"{key}={value!r}", f"e.g. {key}={current!r}")
+    item = ftype.split("[", 1)[1].split("]", 1)[0]  # "list[float] | None" -> "float"
+    values = value if isinstance(value, list) else [value]
+    fix = f"give a list of {item} values, e.g. {key}=[{_EXAMPLES[item]}]"
+    return [
+        _coerce_scalar(v, item, f"{key}={value!r}: element {i} ({v!r})", fix)
+        for i, v in enumerate(values)
+    ]
+
+
+# list-element examples for the Fix: (the defaults of list fields are empty or null)
+_EXAMPLES = {"str": "data/my_corpus", "float": 1.0, "int": 1, "bool": True}
+
+
+def _coerce_scalar(value, base: str, shown: str, fix: str):
+    """One scalar against its type name; a float must be finite (no field means inf or nan)."""
     if base == "float" and not isinstance(value, bool):
         try:  # ints and YAML-1.1 strings such as 1e-3
-            return float(value)
-        except (TypeError, ValueError):
+            number = float(value)
+        except (TypeError, ValueError, OverflowError):
             pass
-    if base == "list":
-        return value if isinstance(value, list) else [value]
+        else:
+            if not math.isfinite(number):
+                raise ConfigError(f"{shown}: must be a finite number, not inf or nan. Fix: {fix}")
+            return number
     t = _SCALARS[base]
     if not isinstance(value, t) or (t is int and isinstance(value, bool)):
-        raise ConfigError(
-            f"{key}={value!r}: expected {base}, got {type(value).__name__}. "
-            f"Fix: e.g. {key}={current!r}"
-        )
+        raise ConfigError(f"{shown}: expected {base}, got {type(value).__name__}. Fix: {fix}")
     return value
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last)."""
+
+
+def _construct_unique_mapping(loader, node, deep=False):
+    seen: dict = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise ConfigError(
+                f"line {key_node.start_mark.line + 1}: key {key!r} is given twice (first on "
+                f"line {seen[key]}); YAML would silently keep the last one. Fix: delete one "
+                f"of them"
+            )
+        seen[key] = key_node.start_mark.line + 1
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(
+    yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_unique_mapping
+)
+
+
+def _read_yaml(path: str):
+    """The YAML file's content; ConfigError for a missing, unreadable, non-UTF-8 or invalid file
+    and for duplicate keys."""
+    if os.path.isdir(path):
+        raise ConfigError(
+            f"config file {path!r} is a directory. Fix: pass --config with the path of a YAML "
+            f"file in it, e.g. configs/quickstart.yaml"
+        )
+    if not os.path.isfile(path):
+        raise ConfigError(
+            f"config file {path!r} does not exist. Fix: pass --config with the "
+            f"path of a YAML file, e.g. configs/quickstart.yaml"
+        )
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"config file {path!r} is not UTF-8 text ({e.reason} at byte {e.start}). "
+            f"Fix: save it as UTF-8 (e.g. iconv -t UTF-8) or pass the right file"
+        ) from None
+    except OSError as e:
+        raise ConfigError(
+            f"config file {path!r} cannot be read ({e.strerror}). Fix: check its permissions"
+        ) from None
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader subclass)
+    except ConfigError as e:
+        raise ConfigError(f"config file {path!r}, {e}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path!r} is not valid YAML: {e}") from None
 
 
 def load_config(path: str | None = None, overrides: list[str] | tuple = ()) -> Config:
     """Defaults <- YAML file (nested sections) <- `section.key=value` overrides (YAML values)."""
     cfg = Config()
     if path is not None:
-        if not os.path.isfile(path):
-            raise ConfigError(
-                f"config file {path!r} does not exist. Fix: pass --config with the "
-                f"path of a YAML file, e.g. configs/quickstart.yaml"
-            )
-        try:
-            with open(path) as f:
-                raw = yaml.safe_load(f) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {path!r} is not valid YAML: {e}") from None
+        raw = _read_yaml(path)
+        raw = {} if raw is None else raw
         if not isinstance(raw, dict):
-            raise ConfigError(f"config file {path!r} must be a mapping of sections")
+            raise ConfigError(
+                f"config file {path!r} holds a {type(raw).__name__}, not a mapping of sections. "
+                f"Fix: write sections such as 'train:' with indented 'key: value' lines below"
+            )
         for section, values in raw.items():
             if not isinstance(values, dict):
-                raise ConfigError(f"{path}: section {section!r} must be a mapping of keys")
+                raise ConfigError(
+                    f"{path}: section {section!r} is a {type(values).__name__}, not a mapping "
+                    f"of keys. Fix: indent 'key: value' lines under '{section}:'"
+                )
             for name, value in values.items():
-                _set(cfg, f"{section}.{name}", value, path)
+                try:
+                    _set(cfg, f"{section}.{name}", value, path)
+                except ConfigError as e:
+                    raise ConfigError(f"{path}: {e}") from None
     for item in overrides:
         if "=" not in item:
             raise ConfigError(

@@ -30,6 +30,11 @@ def world_size_from_config(argv) -> int:
             "how many ranks to start. Fix: set parallel.dp in the config or on the "
             "command line (e.g. parallel.dp=2)"
         )
+    if p.dp < 1:
+        raise ConfigError(
+            f"parallel.dp={p.dp}: must be >= 1 (it sets how many ranks to start). Fix: set "
+            f"parallel.dp=1 or more"
+        )
     return p.tp * p.pp * p.cp * p.dp
 
 
@@ -54,6 +59,8 @@ def split_launcher_args(argv) -> tuple[argparse.Namespace, list[str]]:
         "overrides", nargs="*", metavar="section.key=value", help="config overrides, YAML-typed"
     )
     launcher, _ = p.parse_known_args(argv)  # exits here on --help
+    if launcher.max_restarts < 0:
+        p.error(f"--max-restarts={launcher.max_restarts}: must be >= 0 (0 = no restarts)")
     rest = [a for a in argv if not a.startswith("--max-restarts")]
     if "--max-restarts" in argv:  # the value was a separate argument
         i = argv.index("--max-restarts")

@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_lite.data.errors import DataFileError  # noqa: E402
 from megatron_lite.data.preprocess import preprocess  # noqa: E402
+from megatron_lite.validation.paths import output_prefix_problem  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,6 +38,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-eos", action="store_true", help="do not append EOS to documents")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
+    problem = output_prefix_problem(args.output_prefix)
+    if problem is not None:
+        print(
+            f"error: --output-prefix={args.output_prefix!r}: {problem}. Fix: give a prefix in a "
+            f"directory this user can create or write, e.g. --output-prefix data/my_corpus",
+            file=sys.stderr,
+        )
+        return 2
     mode = "line" if args.split_lines else "blank_line" if args.split_blank_lines else "file"
     start = time.perf_counter()
     try:
@@ -51,6 +60,14 @@ def main(argv: list[str] | None = None) -> int:
         )
     except DataFileError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # the disk filled up, the directory vanished, ...: nothing was written
+        print(
+            f"error: writing {args.output_prefix}.bin/.idx failed: {e.strerror} "
+            f"({e.filename}); no dataset was written. Fix: free space or choose another "
+            f"--output-prefix",
+            file=sys.stderr,
+        )
         return 1
     print(
         f"wrote {stats.prefix}.bin/.idx: {stats.documents} documents, {stats.tokens:,} tokens "

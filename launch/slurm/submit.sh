@@ -20,6 +20,26 @@ if [ $# -lt 3 ]; then
 fi
 NODES=$1 GPUS_PER_NODE=$2 CONFIG=$3
 shift 3
+
+# Every number is checked with a regex before any arithmetic: bash evaluates a variable's text
+# inside $((...)) and [ -gt ] as an expression, so '1+$(cmd)' or 'a[$(cmd)]' would run cmd.
+check_count() {  # NAME VALUE MIN FIX: a decimal integer >= MIN (no sign, no leading zeros)
+    if ! [[ $2 =~ ^(0|[1-9][0-9]{0,8})$ ]] || [ "$2" -lt "$3" ]; then
+        echo "error: $1=${2@Q}: must be an integer >= $3 (digits only, at most 9). Fix: $4" >&2
+        exit 2
+    fi
+}
+USAGE_FIX="e.g. launch/slurm/submit.sh 2 8 configs/quickstart.yaml (NODES GPUS_PER_NODE CONFIG)"
+check_count NODES "$NODES" 1 "$USAGE_FIX"
+check_count GPUS_PER_NODE "$GPUS_PER_NODE" 0 "$USAGE_FIX"
+if [ "$GPUS_PER_NODE" -eq 0 ]; then
+    check_count NPROC_PER_NODE "${NPROC_PER_NODE:-}" 1 \
+        "GPUS_PER_NODE=0 (CPU mode) needs NPROC_PER_NODE=N ranks per node, e.g. NPROC_PER_NODE=2"
+fi
+# read by train.sbatch on the compute nodes: a typo there would fail only after queueing
+for name in MAX_REQUEUES MAX_RESTARTS; do
+    [ -z "${!name:-}" ] || check_count "$name" "${!name}" 0 "set $name to a count, e.g. $name=3"
+done
 # paths (CONFIG, train.out_dir, logs) stay relative to this directory, where the job runs too
 MEGATRON_LITE_ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 export MEGATRON_LITE_ROOT PYTHONPATH="$MEGATRON_LITE_ROOT${PYTHONPATH:+:$PYTHONPATH}"
@@ -30,7 +50,7 @@ if [ "$GPUS_PER_NODE" -gt 0 ]; then
     SBATCH_OPTS+=(--gpus-per-node="$GPUS_PER_NODE" --exclusive --mem=0)  # whole nodes
     PER_NODE=$GPUS_PER_NODE
 else
-    PER_NODE=${NPROC_PER_NODE:?GPUS_PER_NODE=0 (CPU mode) needs NPROC_PER_NODE=N ranks per node}
+    PER_NODE=$NPROC_PER_NODE  # checked above: GPUS_PER_NODE=0 (CPU mode) needs it
     export CPU_ONLY=1 NPROC_PER_NODE
 fi
 

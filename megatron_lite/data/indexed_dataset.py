@@ -6,7 +6,11 @@ Layout (little-endian), close to Megatron's MMIDIDX format with the same dtype c
           max token id i64 (-1 when empty) | token counts i32[n] | byte offsets i64[n]
     .bin  the documents' tokens back to back, uint16 when the vocabulary is < 65500, else int32
 
-The maximum token id lets `build_dataset` check the model's vocabulary without reading `.bin`.
+The maximum token id lets `build_dataset` check the model's vocabulary without reading `.bin`;
+a sidecar `<prefix>.maxid.json` (see `token_ids`) proves on each open, from a fingerprint of
+the `.bin`, that the `.bin` still holds ids in that range (an older dataset without the sidecar,
+or a `.bin` changed since, is scanned once). A `.bin` whose ids disagree with its index is
+rejected.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import struct
 
 import numpy as np
 
+from megatron_lite.data import token_ids
 from megatron_lite.data.errors import DataFileError
 
 _MAGIC = b"MLITEIDX"
@@ -48,14 +53,13 @@ class IndexedDatasetBuilder:
         self.dtype = np.dtype(dtype)
         if self.dtype not in _CODE_OF:
             raise ValueError(f"unsupported token dtype {self.dtype}; use uint16 or int32")
-        parent = os.path.dirname(os.path.abspath(prefix))
-        os.makedirs(parent, exist_ok=True)
+        self._made_dirs = _make_parents(os.path.dirname(os.path.abspath(prefix)))
         # The pid keeps concurrent writers of the same prefix from sharing temporaries.
         tag = f".tmp.{os.getpid()}"
         self._tmp_bin, self._tmp_idx = prefix + ".bin" + tag, prefix + ".idx" + tag
         self._bin = open(self._tmp_bin, "wb")
         self._sizes: list[int] = []
-        self._max_id = -1
+        self._min_id, self._max_id = 0, -1
         self._closed = False
 
     @property
@@ -80,6 +84,7 @@ class IndexedDatasetBuilder:
                     f"token ids must lie in [0, {info.max}] for dtype {self.dtype}, got "
                     f"[{lo}, {hi}]; build with dtype=int32 for vocabularies of 65500 or more"
                 )
+            self._min_id = lo if self._max_id < 0 else min(self._min_id, lo)
             self._max_id = max(self._max_id, hi)
         self._bin.write(arr.astype(self.dtype, copy=False).tobytes())
         self._sizes.append(int(arr.size))
@@ -108,6 +113,7 @@ class IndexedDatasetBuilder:
             self.abort()
             raise
         self._closed = True
+        token_ids.write_sidecar(self.prefix, self.prefix + ".bin", self._min_id, self._max_id)
 
     def abort(self) -> None:
         """Discard the temporary files; the target prefix is left as it was."""
@@ -116,6 +122,11 @@ class IndexedDatasetBuilder:
         for path in (self._tmp_bin, self._tmp_idx):
             if os.path.exists(path):
                 os.remove(path)
+        for path in reversed(self._made_dirs):  # deepest first; only those still empty
+            try:
+                os.rmdir(path)
+            except OSError:
+                break
 
     def __enter__(self) -> IndexedDatasetBuilder:
         return self
@@ -154,6 +165,18 @@ class IndexedDataset:
                 f"truncated or belongs to another index. Fix: {_FIX}"
             )
         self._tokens = _map_tokens(self.bin_path, self.dtype)
+        self._check_token_ids()
+
+    def _check_token_ids(self) -> None:
+        """The .bin's real id range (see `token_ids`) must be the one the index records."""
+        lo, hi = token_ids.token_id_range(self.prefix, self.bin_path, self._tokens)
+        if lo < 0 or hi != self.max_token_id:
+            raise DataFileError(
+                f"{self.bin_path}: holds token ids {lo}..{hi}, but {self.idx_path} records "
+                f"{self.max_token_id} as the largest id, so the .bin was changed after "
+                f"preprocessing or belongs to another dataset (ids beyond the vocabulary "
+                f"would train as garbage). Fix: {_FIX}"
+            )
 
     def __len__(self) -> int:
         return len(self.sizes)
@@ -177,6 +200,17 @@ class IndexedDataset:
             )
         start = int(self.offsets[doc]) // self.dtype.itemsize + offset
         return self._tokens[start : start + length]
+
+
+def _make_parents(path: str) -> list[str]:
+    """os.makedirs(path), returning the directories it created, outermost first."""
+    missing = []
+    while not os.path.isdir(path) and os.path.dirname(path) != path:
+        missing.append(path)
+        path = os.path.dirname(path)
+    for directory in reversed(missing):
+        os.makedirs(directory, exist_ok=True)
+    return missing[::-1]
 
 
 def _read_index(path: str) -> tuple[np.dtype, np.ndarray, np.ndarray, int]:

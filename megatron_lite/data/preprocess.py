@@ -48,6 +48,7 @@ def preprocess(
 
     The dataset is written atomically (see IndexedDatasetBuilder): if anything fails, an existing
     dataset at `output_prefix` is left untouched. `progress` shows a tqdm bar over input bytes.
+    Inputs without a single token raise DataFileError and write nothing.
     """
     if split not in SPLITS:
         raise ValueError(f"split={split!r} must be one of {', '.join(SPLITS)}")
@@ -69,8 +70,20 @@ def preprocess(
                 tokens += len(ids) + len(eos)
             docs += len(texts)
             bar.update(nbytes)
+        if tokens == 0:  # raised inside the builder, which then discards its temporaries
+            raise DataFileError(
+                f"{', '.join(files)}: no tokens to write ({docs} documents; empty or "
+                f"whitespace-only input), so no dataset was written to {output_prefix}. Fix: "
+                f"check the input files"
+                + (f" and the JSON key {json_key!r}" if any(_is_json(p) for p in files) else "")
+                + (" or the split mode" if split != "file" else "")
+            )
         max_id = builder.max_token_id
     return PreprocessStats(output_prefix, docs, tokens, max_id)
+
+
+def _is_json(path: str) -> bool:
+    return path.endswith(JSON_SUFFIXES)
 
 
 def _batches(files: list[str], split: str, json_key: str) -> Iterator[tuple[list[str], int]]:

@@ -24,6 +24,7 @@ from megatron_lite.validation.parallel import (
     _validate_sequence_split,
     _validate_world_size,
 )
+from megatron_lite.validation.paths import _validate_output_paths
 
 __all__ = ["check_hardware", "validate"]
 
@@ -51,4 +52,5 @@ def validate(cfg: Config, world_size: int) -> Config:
     _validate_train_ranges(r)
     _validate_fp8(r)
     _validate_data(r)
+    _validate_output_paths(r)
     return r

@@ -45,7 +45,22 @@ def _validate_dropout_and_schedule(m: ModelConfig, t: TrainConfig) -> None:
         _rule(0.0 <= v < 1.0, f"model.{key}", v, "must be in [0, 1)", "use e.g. 0.0 or 0.1")
     _rule(t.steps >= 1, "train.steps", t.steps, "must be >= 1", "use a positive step count")
     _rule(t.lr > 0, "train.lr", t.lr, "must be > 0", "use e.g. 3e-4")
+    _rule(t.min_lr >= 0, "train.min_lr", t.min_lr, "must be >= 0", "use e.g. 0.1·train.lr")
+    _rule(
+        t.min_lr <= t.lr,
+        "train.min_lr",
+        t.min_lr,
+        f"must be <= train.lr={t.lr} (the schedule decays from lr down to min_lr)",
+        f"lower train.min_lr, e.g. train.min_lr={t.lr / 10:g}, or raise train.lr",
+    )
     _rule(0 <= t.warmup_steps, "train.warmup_steps", t.warmup_steps, "must be >= 0", "use 0+")
+    _rule(
+        t.lr_decay_steps is None or t.lr_decay_steps >= 1,
+        "train.lr_decay_steps",
+        t.lr_decay_steps,
+        "must be >= 1 when set",
+        "give a step count, e.g. train.lr_decay_steps=1000, or null (= train.steps)",
+    )
 
 
 def _validate_model_ranges(m: ModelConfig) -> None:
@@ -73,6 +88,36 @@ def _validate_model_ranges(m: ModelConfig) -> None:
         "must be >= 1",
         "use e.g. 128",
     )
+    _rule(
+        m.ffn_hidden_size is None or m.ffn_hidden_size >= 1,
+        "model.ffn_hidden_size",
+        m.ffn_hidden_size,
+        "must be >= 1 when set",
+        "give the MLP width, e.g. 4·hidden_size, or null for the architecture's default",
+    )
+    for key, example in (("rope_theta", "10000.0"), ("norm_eps", "1e-5")):
+        _rule(
+            getattr(m, key) > 0,
+            f"model.{key}",
+            getattr(m, key),
+            "must be > 0 (0 or less makes the loss NaN)",
+            f"use e.g. model.{key}={example}",
+        )
+    _rule(
+        m.init_method_std >= 0,
+        "model.init_method_std",
+        m.init_method_std,
+        "must be >= 0",
+        "use e.g. 0.02",
+    )
+    for key in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+        _rule(
+            getattr(m, key) >= 0,
+            f"model.{key}",
+            getattr(m, key),
+            "must be >= 0 (0 = off)",
+            "use 0.0 or a small weight, e.g. 1e-2",
+        )
     _rule(
         m.vocab_size is None or m.vocab_size >= 1,
         "model.vocab_size",
@@ -110,6 +155,13 @@ def _validate_train_ranges(cfg: Config) -> None:
         cfg.log.interval,
         "must be >= 1",
         "print every N >= 1 steps",
+    )
+    _rule(
+        d.tokenizer_vocab_size >= 1,
+        "data.tokenizer_vocab_size",
+        d.tokenizer_vocab_size,
+        "must be >= 1",
+        "use e.g. 4096",
     )
     _rule(p.timeout_s > 0, "parallel.timeout_s", p.timeout_s, "must be > 0 seconds", "use e.g. 300")
     if d.weights is not None:

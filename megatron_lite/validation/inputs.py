@@ -31,6 +31,13 @@ def _validate_checkpointing(t: TrainConfig) -> None:
         "must be auto, none or an existing checkpoint path",
         "use auto (newest checkpoint in train.ckpt_dir) or a step_<N> directory",
     )
+    _rule(
+        t.resume in ("auto", "none") or os.path.isdir(t.resume),
+        "train.resume",
+        t.resume,
+        "is a file, not a checkpoint directory",
+        "give the step_<N> directory that holds the checkpoint, or auto",
+    )
     if t.init_from is not None:
         _rule(
             os.path.isdir(t.init_from),
@@ -78,19 +85,53 @@ def _validate_data(cfg: Config) -> None:
             "list one weight per path",
         )
     for prefix in d.paths:
-        for ext in (".bin", ".idx"):
-            _rule(
-                os.path.isfile(prefix + ext),
-                "data.paths",
-                prefix,
-                f"file {prefix + ext} does not exist",
-                "run tools/preprocess_data.py to create it or correct the prefix",
-            )
+        _validate_prefix(prefix)
     if d.paths and d.tokenizer_model is not None:
         _rule(
             os.path.isfile(d.tokenizer_model),
             "data.tokenizer_model",
             d.tokenizer_model,
-            "file does not exist",
-            "train one with tools/train_tokenizer.py",
+            "file does not exist" if not os.path.isdir(d.tokenizer_model) else "is a directory",
+            "train one with tools/train_tokenizer.py, or give the path of its .model file",
+        )
+        _rule(
+            os.access(d.tokenizer_model, os.R_OK),
+            "data.tokenizer_model",
+            d.tokenizer_model,
+            "is not readable by this user",
+            "fix its permissions",
+        )
+
+
+def _validate_prefix(prefix: str) -> None:
+    """One data.paths entry: a prefix (no extension) whose .bin and .idx are readable files."""
+    stem, ext = os.path.splitext(prefix)
+    _rule(
+        ext not in (".bin", ".idx") or os.path.isfile(prefix + ".bin"),
+        "data.paths",
+        prefix,
+        f"entries are prefixes without the {ext} extension",
+        f"use data.paths=[{stem}]",
+    )
+    for path in (prefix + ".bin", prefix + ".idx"):
+        _rule(
+            not os.path.isdir(path),
+            "data.paths",
+            prefix,
+            f"{path} is a directory, not a data file",
+            "give the prefix of a .bin/.idx pair written by tools/preprocess_data.py",
+        )
+        _rule(
+            os.path.isfile(path),
+            "data.paths",
+            prefix,
+            f"file {path} does not exist",
+            "run tools/preprocess_data.py to create it or correct the prefix",
+        )
+        _rule(
+            os.access(path, os.R_OK),
+            "data.paths",
+            prefix,
+            f"file {path} is not readable by this user",
+            "fix its permissions or copy the dataset",
         )

@@ -126,7 +126,7 @@ def test_interrupted_rebuild_keeps_old_dataset(tmp_path):
     for i, doc in enumerate(old):
         np.testing.assert_array_equal(ds[i], doc)
     crashed.abort()
-    assert sorted(os.listdir(tmp_path)) == ["d.bin", "d.idx"]
+    assert sorted(os.listdir(tmp_path)) == ["d.bin", "d.idx", "d.maxid.json"]
 
 
 def test_rebuild_replaces_dataset(tmp_path):
@@ -135,4 +135,4 @@ def test_rebuild_replaces_dataset(tmp_path):
     ds = _build(tmp_path / "d", new)
     assert len(ds) == 5
     np.testing.assert_array_equal(ds[4], new[4])
-    assert sorted(os.listdir(tmp_path)) == ["d.bin", "d.idx"]
+    assert sorted(os.listdir(tmp_path)) == ["d.bin", "d.idx", "d.maxid.json"]

@@ -112,7 +112,7 @@ def test_preprocess_cli_on_jsonl(corpus, tmp_path):
     tok, ds = Tokenizer(corpus[1]), IndexedDataset(str(out))
     assert [ds[i].tolist() for i in range(len(ds))] == [tok.encode(t) + [tok.eos_id] for t in texts]
     bad = subprocess.run(cmd[:-1] + ["text"], capture_output=True, text=True, timeout=60)
-    assert bad.returncode == 1 and f"{src}:1: no string field 'text'" in bad.stderr
+    assert bad.returncode == 2 and f"{src}:1: no string field 'text'" in bad.stderr
 
 
 def test_train_tokenizer_cli(corpus, tmp_path):
@@ -188,4 +188,4 @@ def test_preprocess_keeps_old_dataset_on_bad_input(corpus, tmp_path, dataset_pre
     with pytest.raises(DataFileError, match=f"{bad}:2"):
         preprocess([str(bad)], corpus[1], dataset_prefix, progress=False)
     assert IndexedDataset(dataset_prefix)[0].tolist() == before
-    assert sorted(os.listdir(tmp_path)) == ["bad.jsonl", "d.bin", "d.idx"]
+    assert sorted(os.listdir(tmp_path)) == ["bad.jsonl", "d.bin", "d.idx", "d.maxid.json"]
