@@ -91,6 +91,7 @@ class TrainConfig:
     adam_beta2: float = 0.95
     adam_eps: float = 1e-8
     grad_clip: float = 1.0
+    skip_nonfinite_steps: int = 0  # skip up to N NaN/Inf steps in a row (0: stop at the first)
     precision: str = "fp32"  # fp32 | bf16 (autocast)
     out_dir: str = "runs/default"
     profile_pipeline: bool = False

@@ -56,6 +56,9 @@ def prepare(argv=None, world_size: int | None = None, hardware: bool = True):
     return cfg, dataset, cfg.model.vocab_size
 
 
+EXIT_NONFINITE = 3  # training stopped on a NaN/Inf loss or gradient (README: exit codes)
+
+
 def user_error(e: Exception) -> None:
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"error: {e}", file=sys.stderr)
@@ -88,6 +91,7 @@ def main(argv=None) -> None:
     from megatron_lite.parallel.mesh import ParallelMesh, RankLayout
     from megatron_lite.training.checkpoint import CheckpointError, CheckpointReadError
     from megatron_lite.training.hang_dump import exit_on_collective_error
+    from megatron_lite.training.nonfinite import NonFiniteError
     from megatron_lite.training.trainer import Trainer
 
     p = cfg.parallel
@@ -118,6 +122,12 @@ def main(argv=None) -> None:
     except CollectiveError as e:  # a hang or a dead peer: write hang/rank<R>.json, exit 1
         rank, world = dist.get_rank(), dist.get_world_size()
         exit_on_collective_error(e, cfg.train.out_dir, rank, world, p.timeout_s)
+    except NonFiniteError as e:  # every rank saw the same reduced loss and norm: exit together
+        if dist.get_rank() == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        dist.barrier()
+        dist.destroy_process_group()
+        sys.exit(EXIT_NONFINITE)
     # no rank tears down its connections while a peer may still be finishing a send to it
     dist.barrier()
     dist.destroy_process_group()

@@ -1,9 +1,10 @@
 """Which samples each data-parallel rank trains on at a given step.
 
-The data position is the step number alone: the global batch of step k is samples
-[k·G, (k+1)·G) of the (infinite, seeded) dataset, so the step stored in a checkpoint is all
-the training state the data pipeline has, and resuming at step k continues with exactly the
-batches an uninterrupted run would have seen, whatever the parallel layout.
+The data position is the number of samples consumed so far (Megatron's
+consumed_train_samples): a step with global batch G takes samples [c, c + G) of the (infinite,
+seeded) dataset and moves c to c + G. The count stored in a checkpoint is all the training state
+the data pipeline has, so a resume continues with exactly the samples an uninterrupted run would
+have seen next, whatever the parallel layout and even with another global batch size.
 """
 
 from __future__ import annotations
@@ -20,17 +21,33 @@ def microbatches_for_step(
     dp_rank: int,
     dp_size: int,
 ) -> list[torch.Tensor]:
-    """This dp rank's microbatches of step `step`, in order.
+    """This dp rank's microbatches of step `step` of a run whose global batch never changed:
+    `microbatches_at(dataset, step · G, ...)`."""
+    if step < 0:
+        raise ValueError(f"need step >= 0, got step={step}")
+    first = step * global_batch_size
+    return microbatches_at(dataset, first, global_batch_size, micro_batch_size, dp_rank, dp_size)
 
-    Rank r takes the contiguous slice [r·G/dp, (r+1)·G/dp) of the step's global batch
-    [step·G, (step+1)·G) and splits it into G/(dp·micro_batch_size) microbatches, each a
-    torch.LongTensor [micro_batch_size, seq_length+1] (inputs are [:, :-1], labels [:, 1:]).
-    Concatenating every rank's microbatches in rank order gives the dp_size=1 result.
+
+def microbatches_at(
+    dataset,
+    consumed_samples: int,
+    global_batch_size: int,
+    micro_batch_size: int,
+    dp_rank: int,
+    dp_size: int,
+) -> list[torch.Tensor]:
+    """This dp rank's microbatches of the global batch [c, c + G), c = consumed_samples.
+
+    Rank r takes the contiguous slice [c + r·G/dp, c + (r+1)·G/dp) and splits it into
+    G/(dp·micro_batch_size) microbatches, each a torch.LongTensor [micro_batch_size,
+    seq_length+1] (inputs and labels: `split_sample`). Concatenating every rank's microbatches
+    in rank order gives the dp_size=1 result.
     """
-    if step < 0 or not 0 <= dp_rank < dp_size:
+    if consumed_samples < 0 or not 0 <= dp_rank < dp_size:
         raise ValueError(
-            f"need step >= 0 and 0 <= dp_rank < dp_size, got step={step}, "
-            f"dp_rank={dp_rank}, dp_size={dp_size}"
+            f"need consumed_samples >= 0 and 0 <= dp_rank < dp_size, got "
+            f"consumed_samples={consumed_samples}, dp_rank={dp_rank}, dp_size={dp_size}"
         )
     if micro_batch_size < 1 or global_batch_size % (micro_batch_size * dp_size):
         raise ValueError(
@@ -38,7 +55,7 @@ def microbatches_for_step(
             f"multiple of train.micro_batch_size·dp = {micro_batch_size}·{dp_size}"
         )
     per_rank = global_batch_size // dp_size
-    first = step * global_batch_size + dp_rank * per_rank
+    first = consumed_samples + dp_rank * per_rank
     batches = []
     for m in range(per_rank // micro_batch_size):
         start = first + m * micro_batch_size

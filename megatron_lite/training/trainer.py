@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_lite.config import Config
-from megatron_lite.data.sampler import microbatches_for_step, split_sample
+from megatron_lite.data.sampler import microbatches_at, split_sample
 from megatron_lite.models import build_model
 from megatron_lite.parallel import mappings
 from megatron_lite.parallel.comm_stats import STATS
@@ -24,6 +24,7 @@ from megatron_lite.training.checkpoint import Checkpointer
 from megatron_lite.training.grads import clip_grads, finalize_grads, local_grad_square_sum
 from megatron_lite.training.lm_step import lm_forward_step
 from megatron_lite.training.logging import MetricsLogger
+from megatron_lite.training.nonfinite import NonFiniteGuard
 from megatron_lite.training.optimizer import build_optimizer, lr_at, set_lr
 
 
@@ -39,15 +40,19 @@ class Trainer:
         )
         self.tracker = model_parallel_seed(cfg.train.seed, mesh.tp.rank, mesh.pp.rank)
         self.chunks = [c.to(self.device) for c in build_model(cfg, mesh, self.tracker, vocab_size)]
-        self.params = [p for c in self.chunks for p in c.parameters()]
+        self.named_params = [(n, p) for c in self.chunks for n, p in c.named_parameters()]
+        self.params = [p for _, p in self.named_params]
         self.embedding_param = next(
             (c.embedding.weight for c in self.chunks if c.pre_process), None
         )
         self.optimizer = build_optimizer(self.params, cfg.train)
         self.logger = MetricsLogger(cfg, active=dist.get_rank() == 0)
+        self.guard = NonFiniteGuard(cfg.train.skip_nonfinite_steps)
         self.step = 0
+        self.consumed_samples = 0  # the data position (a checkpoint restores it)
         self.checkpointer = Checkpointer(self)  # resumes per train.resume / train.init_from
         self.checkpointer.resume()
+        self.consumed_samples = self.step * cfg.train.global_batch_size
 
     def num_parameters(self) -> int:
         """Parameters of the whole model (each element once), summed over all ranks."""
@@ -103,21 +108,24 @@ class Trainer:
         )
         return SpanRecorder()
 
+    def _microbatches(self) -> list[torch.Tensor]:
+        """This rank's microbatches of the next global batch, from the consumed-sample count."""
+        t, mesh = self.cfg.train, self.mesh
+        batches = microbatches_at(
+            self.dataset,
+            self.consumed_samples,
+            t.global_batch_size,
+            t.micro_batch_size,
+            mesh.dp.rank,
+            mesh.dp.size,
+        )
+        return [mb.to(self.device) for mb in batches]
+
     def train_step(self) -> dict:
         cfg, mesh = self.cfg, self.mesh
         t0 = time.perf_counter()
         STATS.start_step(self.step)
-        micro = [
-            mb.to(self.device)
-            for mb in microbatches_for_step(
-                self.dataset,
-                self.step,
-                cfg.train.global_batch_size,
-                cfg.train.micro_batch_size,
-                mesh.dp.rank,
-                mesh.dp.size,
-            )
-        ]
+        micro = self._microbatches()
         # token-weighted mean over the global batch: every rank divides by the same count
         n_tokens = torch.tensor(
             [float(sum((split_sample(mb)[1] != IGNORE_INDEX).sum() for mb in micro))],
@@ -139,21 +147,29 @@ class Trainer:
         mappings.all_reduce(sums, dist.group.WORLD, kind="all_reduce_norm_loss")
         grad_sq, loss_total = sums.tolist()
         grad_norm = grad_sq**0.5
-        clip_grads(self.params, grad_norm, cfg.train.grad_clip)
-        self.optimizer.step()
+        loss = loss_total / n_tokens
+        skipped = self.guard.check(self.step, loss, grad_norm, loss_part.item(), self.named_params)
+        if skipped is None:
+            clip_grads(self.params, grad_norm, cfg.train.grad_clip)
+            self.optimizer.step()
+        elif dist.get_rank() == 0:
+            print(skipped, flush=True)
         self.optimizer.zero_grad(set_to_none=True)
         moe = self._moe_metrics()
         if self.device.type == "cuda":  # the step's time includes its optimizer kernels
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
+        self.consumed_samples += cfg.train.global_batch_size
         global_tokens = cfg.train.global_batch_size * cfg.model.seq_length
         record = {
             "step": self.step,
-            "loss": loss_total / n_tokens,
+            "loss": loss,
             "lr": lr,
             "grad_norm": grad_norm,
             "tokens_per_s": global_tokens / dt,
             "step_time_s": dt,
+            "consumed_samples": self.consumed_samples,
+            **({"skipped": True} if skipped else {}),
             **moe,
             **STATS.summary(),
         }

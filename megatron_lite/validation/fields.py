@@ -150,6 +150,13 @@ def _validate_train_ranges(cfg: Config) -> None:
     _rule(t.weight_decay >= 0, "train.weight_decay", t.weight_decay, "must be >= 0", "use 0.1")
     _rule(t.grad_clip >= 0, "train.grad_clip", t.grad_clip, "must be >= 0 (0 = off)", "use 1.0")
     _rule(
+        t.skip_nonfinite_steps >= 0,
+        "train.skip_nonfinite_steps",
+        t.skip_nonfinite_steps,
+        "must be >= 0 (0 = stop at the first NaN/Inf step)",
+        "use 0, or the number of non-finite steps in a row to skip before stopping",
+    )
+    _rule(
         cfg.log.interval >= 1,
         "log.interval",
         cfg.log.interval,
