@@ -48,6 +48,7 @@ from megatron_lite.training.checkpoint_state import (
     save_state,
     set_rng_states,
 )
+from megatron_lite.training.dcp_metadata import SafeFileSystemReader
 
 __all__ = ["Checkpointer", "CheckpointError", "layout_of"]
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -95,7 +96,7 @@ def _raise_agreed(errors: list[tuple[str, str]]) -> None:
 def _listing_with_dcp_files(tmp: str) -> list[str]:
     """The files to checksum, after checking that every file DCP's index names is visible."""
     names = files.data_files(tmp)
-    index = (dcp.FileSystemReader(tmp).read_metadata().storage_data or {}).values()
+    index = (SafeFileSystemReader(tmp).read_metadata().storage_data or {}).values()
     wanted = {".metadata"} | {getattr(v, "relative_path", ".metadata") for v in index}
     missing = sorted(wanted - set(names))
     if missing:
@@ -223,7 +224,7 @@ class Checkpointer:
         tr = self.trainer
 
         def read():
-            reader = dcp.FileSystemReader(path)
+            reader = SafeFileSystemReader(path)
             return files.read_metadata(path), reader, reader.read_metadata().state_dict_metadata
 
         meta, reader, stored = self._on_every_rank(read, f"reading {path}")

@@ -34,6 +34,11 @@ class CheckpointError(RuntimeError):
     """A checkpoint cannot be used; the message names the file and says what to do."""
 
 
+class UnsafeCheckpointError(CheckpointError):
+    """A checkpoint file would run code when loaded (see dcp_metadata.py): never skipped
+    over, always reported."""
+
+
 class CheckpointReadError(RuntimeError):
     """Reading checkpoints failed for another reason than damage (I/O, permissions): resume
     stops here rather than fall back to an older checkpoint or to a fresh start."""
