@@ -372,11 +372,16 @@ class Checkpointer:
 
     def _commit(self, tmp: str, final: str, meta: dict, table: dict | None = None) -> None:
         """Rank 0, once every rank's DCP files are written: metadata with the checksums
-        (`table`, or all computed here for an async save), rename, `latest`."""
+        (`table`, or all computed here for an async save), rename, `latest`, pruning."""
+        if os.path.exists(final):
+            self._say(f"keeping the earlier {final} (renamed {os.path.basename(final)}.replaced-*)")
         files.commit(tmp, final, meta, table)
         files.set_latest(self.dir, final)
-        for gone in files.prune(self.dir, self.cfg.train.keep_checkpoints):
+        removed, kept = files.prune(self.dir, self.cfg.train.keep_checkpoints, meta["step"])
+        for gone in removed:
             self._say(f"removed old checkpoint {gone}")
+        for path, why in kept:
+            self._say(f"not removing {path}: it fails validation ({why}); inspect it by hand")
         self._say(f"saved {final}")
 
     def _agree(self, error: Exception | None) -> None:
