@@ -244,7 +244,8 @@ def select_auto(ckpt_dir: str, candidates: list[str] | None = None, check=verify
         except UnsafeCheckpointError:
             raise
         except CheckpointError as e:
-            damaged.append(f"{os.path.basename(path)}: {e}")
+            why = str(e).split(" Fix: ")[0].rstrip(". ")
+            damaged.append(f"{os.path.basename(path)}: {why}")
             notes.append(f"skipping damaged checkpoint {path} (kept): {e}")
             continue
         if notes:
