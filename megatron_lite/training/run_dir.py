@@ -20,11 +20,11 @@ next run takes it over (with a warning) when it is stale:
   same host a live holder of the same job is a concurrent step, refused).
 Anything else is refused, naming the holder and the fix.
 
-Then the holder cleans leftovers of dead saves (`.tmp-step_<N>`, `latest.tmp.*`) and refuses
-to start a run that would not continue the checkpoints already there (train.resume=none, or an
-older step than the newest) unless train.overwrite=true, which moves them (and the old
-metrics.jsonl, config.yaml, rank_map.txt) into `<out_dir>/overwritten-<time>/`. Nothing here
-deletes a checkpoint.
+Then the holder cleans leftovers of dead saves (`.tmp-step_<N>`, `latest.tmp.*`,
+`metrics.jsonl.tmp.*`) and refuses to start a run that would not continue the checkpoints
+already there (train.resume=none, or an older step than the newest) unless
+train.overwrite=true, which moves them (and the old metrics.jsonl, config.yaml, rank_map.txt)
+into `<out_dir>/overwritten-<time>/`. Nothing here deletes a checkpoint.
 """
 
 from __future__ import annotations
@@ -320,6 +320,10 @@ def start_duties(cfg) -> list[str]:
     """What the lock holder does before the run writes anything; returns notes to print."""
     notes, t, ckpt_dir = [], cfg.train, ckpt_dir_of(cfg)
     stale = files.stale_temporaries(ckpt_dir)
+    atomic_tmp = tuple(f"{name}.tmp." for name in RUN_FILES)  # write_atomic's, e.g. metrics
+    stale += sorted(
+        os.path.join(t.out_dir, n) for n in os.listdir(t.out_dir) if n.startswith(atomic_tmp)
+    )
     for path in stale:
         shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
     if stale:

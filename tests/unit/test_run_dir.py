@@ -122,8 +122,10 @@ def test_stale_temporaries_are_cleaned_by_the_holder(tmp_path, capsys):
     os.makedirs(ckpt / ".tmp-step_20")
     (ckpt / ".tmp-step_20" / "__0_0.distcp").write_bytes(b"partial")
     (ckpt / "latest.tmp.999").write_text("step_20\n")
+    (tmp_path / "metrics.jsonl.tmp.999").write_text('{"step": 0}\n')
     claim_run_dir(cfg_for(tmp_path), rank=0, world=1).release()
     assert sorted(os.listdir(ckpt)) == ["latest", "step_10"]
+    assert sorted(os.listdir(tmp_path)) == ["checkpoints"]
     assert "removed leftovers of unfinished saves" in capsys.readouterr().out
 
 
