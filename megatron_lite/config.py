@@ -102,6 +102,8 @@ class TrainConfig:
     init_from: str | None = None  # model weights only (step 0, fresh optimizer), e.g. from HF
     async_save: bool = False  # write on a thread while training continues
     ckpt_dir: str | None = None  # None = <out_dir>/checkpoints
+    # resume=none (or an older step) over existing checkpoints: move them aside, never delete
+    overwrite: bool = False
 
 
 @dataclass

@@ -87,6 +87,12 @@ def main(argv=None) -> None:
     except (ConfigError, DataFileError) as e:
         user_error(e)
     init_distributed(cfg)
+    from megatron_lite.training.run_dir import RunDirError, claim_run_dir
+
+    try:  # one run per directory, before anything is written into it (see run_dir.py)
+        run_lock = claim_run_dir(cfg, dist.get_rank(), dist.get_world_size())
+    except RunDirError as e:
+        user_error(e)
     from megatron_lite.parallel.mappings import CollectiveError
     from megatron_lite.parallel.mesh import ParallelMesh, RankLayout
     from megatron_lite.training.checkpoint import CheckpointError, CheckpointReadError
@@ -109,6 +115,8 @@ def main(argv=None) -> None:
     try:
         trainer = Trainer(cfg, mesh, dataset, vocab_size)  # resumes from a checkpoint
     except (CheckpointError, CheckpointReadError) as e:
+        if run_lock is not None:
+            run_lock.release()
         user_error(e)
     n_params = trainer.num_parameters()
     if dist.get_rank() == 0:
@@ -119,6 +127,10 @@ def main(argv=None) -> None:
         )
     try:
         trainer.train()
+    except CheckpointError as e:  # a failed save (CheckpointWriteError): named, no traceback
+        if run_lock is not None:  # the failed save was the last one: nothing is pending
+            run_lock.release()
+        user_error(e)
     except CollectiveError as e:  # a hang or a dead peer: write hang/rank<R>.json, exit 1
         rank, world = dist.get_rank(), dist.get_world_size()
         exit_on_collective_error(e, cfg.train.out_dir, rank, world, p.timeout_s)
@@ -128,6 +140,8 @@ def main(argv=None) -> None:
         dist.barrier()
         dist.destroy_process_group()
         sys.exit(EXIT_NONFINITE)
+    if run_lock is not None:  # train() waited for the last async save
+        run_lock.release()
     # no rank tears down its connections while a peer may still be finishing a send to it
     dist.barrier()
     dist.destroy_process_group()

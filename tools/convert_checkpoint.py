@@ -4,6 +4,9 @@
     python tools/convert_checkpoint.py hf-to-dcp hf/llama-x ckpt/llama-x
     python -m megatron_lite.train --config ... train.init_from=ckpt/llama-x   # start from it
 
+Loading never runs code from the files: DCP's pickled `.metadata` is read through an
+allow-list (training/dcp_metadata.py) and HF weights only through safetensors.
+
 dcp-to-hf writes model.safetensors (float32, or --dtype bfloat16) and a config.json that
 transformers' LlamaForCausalLM loads. hf-to-dcp writes a model-only checkpoint (kind "model",
 step 0) that `train.init_from` loads on any layout: weights only, fresh optimizer, step 0;
@@ -40,6 +43,7 @@ from megatron_lite.training.checkpoint_state import (  # noqa: E402
     ShardLoadPlanner,
     ShardSavePlanner,
 )
+from megatron_lite.training.dcp_metadata import SafeFileSystemReader  # noqa: E402
 
 LAYER = {  # ours (under layers.<i>.) -> HF (under model.layers.<i>.)
     "input_norm.weight": "input_layernorm.weight",
@@ -73,10 +77,11 @@ def _full_pieces(tensors: dict[str, torch.Tensor]) -> dict[str, Piece]:
 
 
 def read_model(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(metadata.json, {logical name: full tensor}) of a checkpoint's model, checksums checked."""
+    """(metadata.json, {logical name: full tensor}) of a checkpoint's model, checksums checked
+    and DCP's `.metadata` read through the allow-list (a crafted one is refused, not run)."""
     path = files.resolve(path)
     meta = files.verify(path)
-    reader = dcp.FileSystemReader(path)
+    reader = SafeFileSystemReader(path)
     stored = reader.read_metadata().state_dict_metadata
     buffers = {
         k: torch.empty(tuple(md.size), dtype=md.properties.dtype)

@@ -21,6 +21,13 @@ Async save (train.async_save) stages a CPU copy at the step boundary and writes 
 (DCP's thread executor) over its own gloo group; rank 0 then checksums and commits on its own
 thread. A synchronous save splits the checksumming across ranks, and so does resume's
 verification. The time the step was blocked is logged as ckpt_blocked_s.
+
+Safety (see run_dir.py, dcp_metadata.py): the run directory is locked for one run (held until
+the last async save is committed); DCP's pickled `.metadata` is read through an allow-list, so
+a crafted one is refused (UnsafeCheckpointError) instead of run; resume=auto takes the newest
+committed checkpoint whose checksums verify and stops, listing them, when none does; a failed
+save raises CheckpointWriteError naming the path on every rank and leaves the previous
+checkpoint as it was.
 """
 
 from __future__ import annotations
@@ -36,10 +43,16 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_lite.parallel.mappings import guarded
+from megatron_lite.parallel.mappings import CollectiveError, guarded
 from megatron_lite.training import checkpoint_files as files
-from megatron_lite.training.checkpoint_files import CheckpointError, CheckpointReadError
+from megatron_lite.training.checkpoint_files import (
+    CheckpointError,
+    CheckpointReadError,
+    CheckpointWriteError,
+    UnsafeCheckpointError,
+)
 from megatron_lite.training.checkpoint_state import (
     Piece,
     ShardLoadPlanner,
@@ -48,6 +61,8 @@ from megatron_lite.training.checkpoint_state import (
     save_state,
     set_rng_states,
 )
+from megatron_lite.training.dcp_metadata import SafeFileSystemReader
+from megatron_lite.training.run_dir import claim_run_dir
 
 __all__ = ["Checkpointer", "CheckpointError", "layout_of"]
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -75,27 +90,52 @@ def _async_save(state, writer, planner, group):
     return getattr(out, "upload_completion", out)
 
 
-def _error_entry(e: Exception, where: str) -> tuple[str, str]:
-    """(kind, message) of an error to share with the other ranks."""
+def _describe(e: BaseException, rank: int) -> str:
+    """One line for an error: DCP's CheckpointException lists each failing rank's error
+    (without the tracebacks it carries)."""
+    if isinstance(e, CheckpointException):
+        return "; ".join(f"rank {r}: {type(x).__name__}: {x}" for r, (x, _) in e.failures.items())
     if isinstance(e, CheckpointError):
+        return str(e)
+    return f"rank {rank}: {type(e).__name__}: {e}"
+
+
+def _error_entry(e: Exception, where: str, io: str = "read") -> tuple[str, str]:
+    """(kind, message) of an error to share with the other ranks; `io` says whether the
+    operation read ("read") or wrote ("write") checkpoint files."""
+    if isinstance(e, CheckpointWriteError):
+        return "write", str(e)
+    if isinstance(e, UnsafeCheckpointError):
+        return "unsafe", str(e)
+    if isinstance(e, CheckpointError) and io == "read":
         return "damaged", str(e)
-    return "read", f"{where}: {type(e).__name__}: {e}"
+    return io, f"{where}: {type(e).__name__}: {e}"
+
+
+_KINDS = {
+    "unsafe": UnsafeCheckpointError,
+    "write": CheckpointWriteError,
+    "read": CheckpointReadError,
+    "damaged": CheckpointError,
+}
 
 
 def _raise_agreed(errors: list[tuple[str, str]]) -> None:
-    """Raise the gathered errors' verdict the same way on every rank: CheckpointReadError when
-    any rank could not read (never mistaken for damage: resume=auto must not skip a good
-    checkpoint over an I/O hiccup), else CheckpointError for the first damage found."""
+    """Raise the gathered errors' verdict the same way on every rank: an unsafe file or a
+    write error first, then CheckpointReadError when any rank could not read (never mistaken
+    for damage: resume=auto must not skip a good checkpoint over an I/O hiccup), else
+    CheckpointError for the first damage found."""
     if not errors:
         return
-    kind, message = next((e for e in errors if e[0] == "read"), errors[0])
-    raise (CheckpointReadError if kind == "read" else CheckpointError)(message)
+    order = list(_KINDS)
+    kind, message = min(errors, key=lambda e: order.index(e[0]) if e[0] in order else 9)
+    raise _KINDS.get(kind, CheckpointError)(message)
 
 
 def _listing_with_dcp_files(tmp: str) -> list[str]:
     """The files to checksum, after checking that every file DCP's index names is visible."""
     names = files.data_files(tmp)
-    index = (dcp.FileSystemReader(tmp).read_metadata().storage_data or {}).values()
+    index = (SafeFileSystemReader(tmp).read_metadata().storage_data or {}).values()
     wanted = {".metadata"} | {getattr(v, "relative_path", ".metadata") for v in index}
     missing = sorted(wanted - set(names))
     if missing:
@@ -122,6 +162,8 @@ class Checkpointer:
         self.signal_received = None
         self._old_handlers: dict = {}
         self._committer = ThreadPoolExecutor(1) if self.rank == 0 else None
+        # one run per directory; a no-op when train.main already holds the lock
+        self.run_lock = claim_run_dir(self.cfg, self.rank, self.world, self.ctl_group)
 
     # ------------------------------------------------------------------ messages and sync
     def _say(self, msg: str) -> None:
@@ -153,9 +195,14 @@ class Checkpointer:
     def resume(self) -> None:
         """Apply train.resume / train.init_from (collective)."""
         t = self.cfg.train
-        path, model_only = self._choose(t.resume, t.init_from)
-        if path is not None:
-            self.load(path, model_only=model_only)
+        try:
+            path, model_only = self._choose(t.resume, t.init_from)
+            if path is not None:
+                self.load(path, model_only=model_only)
+        except BaseException:
+            if self.run_lock is not None:  # nothing is being saved yet
+                self.run_lock.release()
+            raise
 
     def _choose(self, resume: str, init_from: str | None):
         """(path, model_only) of a checkpoint whose checksums verify (collective)."""
@@ -176,7 +223,7 @@ class Checkpointer:
             return path, True
         return None, False
 
-    def _from_rank0(self, fn):
+    def _from_rank0(self, fn, io: str = "read"):
         """fn() evaluated on rank 0 (directory listings may differ across nodes' caches) and
         broadcast; an error there is raised on every rank (see _raise_agreed)."""
         result = None
@@ -184,20 +231,20 @@ class Checkpointer:
             try:
                 result = ("ok", fn())
             except Exception as e:  # every rank must hear of it, or the others would hang
-                result = _error_entry(e, "rank 0")
+                result = _error_entry(e, "rank 0", io)
         status, value = self._broadcast(result)
         if status != "ok":
             _raise_agreed([(status, value)])
         return value
 
-    def _on_every_rank(self, fn, what: str, gather: bool = False):
+    def _on_every_rank(self, fn, what: str, gather: bool = False, io: str = "read"):
         """fn() on every rank; a failure on any rank is raised on all of them. Returns this
         rank's result, or with `gather` every rank's results in rank order."""
         result, error = None, None
         try:
             result = fn()
         except Exception as e:  # every rank must reach the gather below
-            error = _error_entry(e, f"{what} on rank {self.rank}")
+            error = _error_entry(e, f"{what} on rank {self.rank}", io)
         entries = self._all_gather((error, result if gather else None), what)
         _raise_agreed([e for e, _ in entries if e])
         return [r for _, r in entries] if gather else result
@@ -223,7 +270,7 @@ class Checkpointer:
         tr = self.trainer
 
         def read():
-            reader = dcp.FileSystemReader(path)
+            reader = SafeFileSystemReader(path)
             return files.read_metadata(path), reader, reader.read_metadata().state_dict_metadata
 
         meta, reader, stored = self._on_every_rank(read, f"reading {path}")
@@ -238,16 +285,19 @@ class Checkpointer:
                     buffers[key] = torch.empty(t.size, dtype=t.properties.dtype)
                     pieces[key] = Piece(key, tuple(t.size), (0,) * len(t.size))
         self._check_keys(path, buffers, pieces, stored)
-        guarded(
-            f"dcp.load from {path}",
-            self.io_group,
-            lambda: dcp.load(
-                buffers,
-                storage_reader=reader,
-                planner=ShardLoadPlanner(pieces),
-                process_group=self.io_group,
-            ),
-        )
+        try:
+            guarded(
+                f"dcp.load from {path}",
+                self.io_group,
+                lambda: dcp.load(
+                    buffers,
+                    storage_reader=reader,
+                    planner=ShardLoadPlanner(pieces),
+                    process_group=self.io_group,
+                ),
+            )
+        except CheckpointException as e:  # raised on every rank
+            raise CheckpointReadError(f"reading {path}: {_describe(e, self.rank)}") from None
         apply()
         if with_optim:
             tr.step = meta["step"]
@@ -308,17 +358,29 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ save
     def save(self) -> float:
-        """Checkpoint the current step (collective); returns the seconds this call blocked."""
+        """Checkpoint the current step (collective); returns the seconds this call blocked.
+        A failure raises CheckpointWriteError on every rank (see _write_failed)."""
         t0 = time.perf_counter()
         self.wait()
         tr, t = self.trainer, self.cfg.train
         tmp, final = files.tmp_dir(self.dir, tr.step), files.step_dir(self.dir, tr.step)
+        try:
+            self._save(tmp, final, t.async_save)
+        except CollectiveError:  # a hang or a dead peer: the hang dump reports it
+            raise
+        except (OSError, CheckpointError, CheckpointReadError, CheckpointException) as e:
+            # every rank raised it (each step above agrees on errors)
+            raise self._write_failed(tmp, final, [_describe(e, self.rank)]) from None
+        return time.perf_counter() - t0
+
+    def _save(self, tmp: str, final: str, async_save: bool) -> None:
+        tr = self.trainer
 
         def fresh_dir():
             shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier save of this step
             os.makedirs(tmp)
 
-        self._from_rank0(fresh_dir)  # every rank waits for the directory (or its error)
+        self._from_rank0(fresh_dir, io="write")  # every rank waits for the directory
         state, pieces = save_state(tr.chunks, tr.optimizer, tr.mesh, tr.tracker, self.rank)
         meta = {
             "kind": "train",
@@ -329,12 +391,12 @@ class Checkpointer:
         }
         writer = dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True)
         planner = ShardSavePlanner(pieces)
-        if t.async_save:
+        if async_save:
             future = _async_save(state, writer, planner, self.io_group)
             if self.rank == 0:
                 future = self._committer.submit(self._commit_after, future, tmp, final, meta)
-            self.pending = future
-            return time.perf_counter() - t0
+            self.pending = (future, tmp, final)
+            return
         # returns once every rank's files are written (DCP ends with a collective)
         guarded(
             f"dcp.save to {tmp}",
@@ -350,18 +412,18 @@ class Checkpointer:
                 self._commit(tmp, final, meta, table)
             except Exception as e:  # every rank must hear of it, or the others would hang
                 error = e
-        self._agree(error)
-        return time.perf_counter() - t0
+        self._agree(error)  # raw; save() adds the paths
 
     def _checksums(self, tmp: str) -> dict[str, dict]:
         """sha256 of the written files, each rank hashing its share (collective)."""
         if self.world > 1:  # dcp.save may return on a rank before the others' files are done
             guarded("checkpoint barrier", self.ctl_group, lambda: dist.barrier(self.ctl_group))
-        names = self._from_rank0(lambda: _listing_with_dcp_files(tmp))  # one listing for all
+        names = self._from_rank0(lambda: _listing_with_dcp_files(tmp), io="write")
         parts = self._on_every_rank(
             lambda: files.file_table(tmp, (self.rank, self.world), names),
             f"checksumming {tmp}",
             gather=True,
+            io="write",
         )
         return {name: row for part in parts for name, row in part.items()}
 
@@ -371,32 +433,62 @@ class Checkpointer:
 
     def _commit(self, tmp: str, final: str, meta: dict, table: dict | None = None) -> None:
         """Rank 0, once every rank's DCP files are written: metadata with the checksums
-        (`table`, or all computed here for an async save), rename, `latest`."""
+        (`table`, or all computed here for an async save), rename, `latest`, pruning."""
+        if os.path.exists(final):
+            self._say(f"keeping the earlier {final} (renamed {os.path.basename(final)}.replaced-*)")
         files.commit(tmp, final, meta, table)
         files.set_latest(self.dir, final)
-        for gone in files.prune(self.dir, self.cfg.train.keep_checkpoints):
+        removed, kept = files.prune(self.dir, self.cfg.train.keep_checkpoints, meta["step"])
+        for gone in removed:
             self._say(f"removed old checkpoint {gone}")
+        for path, why in kept:
+            self._say(f"not removing {path}: it fails validation ({why}); inspect it by hand")
         self._say(f"saved {final}")
 
-    def _agree(self, error: Exception | None) -> None:
-        """Raise on every rank when the save failed on any (this rank's own error first)."""
+    def _agree(self, error: BaseException | None) -> None:
+        """Raise CheckpointWriteError on every rank when the save failed on any, with the
+        failing ranks' errors (collective)."""
         if not self._any(error is not None):
             return
-        if error is not None:
-            raise error
-        raise CheckpointError(f"saving a checkpoint into {self.dir} failed on another rank")
+        mine = None if error is None else _describe(error, self.rank)
+        raise CheckpointWriteError("; ".join(m for m in self._all_gather(mine, "save") if m))
+
+    def _write_failed(self, tmp: str, final: str, why: list[str]) -> CheckpointWriteError:
+        """The user-facing error of a failed save; `why` are the failing ranks' errors."""
+        step = int(os.path.basename(final).removeprefix("step_"))
+        fix = (
+            f"Fix: make train.ckpt_dir={self.dir} writable with enough free space, then resume "
+            "with train.resume=auto"
+        )
+        if os.path.isdir(final):  # failed after the rename: `latest` or pruning
+            return CheckpointWriteError(
+                f"could not finish saving checkpoint {final} (step {step}) after its commit: "
+                f"{'; '.join(why)}. The checkpoint itself is complete. {fix}"
+            )
+        older = [p for s, p in files.list_checkpoints(self.dir) if s < step]
+        previous = "there is no earlier checkpoint"
+        if older:
+            previous = f"the previous checkpoint {older[0]} is untouched"
+        return CheckpointWriteError(
+            f"could not write checkpoint {final} (step {step}): {'; '.join(why)}. Nothing was "
+            f"committed and {previous}; the unfinished save in {tmp} is removed at the next "
+            f"start. {fix}"
+        )
 
     def wait(self) -> None:
         """Finish a pending async save on every rank (collective when one is pending)."""
         if self.pending is None:
             return
-        future, self.pending = self.pending, None
+        (future, tmp, final), self.pending = self.pending, None
         error = None
         try:
             future.result()
-        except Exception as e:
+        except (Exception, CheckpointException) as e:
             error = e
-        self._agree(error)
+        try:
+            self._agree(error)
+        except CheckpointWriteError as e:
+            raise self._write_failed(tmp, final, [str(e)]) from None
 
     # ------------------------------------------------------------------ training-loop hooks
     def start(self) -> None:
@@ -435,3 +527,5 @@ class Checkpointer:
         for sig, handler in self._old_handlers.items():
             signal.signal(sig, handler)
         self._old_handlers.clear()
+        if self.run_lock is not None:  # no save is pending any more
+            self.run_lock.release()

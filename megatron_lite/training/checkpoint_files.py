@@ -7,11 +7,14 @@ choosing what to resume from. No process groups here (rank 0 calls these).
         metadata.json        format, kind (train | model), step, config, layout, files
         .metadata            DCP's index of logical tensors and the chunks each file holds
         __<rank>_0.distcp    DCP data, one file per writing rank
-      .tmp-step_<N>/         a save in progress; never read, removed by the next save of N
+      .tmp-step_<N>/         a save in progress; never read, removed at the next start
+      step_<N>.replaced-<T>/ an earlier step_<N> that a new save of step N replaced (kept)
 
 A checkpoint exists only once `.tmp-step_<N>` has been renamed to `step_<N>`, and
 `metadata.json` (written before the rename) holds the sha256 and size of every other file, so
-a crash at any point leaves either the previous checkpoint or the complete new one.
+a crash at any point leaves either the previous checkpoint or the complete new one. Nothing
+here deletes a checkpoint it could not validate: pruning removes only intact checkpoints older
+than the newest save, and a replaced step is renamed, not removed.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import json
 import os
 import re
 import shutil
+import time
 
 from megatron_lite.atomic import write_atomic
 
@@ -32,6 +36,15 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be used; the message names the file and says what to do."""
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """A checkpoint file would run code when loaded (see dcp_metadata.py): never skipped
+    over, always reported."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """Writing a checkpoint failed (disk full, permissions, I/O); the previous one is intact."""
 
 
 class CheckpointReadError(RuntimeError):
@@ -86,13 +99,14 @@ def commit(tmp: str, final: str, meta: dict, table: dict[str, dict] | None = Non
     tmp -> final."""
     meta = {"format": FORMAT, **meta, "files": file_table(tmp) if table is None else table}
     write_atomic(os.path.join(tmp, METADATA), json.dumps(meta, indent=1, sort_keys=True))
-    if os.path.exists(final):  # re-saving a step (resumed from an older checkpoint)
-        trash = final + f".old-{os.getpid()}"
-        os.replace(final, trash)
-        os.replace(tmp, final)
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        os.replace(tmp, final)
+    if os.path.exists(final):  # re-saving a step whose checkpoint was damaged: keep it
+        os.replace(final, f"{final}.replaced-{timestamp()}")
+    os.replace(tmp, final)
+
+
+def timestamp() -> str:
+    """A sortable local time for names of things moved aside, e.g. 20250101-120000."""
+    return time.strftime("%Y%m%d-%H%M%S")
 
 
 def set_latest(ckpt_dir: str, final: str) -> None:
@@ -111,15 +125,40 @@ def list_checkpoints(ckpt_dir: str) -> list[tuple[int, str]]:
     return sorted(found, reverse=True)
 
 
-def prune(ckpt_dir: str, keep: int) -> list[str]:
-    """Delete all but the newest `keep` checkpoints (never the one `latest` names)."""
+def quick_check(path: str) -> str | None:
+    """Why checkpoint `path` is not intact by its metadata.json (missing, unreadable, a listed
+    file missing or of the wrong size), or None: stat calls only, no hashing."""
+    try:
+        meta = read_metadata(path)
+        for name, want in meta["files"].items():
+            file = os.path.join(path, name)
+            if not os.path.isfile(file) or os.path.getsize(file) != want["bytes"]:
+                return f"{file} is missing or has the wrong size"
+    except (CheckpointError, OSError, KeyError, TypeError, AttributeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def prune(ckpt_dir: str, keep: int, newest_step: int | None = None):
+    """Delete intact checkpoints beyond the newest `keep` intact ones, never one newer than
+    `newest_step` (the save just made), never the one `latest` names and never one that fails
+    quick_check (it is kept for inspection) -> (removed paths, [(kept path, why)])."""
     latest = read_latest(ckpt_dir)
+    intact, damaged = [], []
+    for step, path in list_checkpoints(ckpt_dir):
+        if newest_step is not None and step > newest_step:
+            continue
+        why = quick_check(path)
+        if why is None:
+            intact.append(path)
+        else:
+            damaged.append((path, why))
     removed = []
-    for _, path in list_checkpoints(ckpt_dir)[keep:]:
+    for path in intact[keep:]:
         if latest is None or os.path.abspath(path) != os.path.abspath(latest):
-            shutil.rmtree(path, ignore_errors=True)
+            shutil.rmtree(path, ignore_errors=True)  # a half-removed one is damaged: kept
             removed.append(path)
-    return removed
+    return removed, damaged
 
 
 def read_latest(ckpt_dir: str) -> str | None:
@@ -185,30 +224,49 @@ def resolve(path: str) -> str:
 
 
 def auto_candidates(ckpt_dir: str) -> list[str]:
-    """resume=auto's order of preference: `latest` first, then by step, newest first."""
-    candidates = [p for _, p in list_checkpoints(ckpt_dir)]
-    latest = read_latest(ckpt_dir)
-    if latest is not None and os.path.isdir(latest):
-        same = os.path.abspath(latest)
-        candidates = [latest] + [p for p in candidates if os.path.abspath(p) != same]
-    return candidates
+    """resume=auto's order of preference: committed checkpoints by step, newest first.
+    `latest` is not consulted: a crash between a commit and the `latest` update leaves it
+    naming an older step."""
+    return [p for _, p in list_checkpoints(ckpt_dir)]
 
 
 def select_auto(ckpt_dir: str, candidates: list[str] | None = None, check=verify):
     """resume=auto: the first of `candidates` (default: auto_candidates) that `check` accepts,
-    and messages about every damaged one skipped on the way -> (path | None, notes)."""
+    and messages about every damaged one skipped on the way -> (path | None, notes); None only
+    when there are no candidates. When every candidate is damaged, raises CheckpointError
+    listing each and why: starting from scratch would save over them."""
     if candidates is None:
         candidates = auto_candidates(ckpt_dir)
-    notes = []
+    notes, damaged = [], []
     for path in candidates:
         try:
             check(path)
+        except UnsafeCheckpointError:
+            raise
         except CheckpointError as e:
-            notes.append(f"skipping damaged checkpoint {path}: {e}")
+            why = str(e).split(" Fix: ")[0].rstrip(". ")
+            damaged.append(f"{os.path.basename(path)}: {why}")
+            notes.append(f"skipping damaged checkpoint {path} (kept): {e}")
             continue
         if notes:
             notes.append(f"falling back to the newest valid checkpoint {path}")
         return path, notes
-    if notes:
-        notes.append("no valid checkpoint left: starting from scratch")
+    if damaged:
+        raise CheckpointError(
+            f"train.resume=auto: none of the {len(damaged)} checkpoints in {ckpt_dir} is "
+            f"valid, so the run does not start over them (nothing was deleted): "
+            f"{' | '.join(damaged)}. Fix: resume from a good copy with train.resume=<path>, "
+            "or start afresh with train.resume=none train.overwrite=true (moves them aside)"
+        )
     return None, notes
+
+
+def stale_temporaries(ckpt_dir: str) -> list[str]:
+    """Leftovers of saves that died: `.tmp-step_<N>` directories and `latest.tmp.*` files."""
+    if not os.path.isdir(ckpt_dir):
+        return []
+    return sorted(
+        os.path.join(ckpt_dir, n)
+        for n in os.listdir(ckpt_dir)
+        if n.startswith(".tmp-step_") or n.startswith(LATEST + ".tmp.")
+    )

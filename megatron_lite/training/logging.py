@@ -9,6 +9,31 @@ import time
 
 from megatron_lite.atomic import write_atomic
 from megatron_lite.config import Config
+from megatron_lite.training.run_dir import new_aside_dir
+
+
+def read_records(path: str) -> tuple[list[tuple[int, str]], list[tuple[int, str]]]:
+    """metrics.jsonl -> ([(step, line)] of whole records, [(line number, text)] of lines that
+    are not: a torn last line after a crash, or damage)."""
+    records, bad = [], []
+    with open(path, "rb") as f:
+        for i, raw in enumerate(f, start=1):
+            text = raw.decode("utf-8", errors="replace")
+            if not text.strip():
+                continue
+            try:
+                step = json.loads(text)["step"]
+                if not isinstance(step, int):
+                    raise TypeError(step)
+            except (ValueError, KeyError, TypeError):
+                bad.append((i, text.rstrip("\n")))
+                continue
+            records.append((step, text if text.endswith("\n") else text + "\n"))
+    return records, bad
+
+
+def _warn(msg: str) -> None:
+    print(f"[metrics] warning: {msg}", file=sys.stderr, flush=True)
 
 
 def _fmt_time(seconds: float) -> str:
@@ -41,14 +66,21 @@ class MetricsLogger:
 
     def _open(self, first_step: int) -> None:
         """Append to metrics.jsonl, first dropping records of steps this run will redo (a
-        resume from an earlier checkpoint), so each step appears once."""
+        resume from an earlier checkpoint), so each step appears once. A torn last line (the
+        run died mid-write) is dropped with a warning; a run that starts from step 0 moves
+        an earlier run's records aside (never truncates them)."""
         path = os.path.join(self.cfg.train.out_dir, "metrics.jsonl")
         if os.path.exists(path):
-            with open(path) as f:
-                keep = [
-                    line for line in f if line.strip() and json.loads(line)["step"] < first_step
-                ]
-            write_atomic(path, "".join(keep))
+            records, torn = read_records(path)
+            for line_no, text in torn:
+                _warn(f"{path} line {line_no} is not a whole record, dropped: {text[:80]!r}")
+            if first_step == 0 and records:
+                aside = new_aside_dir(self.cfg.train.out_dir)
+                os.replace(path, os.path.join(aside, "metrics.jsonl"))
+                print(f"[metrics] this run starts at step 0: moved the earlier {path} to {aside}/")
+            else:
+                keep = [line for step, line in records if step < first_step]
+                write_atomic(path, "".join(keep))
         self.file = open(path, "a")
 
     def log(self, record: dict, first_step: int) -> None:

@@ -95,8 +95,9 @@ def test_missing_metadata_and_nothing_valid(tmp_path):
     os.makedirs(os.path.join(d, "step_5"))
     with pytest.raises(CheckpointError, match="metadata.json does not exist"):
         files.verify(os.path.join(d, "step_5"))
-    path, notes = files.select_auto(d)
-    assert path is None and "starting from scratch" in notes[-1]
+    with pytest.raises(CheckpointError, match=r"none of the 1 checkpoints .* step_5: .*metadata"):
+        files.select_auto(d)  # starting from scratch would save over it
+    assert os.path.isdir(os.path.join(d, "step_5")), "the damaged checkpoint was removed"
     assert files.select_auto(str(tmp_path / "nothing-here")) == (None, [])
 
 

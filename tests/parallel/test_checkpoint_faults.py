@@ -1,0 +1,150 @@
+"""Checkpoint faults with the real Trainer on forked gloo ranks (tiny model, mock data): a
+crafted `.metadata` is refused under train.resume and train.init_from with nothing executed;
+a save that fails on one rank is reported on every rank as a write naming the path, and the
+previous checkpoint still resumes; a torn metrics line and a stale `latest` do not stop
+resume=auto, which takes the newest committed step; when every checkpoint is damaged the run
+stops listing them; resume=none over checkpoints is refused, and overwrite moves them aside."""
+
+import json
+import os
+import shutil
+
+import pytest
+
+from megatron_lite.training import checkpoint_files as files
+from tests.crafted_checkpoint import craft_metadata
+from tests.dist_harness import run_ranks
+from tests.parallel.parity import TINY
+
+SMALL = [*TINY, "model.num_layers=2", "data.mock=true", "train.save_interval=2"]
+
+
+def _train(rank, world, overrides, out_dir, fail_save_at):
+    """Train; returns ("ok", steps trained) or ("error", exception type, message) per rank.
+    `fail_save_at`: the last rank's writes into that step's save fail (EIO from fsync)."""
+    import errno
+
+    from megatron_lite.parallel.mesh import ParallelMesh, RankLayout
+    from megatron_lite.train import prepare
+    from megatron_lite.training.checkpoint_files import CheckpointError
+    from megatron_lite.training.trainer import Trainer
+
+    cfg, dataset, vocab = prepare(["train.out_dir=" + out_dir, *overrides], world_size=world)
+    p = cfg.parallel
+    mesh = ParallelMesh(RankLayout(world, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, order=p.order))
+    try:
+        trainer = Trainer(cfg, mesh, dataset, vocab)
+        if fail_save_at is not None and rank == world - 1:
+            fsync, victim = os.fsync, f".tmp-step_{fail_save_at}"
+
+            def failing_fsync(fd):
+                if victim in os.readlink(f"/proc/self/fd/{fd}"):
+                    raise OSError(errno.EIO, "Input/output error (injected)")
+                return fsync(fd)
+
+            os.fsync = failing_fsync
+        return ("ok", [r["step"] for r in trainer.train()])
+    except CheckpointError as e:
+        return ("error", type(e).__name__, str(e))
+
+
+def train(world, overrides, out_dir, fail_save_at=None):
+    return run_ranks(world, _train, [*SMALL, *overrides], str(out_dir), fail_save_at, timeout=90)
+
+
+def steps_in_metrics(out_dir) -> list[int]:
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line)["step"] for line in f]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """4 steps on one rank, checkpoints step_2 and step_4."""
+    d = tmp_path_factory.mktemp("base")
+    assert train(1, ["train.steps=4"], d) == [("ok", [0, 1, 2, 3])]
+    return d
+
+
+@pytest.fixture
+def run(base, tmp_path):
+    """A copy of the base run directory to damage."""
+    d = tmp_path / "run"
+    shutil.copytree(base, d)
+    return d
+
+
+def test_crafted_metadata_is_refused_by_resume_and_init_from(run, tmp_path):
+    marker = tmp_path / "code-ran"
+    file = craft_metadata(str(run / "checkpoints" / "step_4"), str(marker))
+    ((status, kind, msg),) = train(1, ["train.steps=6"], run)  # resume=auto picks step_4
+    assert (status, kind) == ("error", "UnsafeCheckpointError"), msg
+    assert f"refused to load {file}" in msg
+    init = ["train.resume=none", f"train.init_from={run / 'checkpoints' / 'step_4'}"]
+    ((status, kind, msg),) = train(1, init, tmp_path / "fresh")
+    assert (status, kind) == ("error", "UnsafeCheckpointError") and file in msg, msg
+    assert not marker.exists(), "code from the crafted .metadata ran"
+
+
+def check_write_error(out, ckpt):
+    assert out[0] == out[1], f"the ranks disagree: {out}"
+    status, kind, msg = out[0]
+    assert (status, kind) == ("error", "CheckpointWriteError"), msg
+    assert f"could not write checkpoint {ckpt / 'step_4'} (step 4)" in msg
+    assert "rank 1: OSError: [Errno 5] Input/output error (injected)" in msg
+    assert f"the previous checkpoint {ckpt / 'step_2'} is untouched" in msg
+    assert sorted(os.listdir(ckpt)) == [".tmp-step_4", "latest", "step_2"]
+    assert files.read_latest(str(ckpt)) == str(ckpt / "step_2")
+    files.verify(str(ckpt / "step_2"))  # checksums of every file: untouched by the failure
+
+
+def test_failed_save_is_a_write_error_on_every_rank_and_the_previous_resumes(tmp_path):
+    layout = ["parallel.dp=2", "train.steps=6"]
+    check_write_error(train(2, layout, tmp_path, fail_save_at=4), tmp_path / "checkpoints")
+    assert train(2, layout, tmp_path) == [("ok", [2, 3, 4, 5])] * 2
+    ckpt = sorted(os.listdir(tmp_path / "checkpoints"))
+    assert ckpt == ["latest", "step_4", "step_6"], "the unfinished save was not cleaned"
+
+
+def test_failed_async_save_is_a_write_error_on_every_rank(tmp_path):
+    """Reported at the next step boundary that waits for it (here the end of training)."""
+    out = train(2, ["parallel.dp=2", "train.steps=4", "train.async_save=true"], tmp_path, 4)
+    check_write_error(out, tmp_path / "checkpoints")
+
+
+def test_torn_metrics_line_and_stale_latest_resume_from_the_newest(run):
+    metrics = run / "metrics.jsonl"
+    before = metrics.read_text()
+    with open(metrics, "a") as f:
+        f.write('{"step": 4, "loss": 5.')  # died mid-write
+    files.set_latest(str(run / "checkpoints"), str(run / "checkpoints" / "step_2"))
+    assert train(1, ["train.steps=6"], run) == [("ok", [4, 5])]
+    assert steps_in_metrics(run) == [0, 1, 2, 3, 4, 5]
+    assert metrics.read_text().startswith(before), "earlier records changed"
+
+
+def test_every_checkpoint_damaged_stops_and_deletes_nothing(run):
+    ckpt = run / "checkpoints"
+    for step in (2, 4):
+        os.truncate(ckpt / f"step_{step}" / "__0_0.distcp", 10)
+    before = sorted(os.walk(ckpt))
+    ((status, kind, msg),) = train(1, ["train.steps=6"], run)
+    assert (status, kind) == ("error", "CheckpointError"), msg
+    assert "none of the 2 checkpoints" in msg and "step_4: " in msg and "step_2: " in msg
+    assert sorted(os.walk(ckpt)) == before
+    assert steps_in_metrics(run) == [0, 1, 2, 3], "metrics were rewritten"
+
+
+def test_resume_none_over_checkpoints_is_refused_and_overwrite_moves_them(run):
+    out = train(2, ["parallel.dp=2", "train.resume=none"], run)  # refused on every rank
+    assert out[0] == out[1], f"the ranks disagree: {out}"
+    status, kind, msg = out[0]
+    assert (status, kind) == ("error", "RunDirError") and "step_4, step_2" in msg, msg
+    assert sorted(os.listdir(run / "checkpoints")) == ["latest", "step_2", "step_4"]
+    old = (run / "metrics.jsonl").read_text()
+    assert train(1, ["train.resume=none", "train.overwrite=true", "train.steps=2"], run) == [
+        ("ok", [0, 1])
+    ]
+    (aside,) = [n for n in os.listdir(run) if n.startswith("overwritten-")]
+    assert sorted(os.listdir(run / aside / "checkpoints")) == ["latest", "step_2", "step_4"]
+    assert (run / aside / "metrics.jsonl").read_text() == old
+    assert steps_in_metrics(run) == [0, 1]
