@@ -17,6 +17,7 @@ import os
 import shutil
 import sys
 
+from megatron_lite import supervise
 from megatron_lite.config import ConfigError, load_config
 from megatron_lite.train import parse_args, prepare, user_error
 
@@ -88,7 +89,8 @@ def main(argv=None) -> None:
         # included, across restarts: restarted ranks then connect to dead peers' addresses
         # (pytorch/pytorch#135712, still so in 2.13). A per-attempt store avoids that.
         env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    os.execvpe(cmd[0], cmd, env)
+    # SIGTERM / SIGINT / SIGUSR1 here: the ranks checkpoint and stop, exit 0 (supervise.py)
+    sys.exit(supervise.run(cmd, env))
 
 
 if __name__ == "__main__":

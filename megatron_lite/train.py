@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import signal
 import sys
 
 import torch
@@ -79,7 +80,41 @@ def init_distributed(cfg: Config) -> None:
         dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
 
 
+def _restore_signal_defaults() -> None:
+    """A supervisor (supervise.py) starts torchrun with the stop signals ignored, and ranks
+    inherit that: give them back their defaults (the Checkpointer installs its handlers)."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        if signal.getsignal(sig) == signal.SIG_IGN:
+            signal.signal(sig, signal.SIG_DFL)
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def exit_together(code: int, error: Exception | None, run_lock=None) -> None:
+    """End a rank whose peers stop for the same agreed reason (a user error after the process
+    group exists, a non-finite step): rank 0 prints the message, the run directory lock is
+    released, and the process group is torn down after a barrier, so no rank aborts on exit."""
+    if error is not None and dist.get_rank() == 0:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+    if run_lock is not None:
+        run_lock.release()
+    try:
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    sys.exit(code)
+
+
 def main(argv=None) -> None:
+    _restore_signal_defaults()
+    try:
+        _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C before training started (in training it saves, stops)
+        print("interrupted (exit 130)", file=sys.stderr, flush=True)
+        os._exit(130)  # no teardown that could wait on peers
+
+
+def _main(argv) -> None:
     from megatron_lite.data import DataFileError
 
     try:
@@ -91,8 +126,8 @@ def main(argv=None) -> None:
 
     try:  # one run per directory, before anything is written into it (see run_dir.py)
         run_lock = claim_run_dir(cfg, dist.get_rank(), dist.get_world_size())
-    except RunDirError as e:
-        user_error(e)
+    except RunDirError as e:  # rank 0's verdict, broadcast: every rank is here
+        exit_together(2, e)
     from megatron_lite.parallel.mappings import CollectiveError
     from megatron_lite.parallel.mesh import ParallelMesh, RankLayout
     from megatron_lite.training.checkpoint import CheckpointError, CheckpointReadError
@@ -104,20 +139,11 @@ def main(argv=None) -> None:
     layout = RankLayout(dist.get_world_size(), tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, order=p.order)
     mesh = ParallelMesh(layout, timeout_s=p.timeout_s)
     if dist.get_rank() == 0:
-        os.makedirs(cfg.train.out_dir, exist_ok=True)
-        save_config(cfg, os.path.join(cfg.train.out_dir, "config.yaml"))
-        rank_map = layout.rank_map()
-        with open(os.path.join(cfg.train.out_dir, "rank_map.txt"), "w") as f:
-            f.write(rank_map + "\n")
-        if layout.world_size > 64:  # thousands of lines help nobody on the console
-            rank_map = rank_map.splitlines()[0] + f": see {cfg.train.out_dir}/rank_map.txt"
-        print(rank_map, flush=True)
+        write_run_files(cfg, layout)
     try:
         trainer = Trainer(cfg, mesh, dataset, vocab_size)  # resumes from a checkpoint
-    except (CheckpointError, CheckpointReadError) as e:
-        if run_lock is not None:
-            run_lock.release()
-        user_error(e)
+    except (CheckpointError, CheckpointReadError) as e:  # agreed across ranks
+        exit_together(2, e, run_lock)
     n_params = trainer.num_parameters()
     if dist.get_rank() == 0:
         print(
@@ -127,24 +153,29 @@ def main(argv=None) -> None:
         )
     try:
         trainer.train()
-    except CheckpointError as e:  # a failed save (CheckpointWriteError): named, no traceback
-        if run_lock is not None:  # the failed save was the last one: nothing is pending
-            run_lock.release()
-        user_error(e)
+    except CheckpointError as e:  # a failed save (CheckpointWriteError), raised on every rank
+        exit_together(2, e, run_lock)  # the failed save was the last one: nothing is pending
+    except NonFiniteError as e:  # every rank saw the same reduced loss and norm
+        trainer.checkpointer.finish()
+        exit_together(EXIT_NONFINITE, e, run_lock)
     except CollectiveError as e:  # a hang or a dead peer: write hang/rank<R>.json, exit 1
         rank, world = dist.get_rank(), dist.get_world_size()
         exit_on_collective_error(e, cfg.train.out_dir, rank, world, p.timeout_s)
-    except NonFiniteError as e:  # every rank saw the same reduced loss and norm: exit together
-        if dist.get_rank() == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        dist.barrier()
-        dist.destroy_process_group()
-        sys.exit(EXIT_NONFINITE)
-    if run_lock is not None:  # train() waited for the last async save
-        run_lock.release()
-    # no rank tears down its connections while a peer may still be finishing a send to it
-    dist.barrier()
-    dist.destroy_process_group()
+    # train() waited for the last async save; no rank tears down its connections while a peer
+    # may still be finishing a send to it
+    exit_together(0, None, run_lock)
+
+
+def write_run_files(cfg: Config, layout) -> None:
+    """Rank 0: the resolved config and the rank map in the run directory; the map on screen."""
+    os.makedirs(cfg.train.out_dir, exist_ok=True)
+    save_config(cfg, os.path.join(cfg.train.out_dir, "config.yaml"))
+    rank_map = layout.rank_map()
+    with open(os.path.join(cfg.train.out_dir, "rank_map.txt"), "w") as f:
+        f.write(rank_map + "\n")
+    if layout.world_size > 64:  # thousands of lines help nobody on the console
+        rank_map = rank_map.splitlines()[0] + f": see {cfg.train.out_dir}/rank_map.txt"
+    print(rank_map, flush=True)
 
 
 if __name__ == "__main__":

@@ -65,7 +65,7 @@ from megatron_lite.training.dcp_metadata import SafeFileSystemReader
 from megatron_lite.training.run_dir import claim_run_dir
 
 __all__ = ["Checkpointer", "CheckpointError", "layout_of"]
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)  # SIGINT (Ctrl-C) as SIGTERM
 # model settings that must match the checkpoint's (tensor shapes are checked separately)
 FUNCTION_KEYS = ("arch", "num_attention_heads", "norm_eps", "rope_theta", "moe_router_topk")
 
@@ -301,6 +301,7 @@ class Checkpointer:
         apply()
         if with_optim:
             tr.step = meta["step"]
+            tr.consumed_samples = self._consumed_samples(meta)
         if same_layout:
             prefix = f"rng/{self.rank}/"
             rng = {k[len(prefix) :]: v for k, v in buffers.items() if k.startswith(prefix)}
@@ -318,6 +319,19 @@ class Checkpointer:
                 f"layout changed ({changed}): model and optimizer state resharded; RNG states "
                 "re-seeded, not restored (dropout masks differ from an unbroken run)"
             )
+
+    def _consumed_samples(self, meta: dict) -> int:
+        """The data position to continue from; checkpoints from before it was stored count
+        step × their global batch size. A changed global batch size is said, not hidden."""
+        saved_gbs = meta["config"].get("train", {}).get("global_batch_size")
+        consumed = meta.get("consumed_samples", meta["step"] * (saved_gbs or 0))
+        gbs = self.cfg.train.global_batch_size
+        if saved_gbs is not None and saved_gbs != gbs:
+            self._say(
+                f"train.global_batch_size changed {saved_gbs} -> {gbs}: continuing from sample "
+                f"{consumed} (the next unseen one); the LR schedule continues by step"
+            )
+        return consumed
 
     def _check_model_config(self, path: str, saved: dict) -> None:
         """Settings that change what the weights compute without changing their shapes."""
@@ -385,6 +399,7 @@ class Checkpointer:
         meta = {
             "kind": "train",
             "step": tr.step,
+            "consumed_samples": tr.consumed_samples,
             "layout": layout_of(self.cfg),
             "config": self.cfg.to_dict(),
             "torch": torch.__version__,

@@ -51,8 +51,7 @@ class Trainer:
         self.step = 0
         self.consumed_samples = 0  # the data position (a checkpoint restores it)
         self.checkpointer = Checkpointer(self)  # resumes per train.resume / train.init_from
-        self.checkpointer.resume()
-        self.consumed_samples = self.step * cfg.train.global_batch_size
+        self.checkpointer.resume()  # sets step and consumed_samples
 
     def num_parameters(self) -> int:
         """Parameters of the whole model (each element once), summed over all ranks."""
