@@ -42,6 +42,12 @@ def children(pid: int) -> list[int]:
 def _ignore_stop_signals() -> None:  # runs in the child between fork and exec
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+    try:  # Linux: if the supervisor dies (SIGKILL), torchrun gets SIGHUP and ends its ranks
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGHUP))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def _send(pids: list[int], sig: int) -> None:

@@ -55,22 +55,30 @@ def stop(proc: subprocess.Popen, pids: dict[int, int] | None = None) -> None:
 
 
 def rank_pids(parent: int) -> dict[int, int]:
-    """{RANK: pid} of the worker processes whose parent is `parent` (a torchrun agent)."""
-    found = {}
+    """{RANK: pid} of the worker processes below `parent` (the launcher, whose child torchrun
+    runs them, or a torchrun agent)."""
+    parents, environ = {}, {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            if ppid != parent:
-                continue
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+                parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
         except (OSError, ValueError, IndexError):
             continue
-        if b"RANK" in env:
-            found[int(env[b"RANK"])] = int(entry)
+    below, frontier = set(), {parent}
+    while frontier:
+        frontier = {pid for pid, ppid in parents.items() if ppid in frontier} - below
+        below |= frontier
+    found = {}
+    for pid in below:
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                environ = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+        except (OSError, ValueError):
+            continue
+        if b"RANK" in environ and b"TORCHELASTIC_RUN_ID" in environ:
+            found[int(environ[b"RANK"])] = pid
     return found
 
 
