@@ -63,6 +63,13 @@ class ParallelConfig:
     order: str = "tp-cp-ep-dp-pp"
     cp_comm_type: str = "a2a"
     timeout_s: float = 300.0  # collective / p2p timeout
+    # data parallelism (parallel/data_parallel/): ZeRO stage, hybrid sharding, buckets
+    zero_stage: int = 0  # 0 replicated optimizer | 1 distributed optimizer | 2 + sharded grads
+    dp_shard: int | None = None  # shard within groups of this many ranks (None: the whole group)
+    ddp_bucket_size: int = 40_000_000  # parameters per gradient bucket
+    overlap_grad_reduce: bool = True  # reduce buckets during the backward
+    overlap_param_gather: bool = True  # all-gather updated weights during the next forward
+    grad_reduce_dtype: str = "fp32"  # fp32 | bf16
 
 
 @dataclass
@@ -92,7 +99,8 @@ class TrainConfig:
     adam_eps: float = 1e-8
     grad_clip: float = 1.0
     skip_nonfinite_steps: int = 0  # skip up to N NaN/Inf steps in a row (0: stop at the first)
-    precision: str = "fp32"  # fp32 | bf16 (autocast)
+    precision: str = "fp32"  # fp32 | bf16 (bf16 weights, fp32 master weights and gradients)
+    optimizer_offload: str = "none"  # none | cpu (master weights and AdamW states on the host)
     out_dir: str = "runs/default"
     profile_pipeline: bool = False
     # checkpointing (training/checkpoint.py)

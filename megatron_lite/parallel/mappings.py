@@ -67,6 +67,43 @@ def size(group) -> int:
     return dist.get_world_size(group) if group is not None else 1
 
 
+class AsyncWork:
+    """An in-flight collective: `wait()` blocks until it is done and turns a backend failure or
+    timeout into a CollectiveError naming rank, step, op and group (like the blocking ones)."""
+
+    def __init__(self, kind: str, group, work, shape):
+        self.kind, self.group, self.work, self.shape = kind, group, work, shape
+
+    def wait(self) -> None:
+        if self.work is not None:
+            work, self.work = self.work, None
+            _guard(self.kind, self.group, work.wait, f" of shape {self.shape}")
+
+
+def all_reduce_async(t: torch.Tensor, group, kind: str = "all_reduce") -> AsyncWork:
+    """In-place all-reduce (sum) started now, finished by `.wait()`; reports to comm stats."""
+    if size(group) == 1:
+        return AsyncWork(kind, group, None, tuple(t.shape))
+    work = _run(kind, t, group, lambda: dist.all_reduce(t, group=group, async_op=True))
+    return AsyncWork(kind, group, work, tuple(t.shape))
+
+
+def reduce_scatter_async(out: torch.Tensor, t: torch.Tensor, group, kind: str = "reduce_scatter"):
+    """out <- this rank's 1/size chunk of the sum over ranks of t (out may be that chunk of t)."""
+    if size(group) == 1:
+        return AsyncWork(kind, group, None, tuple(t.shape))
+    work = _run(kind, t, group, lambda: _reduce_scatter_into(out, t, group=group, async_op=True))
+    return AsyncWork(kind, group, work, tuple(t.shape))
+
+
+def all_gather_async(out: torch.Tensor, t: torch.Tensor, group, kind: str = "all_gather_dp"):
+    """out <- every rank's t in rank order (t may be this rank's chunk of out)."""
+    if size(group) == 1:
+        return AsyncWork(kind, group, None, tuple(t.shape))
+    work = _run(kind, t, group, lambda: _all_gather_into(out, t, group=group, async_op=True))
+    return AsyncWork(kind, group, work, tuple(t.shape))
+
+
 # ---------------------------------------------------------------- raw (non-autograd) collectives
 def all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM, kind: str = "all_reduce"):
     """In-place all-reduce that reports to comm stats; a no-op on a group of one."""

@@ -277,7 +277,8 @@ class Checkpointer:
         self._check_model_config(path, meta["config"].get("model", {}))
         with_optim = meta["kind"] == "train" and not model_only
         same_layout = with_optim and meta["layout"] == layout_of(self.cfg)
-        buffers, pieces, apply = load_targets(tr.chunks, tr.optimizer, with_optim)
+        with_master = any(k.startswith("optim/master/") for k in stored)
+        buffers, pieces, apply = load_targets(tr.chunks, tr.optimizer, with_optim, with_master)
         if same_layout:
             for key, t in stored.items():
                 prefix = f"rng/{self.rank}/"

@@ -139,10 +139,18 @@ def set_rng_states(tracker, states: dict[str, torch.Tensor]) -> None:
         tracker.states[name] = (states[f"tracker/{name}/cpu"], cuda)
 
 
+def has_master_copies(chunks) -> bool:
+    """Whether the optimizer keeps fp32 master weights apart from the (bf16) parameters."""
+    return any(p.dtype != torch.float32 for c in chunks for p in c.parameters())
+
+
 def save_state(chunks, optimizer, mesh, tracker, rank: int):
     """(tensors, pieces) keyed alike: what this rank writes. Tensors are views; stage (copy)
-    them before training continues."""
+    them before training continues. The optimizer's state arrives as whole (logical) tensors
+    per parameter whatever the ZeRO stage (`full_states`, collective), plus the fp32 master
+    weights when they are kept apart from bf16 parameters."""
     tensors, pieces = {}, {}
+    optimizer_states = optimizer.full_states(with_master=has_master_copies(chunks))
 
     def add(key: str, t: torch.Tensor, piece: Piece) -> None:
         tensors[key], pieces[key] = t.detach(), piece
@@ -150,11 +158,11 @@ def save_state(chunks, optimizer, mesh, tracker, rank: int):
     for name, p in named_parameters(chunks):
         if not writes(p.meta, mesh):
             continue
-        state = optimizer.state.get(p, {})
+        state = optimizer_states.get(id(p), {})
         mine = param_pieces(name, p.meta)
         for piece in mine:
             add(f"model/{piece.key}", piece.local(p), piece)
-            for k in MOMENTS:
+            for k in (*MOMENTS, "master"):
                 if k in state:
                     add(f"optim/{k}/{piece.key}", piece.local(state[k]), piece)
         if "step" in state and any(not any(pc.offsets) for pc in mine):
@@ -166,19 +174,22 @@ def save_state(chunks, optimizer, mesh, tracker, rank: int):
     return tensors, pieces
 
 
-def load_targets(chunks, optimizer, with_optimizer: bool):
+def load_targets(chunks, optimizer, with_optimizer: bool, with_master: bool = False):
     """Buffers to read this rank's pieces into, keyed by checkpoint key, and `apply()` that
-    copies them into the parameters and optimizer state (zeros in vocabulary padding)."""
+    copies them into the parameters and hands the optimizer its state (zeros in vocabulary
+    padding). `with_master`: the checkpoint holds fp32 master weights (else masters that are
+    copies start from the loaded parameters)."""
     buffers, pieces, plan = {}, {}, []
+    optim_kinds = (*MOMENTS, "master") if with_master else MOMENTS
     for name, p in named_parameters(chunks):
         entries = []
         for piece in param_pieces(name, p.meta):
-            kinds = ("model", *(f"optim/{k}" for k in MOMENTS)) if with_optimizer else ("model",)
+            kinds = ("model", *(f"optim/{k}" for k in optim_kinds if with_optimizer))
             for kind in kinds:
                 key = f"{kind}/{piece.key}"
                 if key not in buffers:
-                    shape = piece.local(p).shape
-                    buffers[key] = torch.empty(shape, dtype=p.dtype, device="cpu")
+                    dtype = p.dtype if kind == "model" else torch.float32
+                    buffers[key] = torch.empty(piece.local(p).shape, dtype=dtype, device="cpu")
                     pieces[key] = piece
                 entries.append((kind, piece, key))
         step_key = None
@@ -190,32 +201,24 @@ def load_targets(chunks, optimizer, with_optimizer: bool):
 
     @torch.no_grad()
     def apply() -> None:
-        step_device = _step_devices(optimizer) if with_optimizer else {}
+        states = {}
         for p, entries, step_key in plan:
             dest = {"model": p.data}
             if with_optimizer:
-                step = buffers[step_key].to(step_device[id(p)], copy=True)
-                state = {"step": step}
-                state.update({k: torch.zeros_like(p) for k in MOMENTS})
-                optimizer.state[p] = state
-                dest.update({f"optim/{k}": state[k] for k in MOMENTS})
+                state = {k: torch.zeros_like(p, dtype=torch.float32) for k in optim_kinds}
+                dest.update({f"optim/{k}": t for k, t in state.items()})
+                state["step"] = buffers[step_key].clone()
+                states[id(p)] = state
             if p.meta.padded is not None:
                 p.data.zero_()
             for kind, piece, key in entries:
                 piece.local(dest[kind]).copy_(buffers[key])
+        if with_optimizer:
+            optimizer.load_full_states(states)
+        else:
+            optimizer.sync_masters_from_params()
 
     return buffers, pieces, apply
-
-
-def _step_devices(optimizer: torch.optim.Optimizer) -> dict[int, torch.device]:
-    """id(param) -> where torch keeps its Adam step count: on the parameter's device for the
-    fused and capturable implementations (their kernels reject a CPU step), else the CPU."""
-    out = {}
-    for group in optimizer.param_groups:
-        on_device = group.get("fused") or group.get("capturable")
-        for p in group["params"]:
-            out[id(p)] = p.device if on_device else torch.device("cpu")
-    return out
 
 
 class ShardSavePlanner(DefaultSavePlanner):

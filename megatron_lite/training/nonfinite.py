@@ -27,7 +27,8 @@ def nonfinite_grads(named_params: list[tuple[str, torch.nn.Parameter]], limit: i
     """Names of (up to `limit`) parameters whose gradient holds NaN or Inf on this rank."""
     bad = []
     for name, p in named_params:
-        if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
+        grad = getattr(p, "main_grad", p.grad)  # the fp32 accumulation buffer when there is one
+        if grad is not None and not bool(torch.isfinite(grad).all()):
             bad.append(name)
             if len(bad) == limit:
                 break

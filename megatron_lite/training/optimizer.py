@@ -1,4 +1,4 @@
-"""AdamW over this rank's parameter shards and the warmup + cosine LR schedule."""
+"""The data-parallel optimizer for a run config, and the warmup + cosine LR schedule."""
 
 from __future__ import annotations
 
@@ -6,27 +6,29 @@ import math
 
 import torch
 
-from megatron_lite.config import TrainConfig
+from megatron_lite.config import Config, TrainConfig
+from megatron_lite.parallel.data_parallel import DataParallel
 
 
-def build_optimizer(params: list[torch.nn.Parameter], t: TrainConfig) -> torch.optim.AdamW:
-    """Weight decay on matrices only (not norms, biases or other 1-D parameters)."""
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    groups = [
-        {"params": decay, "weight_decay": t.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-    # CPU: the per-tensor path (foreach=False) does the same arithmetic on every layout's shards,
-    # which the parity tests rely on. CUDA: the fused kernel (one launch for all tensors).
-    on_cuda = bool(params) and params[0].is_cuda
-    return torch.optim.AdamW(
-        groups,
+def build_data_parallel(chunks, mesh, cfg: Config) -> DataParallel:
+    """Gradient buffers, bucketed reduction and AdamW for the configured ZeRO stage. Weight
+    decay on matrices only (not norms, biases or other 1-D parameters)."""
+    p, t = cfg.parallel, cfg.train
+    return DataParallel(
+        chunks,
+        mesh,
+        zero_stage=p.zero_stage,
+        dp_shard=p.dp_shard,
+        bucket_size=p.ddp_bucket_size,
+        overlap_grad_reduce=p.overlap_grad_reduce,
+        overlap_param_gather=p.overlap_param_gather,
+        grad_reduce_dtype=torch.bfloat16 if p.grad_reduce_dtype == "bf16" else torch.float32,
+        tie_embeddings=cfg.model.tie_embeddings,
         lr=t.lr,
         betas=(t.adam_beta1, t.adam_beta2),
         eps=t.adam_eps,
-        foreach=False,
-        fused=on_cuda or None,
+        weight_decay=t.weight_decay,
+        offload=t.optimizer_offload == "cpu",
     )
 
 

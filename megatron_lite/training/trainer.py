@@ -21,11 +21,10 @@ from megatron_lite.pipeline.engine import forward_backward
 from megatron_lite.pipeline.p2p import activation_shape, pipeline_dtype
 from megatron_lite.pipeline.trace import SpanRecorder, write_trace
 from megatron_lite.training.checkpoint import Checkpointer
-from megatron_lite.training.grads import clip_grads, finalize_grads, local_grad_square_sum
 from megatron_lite.training.lm_step import lm_forward_step
 from megatron_lite.training.logging import MetricsLogger
 from megatron_lite.training.nonfinite import NonFiniteGuard
-from megatron_lite.training.optimizer import build_optimizer, lr_at, set_lr
+from megatron_lite.training.optimizer import build_data_parallel, lr_at, set_lr
 
 
 class Trainer:
@@ -40,12 +39,14 @@ class Trainer:
         )
         self.tracker = model_parallel_seed(cfg.train.seed, mesh.tp.rank, mesh.pp.rank)
         self.chunks = [c.to(self.device) for c in build_model(cfg, mesh, self.tracker, vocab_size)]
+        if cfg.train.precision == "bf16":  # bf16 weights; fp32 masters live in the optimizer
+            for c in self.chunks:
+                for p in c.parameters():
+                    p.data = p.data.to(torch.bfloat16)
         self.named_params = [(n, p) for c in self.chunks for n, p in c.named_parameters()]
         self.params = [p for _, p in self.named_params]
-        self.embedding_param = next(
-            (c.embedding.weight for c in self.chunks if c.pre_process), None
-        )
-        self.optimizer = build_optimizer(self.params, cfg.train)
+        self.dp = build_data_parallel(self.chunks, mesh, cfg)
+        self.optimizer = self.dp.optimizer
         self.logger = MetricsLogger(cfg, active=dist.get_rank() == 0)
         self.guard = NonFiniteGuard(cfg.train.skip_nonfinite_steps)
         self.step = 0
@@ -135,12 +136,13 @@ class Trainer:
         n_tokens = n_tokens.item()
         lr = lr_at(self.step, cfg.train)
         set_lr(self.optimizer, lr)
+        self.dp.start_step(len(micro))
         loss_sum = self._forward_backward(micro, 1.0 / n_tokens)
-        finalize_grads(self.params, mesh, cfg.model.tie_embeddings, self.embedding_param)
+        self.dp.finish_grad_sync()  # the buckets the backward did not already reduce
         # one world all-reduce for [Σg², loss sum]: the loss lives on the last stage (tp rank 0
         # reports it) and each CP rank holds a slice of the sum
         owner = mesh.is_last_stage and mesh.tp.rank == 0
-        grad_sq = local_grad_square_sum(self.params, mesh)
+        grad_sq = self.dp.grad_square_sum()
         loss_part = loss_sum.reshape(()).double() if owner else torch.zeros_like(grad_sq)
         sums = torch.stack([grad_sq, loss_part])
         mappings.all_reduce(sums, dist.group.WORLD, kind="all_reduce_norm_loss")
@@ -149,11 +151,10 @@ class Trainer:
         loss = loss_total / n_tokens
         skipped = self.guard.check(self.step, loss, grad_norm, loss_part.item(), self.named_params)
         if skipped is None:
-            clip_grads(self.params, grad_norm, cfg.train.grad_clip)
-            self.optimizer.step()
+            self.dp.clip(grad_norm, cfg.train.grad_clip)
+            self.dp.step()  # AdamW on this rank's shards, then the weights all-gathered
         elif dist.get_rank() == 0:
             print(skipped, flush=True)
-        self.optimizer.zero_grad(set_to_none=True)
         moe = self._moe_metrics()
         if self.device.type == "cuda":  # the step's time includes its optimizer kernels
             torch.cuda.synchronize()

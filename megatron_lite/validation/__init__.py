@@ -6,6 +6,7 @@ from __future__ import annotations
 from megatron_lite.config import Config
 from megatron_lite.resolve import resolve
 from megatron_lite.validation.backends import _validate_fp8, check_hardware
+from megatron_lite.validation.data_parallel import _validate_data_parallel
 from megatron_lite.validation.fields import (
     _validate_choices,
     _validate_dropout_and_schedule,
@@ -46,6 +47,7 @@ def validate(cfg: Config, world_size: int) -> Config:
     _validate_batch_sizes(r)
     _validate_moe(r)
     _validate_ffn_hidden_size(r)
+    _validate_data_parallel(r)
     _validate_dropout_and_schedule(r.model, r.train)
     _validate_checkpointing(r.train)
     _validate_model_ranges(r.model)

@@ -10,6 +10,13 @@ def _validate_choices(cfg: Config) -> None:
     """Enumerated string fields (architecture, precision, backends, logging mode)."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     _choice("model.arch", m.arch, ("llama", "gpt"))
+    _rule(
+        t.precision != "fp16",
+        "train.precision",
+        t.precision,
+        "fp16 needs loss scaling, which megatron_lite does not do (bf16 has fp32's range)",
+        "use train.precision=bf16 (or fp32)",
+    )
     _choice("train.precision", t.precision, ("fp32", "bf16"))
     _choice("model.attention_backend", m.attention_backend, ("auto", "sdpa", "flash", "te"))
     _choice("model.linear_backend", m.linear_backend, ("local", "te"))

@@ -1,0 +1,195 @@
+"""`DataParallel`: gradient buffers, overlapped bucketed reduction and the (distributed) AdamW
+for one rank's model chunks, for ZeRO stages 0, 1 and 2 and hybrid sharding.
+
+| stage | master weights, AdamW states | gradients between steps | per bucket |
+|-------|------------------------------|-------------------------|------------|
+| 0     | replicated                   | full                    | all-reduce |
+| 1     | 1/N of them per rank         | full                    | reduce-scatter; gather |
+| 2     | 1/N                          | 1/N                     | as 1       |
+
+N is the sharding degree: the gradient's reduction group (dp×cp for dense parameters,
+expert-data-parallel for experts), or `dp_shard` ranks of it with hybrid sharding (shards are
+then all-reduced across the replicas). Gradients that need another sum first (sequence-parallel
+replicas over TP, tied embeddings over the first/last stage) are summed after the data-parallel
+reduction on this rank's shard: every TP rank (every holder of the tied weight) lays its buffer
+out alike, so their shards cover the same elements.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_lite.parallel import mappings
+from megatron_lite.parallel.data_parallel.buffers import GradBuffer
+from megatron_lite.parallel.data_parallel.optimizer import ShardedAdamW, make_pieces
+from megatron_lite.parallel.mesh import ParallelMesh
+from megatron_lite.parallel.params import meta_of
+
+
+def hybrid_groups(mesh: ParallelMesh, name: str, dp_shard: int):
+    """(shard group, replica group) of this rank inside its `name` group (dp_cp or edp): shards
+    are consecutive blocks of dp_shard ranks of it, replicas the ranks at the same position in
+    each block. Every rank creates every group, in the same order."""
+    mine = (None, None)
+    for ranks in mesh.layout.groups(name):
+        blocks = [ranks[i : i + dp_shard] for i in range(0, len(ranks), dp_shard)]
+        shard = [(b, dist.new_group(b, group_desc=f"{name}_shard")) for b in blocks]
+        across = [[b[j] for b in blocks] for j in range(dp_shard)]
+        replica = [(a, dist.new_group(a, group_desc=f"{name}_replica")) for a in across]
+        for b, g in shard:
+            if mesh.rank in b:
+                mine = (g, mine[1])
+        for a, g in replica:
+            if mesh.rank in a:
+                mine = (mine[0], g)
+    return mine
+
+
+class DataParallel:
+    def __init__(
+        self,
+        chunks: list[torch.nn.Module],
+        mesh: ParallelMesh,
+        *,
+        zero_stage: int = 0,
+        dp_shard: int | None = None,
+        bucket_size: int = 40_000_000,
+        overlap_grad_reduce: bool = True,
+        overlap_param_gather: bool = True,
+        grad_reduce_dtype: torch.dtype = torch.float32,
+        tie_embeddings: bool = False,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        offload: bool = False,
+    ):
+        self.mesh, self.zero_stage, self.overlap_param_gather = (
+            mesh,
+            zero_stage,
+            overlap_param_gather,
+        )
+        self.groups = {}
+        for name in ("dp_cp", "edp"):
+            full = getattr(mesh, name)
+            n = dp_shard or full.size
+            if zero_stage == 0:
+                self.groups[name] = (full.group, None, None)
+            elif n == full.size:
+                self.groups[name] = (full.group, full.group, None)
+            else:
+                self.groups[name] = (full.group, *hybrid_groups(mesh, name, n))
+        self.tied = [] if mesh.pp.size == 1 or not tie_embeddings else self._tied_params(chunks)
+        self.buffers: list[GradBuffer] = []
+        for chunk in chunks:
+            params = [p for p in chunk.parameters() if p.requires_grad]
+            for name, expert in (("dp_cp", False), ("edp", True)):
+                mine = [p for p in params if meta_of(p).is_expert == expert]
+                if not mine:
+                    continue
+                group, shard, replica = self.groups[name]
+                buf = GradBuffer(
+                    mine,
+                    group,
+                    shard_group=shard,
+                    replica_group=replica,
+                    bucket_size=bucket_size,
+                    own_bucket={id(p) for p in self.tied},
+                    reduce_dtype=grad_reduce_dtype,
+                    keep_full_grads=zero_stage < 2,
+                    overlap=overlap_grad_reduce,
+                )
+                buf.replicas = mappings.size(group if shard is None else replica)
+                self.buffers.append(buf)
+        self.pieces = make_pieces(self.buffers, offload)
+        self.optimizer = ShardedAdamW(self.pieces, lr, betas, eps, weight_decay, offload)
+        self._gather_hooks = [self._register_gather_waits(c) for c in chunks] if zero_stage else []
+
+    @staticmethod
+    def _tied_params(chunks) -> list[torch.nn.Parameter]:
+        """The input embedding and its last-stage copy (summed over the embedding group)."""
+        out = []
+        for c in chunks:
+            for name, p in c.named_parameters():
+                if meta_of(p).tied_copy or name == "embedding.weight":
+                    out.append(p)
+        return out
+
+    def _register_gather_waits(self, chunk: torch.nn.Module):
+        """Before a module's forward, wait for the all-gather of the buckets holding its
+        parameters: the gathers of the last optimizer step overlap this step's forward."""
+        handles = []
+        for module in chunk.modules():
+            own = list(module.parameters(recurse=False))
+            if own:
+                handles.append(
+                    module.register_forward_pre_hook(lambda m, i, own=own: self._wait(own))
+                )
+        return handles
+
+    def _wait(self, params) -> None:
+        for buf in self.buffers:
+            buf.wait_params(params)
+
+    # ------------------------------------------------------------ one step
+    def start_step(self, num_microbatches: int) -> None:
+        for buf in self.buffers:
+            buf.start_step(num_microbatches)
+
+    @torch.no_grad()
+    def finish_grad_sync(self) -> None:
+        """Every bucket reduced, then the sums over TP (sequence-parallel replicas) and over the
+        embedding group (tied embeddings) on this rank's shard."""
+        for buf in self.buffers:
+            buf.finish()
+        sp = [pc.grad for pc in self.pieces if meta_of(pc.param).sequence_parallel]
+        _all_reduce_flat(sp, self.mesh.tp.group)
+        tied = {id(p) for p in self.tied}
+        _all_reduce_flat(
+            [pc.grad for pc in self.pieces if id(pc.param) in tied], self.mesh.embedding.group
+        )
+
+    @torch.no_grad()
+    def grad_square_sum(self) -> torch.Tensor:
+        """This rank's share of the global Σg² (fp64): each element of a shard divided by the
+        number of ranks holding an identical copy (replicas of the shard; TP replicas of
+        unsharded parameters; the tied last-stage copy counts zero times)."""
+        device = self.buffers[0].grad_data.device if self.buffers else torch.device("cpu")
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        for pc in self.pieces:
+            meta = meta_of(pc.param)
+            if meta.tied_copy:
+                continue
+            replicas = pc.buffer.replicas
+            if meta.tp_dim is None or meta.is_expert:  # experts: tp_dim is the EP shard dim
+                replicas *= self.mesh.tp.size
+            total += torch.linalg.vector_norm(pc.grad, dtype=torch.float64).square() / replicas
+        return total
+
+    @torch.no_grad()
+    def clip(self, norm: float, max_norm: float) -> None:
+        if max_norm > 0 and norm > max_norm:
+            torch._foreach_mul_([pc.grad for pc in self.pieces], max_norm / (norm + 1e-6))
+
+    def step(self) -> None:
+        """AdamW on the shards, then the updated weights all-gathered (waited for before each
+        module's next forward when overlap_param_gather, else here)."""
+        self.optimizer.step()
+        for buf in self.buffers:
+            buf.gather_params(wait=not self.overlap_param_gather)
+
+    def wait_params(self) -> None:
+        for buf in self.buffers:
+            buf.wait_params()
+
+
+def _all_reduce_flat(grads: list[torch.Tensor], group) -> None:
+    if not grads or mappings.size(group) == 1:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    mappings.all_reduce(flat, group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()

@@ -1,0 +1,156 @@
+"""AdamW over this rank's shards of the gradient buffers, with fp32 master weights (Megatron's
+distributed optimizer; ZeRO-0 is the same with one shard per rank holding everything).
+
+Each (parameter ∩ this rank's shard) range is one piece: its master weight (the fp32 parameter
+data itself when the model is fp32 and the state stays on the device; else an fp32 copy, on the
+host under optimizer offload) and its gradient (a view of the reduced fp32 `main_grad` shard).
+torch's AdamW steps the pieces (per tensor on CPU, so every layout does the same arithmetic per
+element; fused on CUDA), then the updated masters are written back into the parameters' shards
+and the buffers all-gather them (ZeRO-1/2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron_lite.parallel import mappings
+from megatron_lite.parallel.data_parallel.buffers import GradBuffer
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+@dataclass
+class Piece:
+    buffer: GradBuffer
+    param: torch.nn.Parameter
+    lo: int  # [lo, hi) in the buffer (inside the parameter's range and this rank's shard)
+    hi: int
+    grad_at: int  # where [lo, hi) starts in buffer.grad_shard
+    master: torch.nn.Parameter  # fp32
+
+    @property
+    def param_slice(self) -> torch.Tensor:
+        return self.buffer.param_data[self.lo : self.hi]
+
+    @property
+    def grad(self) -> torch.Tensor:
+        return self.buffer.grad_shard[self.grad_at : self.grad_at + self.hi - self.lo]
+
+    @property
+    def aliased(self) -> bool:
+        return self.master.data_ptr() == self.param_slice.data_ptr()
+
+    def offset(self) -> int:
+        """Where the piece starts inside its parameter (flattened)."""
+        return self.lo - self.buffer.ranges[id(self.param)].start
+
+
+def make_pieces(buffers: list[GradBuffer], offload: bool) -> list[Piece]:
+    pieces = []
+    for buf in buffers:
+        for _, (a, e), (c, _) in buf.shard_slices():
+            for r in buf.ranges.values():
+                lo, hi = max(a, r.start), min(e, r.start + r.param.numel())
+                if lo >= hi:
+                    continue
+                data = buf.param_data[lo:hi]
+                if data.dtype != torch.float32 or offload:
+                    host = torch.device("cpu") if offload else data.device
+                    data = data.to(host, torch.float32, copy=True)
+                    if offload and torch.cuda.is_available():
+                        data = data.pin_memory()
+                pieces.append(Piece(buf, r.param, lo, hi, c + lo - a, torch.nn.Parameter(data)))
+    return pieces
+
+
+class ShardedAdamW:
+    """AdamW over `pieces` (weight decay on pieces of parameters with dim >= 2)."""
+
+    def __init__(self, pieces: list[Piece], lr, betas, eps, weight_decay, offload: bool):
+        self.pieces, self.offload = pieces, offload
+        decay = [pc.master for pc in pieces if pc.param.dim() >= 2]
+        no_decay = [pc.master for pc in pieces if pc.param.dim() < 2]
+        on_cuda = bool(pieces) and pieces[0].master.is_cuda
+        self.inner = torch.optim.AdamW(
+            [
+                {"params": decay, "weight_decay": weight_decay},
+                {"params": no_decay, "weight_decay": 0.0},
+            ],
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            foreach=False,
+            fused=on_cuda or None,
+        )
+
+    @property
+    def param_groups(self):
+        return self.inner.param_groups
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for pc in self.pieces:
+            g = pc.grad
+            pc.master.grad = g.to(pc.master.device, non_blocking=True) if self.offload else g
+        self.inner.step()
+        for pc in self.pieces:
+            if not pc.aliased:
+                pc.param_slice.copy_(pc.master, non_blocking=True)
+            pc.master.grad = None
+
+    @torch.no_grad()
+    def sync_masters_from_params(self) -> None:
+        """After the parameters were loaded (checkpoint): masters that are copies follow."""
+        for pc in self.pieces:
+            if not pc.aliased:
+                pc.master.copy_(pc.param_slice)
+
+    # ------------------------------------------------------------ checkpoints
+    @torch.no_grad()
+    def full_states(self, with_master: bool) -> dict[int, dict[str, torch.Tensor]]:
+        """id(param) -> {"exp_avg", "exp_avg_sq", "step"[, "master"]}: whole (this rank's TP/EP
+        shard of the) parameter's state, assembled from the shards of its buffer's shard group,
+        so checkpoints hold logical per-parameter tensors whatever the stage."""
+        kinds = (*MOMENTS, "master") if with_master else MOMENTS
+        out, step = {}, None
+        for buf in {id(pc.buffer): pc.buffer for pc in self.pieces}.values():
+            full = {k: torch.zeros_like(buf.grad_data) for k in kinds}
+            for pc in (pc for pc in self.pieces if pc.buffer is buf):
+                state = self.inner.state.get(pc.master, {})
+                step = state.get("step", step)
+                for k in MOMENTS:
+                    if k in state:
+                        full[k][pc.lo : pc.hi].copy_(state[k])
+                if with_master:
+                    full["master"][pc.lo : pc.hi].copy_(pc.master)
+            if buf.shard_size > 1:  # each element is held by one rank of the shard group
+                for k in kinds:
+                    mappings.all_reduce(full[k], buf.shard_group, kind="all_reduce_ckpt")
+            for r in buf.ranges.values():
+                n = r.param.numel()
+                out[id(r.param)] = {
+                    k: full[k][r.start : r.start + n].view_as(r.param) for k in kinds
+                }
+        if step is not None:
+            for state in out.values():
+                state["step"] = step.detach().clone()
+        return out
+
+    @torch.no_grad()
+    def load_full_states(self, states: dict[int, dict[str, torch.Tensor]]) -> None:
+        """The inverse of full_states: each piece takes its range; masters that are copies take
+        the saved fp32 master when there is one, else the (loaded) parameter."""
+        for pc in self.pieces:
+            state = states.get(id(pc.param))
+            if state is None:
+                continue
+            a, b = pc.offset(), pc.offset() + pc.hi - pc.lo
+            mine = {k: state[k].reshape(-1)[a:b].to(pc.master.device).clone() for k in MOMENTS}
+            fused = self.inner.param_groups[0].get("fused")  # its kernel wants the step there
+            mine["step"] = state["step"].to(pc.master.device if fused else "cpu", copy=True)
+            self.inner.state[pc.master] = mine
+            if not pc.aliased:
+                source = state["master"].reshape(-1)[a:b] if "master" in state else pc.param_slice
+                pc.master.copy_(source)

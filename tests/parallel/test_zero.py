@@ -1,0 +1,46 @@
+"""ZeRO-1/2 (the distributed optimizer), hybrid sharding and optimizer offload give the losses
+of a single rank (fp32, 20 steps), on the layouts that can break them: several buckets, DP
+alone, TP+SP replicas, pipeline chunks with tied embeddings, CP, experts."""
+
+import pytest
+
+from tests.parallel.parity import max_rel_diff, reference_losses, train_losses
+
+SMALL_BUCKETS = ["parallel.ddp_bucket_size=20000"]  # several buckets per chunk
+LLAMA = ("model.arch=llama",)
+MOE = ("model.arch=llama", "model.num_experts=4", "model.moe_router_topk=2")
+LAYOUTS = {
+    "zero1_dp4": (4, LLAMA, ["parallel.zero_stage=1"]),
+    "zero2_dp2": (2, LLAMA, ["parallel.zero_stage=2"]),
+    "zero2_tp2_sp_dp2": (4, LLAMA, ["parallel.zero_stage=2", "parallel.tp=2",
+                                    "parallel.sequence_parallel=true"]),
+    "zero1_pp2_vpp2_dp2": (4, LLAMA, ["parallel.zero_stage=1", "parallel.pp=2", "parallel.vpp=2"]),
+    "zero2_cp2_dp2": (4, LLAMA, ["parallel.zero_stage=2", "parallel.cp=2"]),
+    "zero1_ep2_dp2": (2, MOE, ["parallel.zero_stage=1", "parallel.ep=2"]),
+    "zero2_dp4_shard2": (4, LLAMA, ["parallel.zero_stage=2", "parallel.dp_shard=2"]),
+    "zero1_offload_dp2": (2, LLAMA, ["parallel.zero_stage=1", "train.optimizer_offload=cpu"]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_zero_loss_parity(layout, tmp_path):
+    world, model, overrides = LAYOUTS[layout]
+    ref = reference_losses(model)
+    got = train_losses(world, [*model, *SMALL_BUCKETS, *overrides], str(tmp_path))
+    diff = max_rel_diff(got, ref)
+    print(f"ZERO {layout}: max rel diff {diff:.2e}")
+    assert diff < 1e-5, f"{layout}: max relative loss difference {diff:.2e}\n{got}\n{ref}"
+
+
+def test_bf16_stages_track_the_bf16_single_rank(tmp_path):
+    """bf16 weights with fp32 masters: every stage follows the bf16 single-rank run more
+    closely than bf16 follows fp32."""
+    fp32 = reference_losses(LLAMA)
+    bf16 = reference_losses((*LLAMA, "train.precision=bf16"))
+    band = max_rel_diff(bf16, fp32)
+    for stage in (0, 1, 2):
+        got = train_losses(2, [*LLAMA, "train.precision=bf16", f"parallel.zero_stage={stage}"],
+                           str(tmp_path / str(stage)))  # fmt: skip
+        diff = max_rel_diff(got, bf16)
+        print(f"BF16 zero{stage} dp2 vs bf16 one rank: {diff:.2e} (bf16 vs fp32: {band:.2e})")
+        assert diff < band, f"zero{stage}: {diff:.2e} not tighter than bf16 vs fp32 {band:.2e}"
