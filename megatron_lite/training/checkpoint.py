@@ -6,7 +6,8 @@ train.save_interval steps, after the last step and at the first step boundary af
 SIGUSR1 (then training stops cleanly). Keeps the newest train.keep_checkpoints.
 
 What a checkpoint holds and how it is cut is in checkpoint_state.py; the directory layout,
-atomic commit and checksums in checkpoint_files.py. Resume semantics:
+atomic commit and checksums in checkpoint_files.py; how each step's errors are agreed across
+ranks (so none waits in a collective for one that failed) in rank_agreement.py. Resume semantics:
 - same layout: model, AdamW state (moments and step count), the step (= data position, see
   data/sampler.py) and every rank's RNG states are restored, so the run continues bitwise as
   if never stopped (the LR is a function of the step);
@@ -51,17 +52,18 @@ from megatron_lite.training.checkpoint_files import (
     CheckpointError,
     CheckpointReadError,
     CheckpointWriteError,
-    UnsafeCheckpointError,
 )
 from megatron_lite.training.checkpoint_state import (
-    Piece,
     ShardLoadPlanner,
     ShardSavePlanner,
+    add_rng_targets,
     load_targets,
+    loaded_rng_states,
     save_state,
     set_rng_states,
 )
-from megatron_lite.training.dcp_metadata import SafeFileSystemReader
+from megatron_lite.training.dcp_metadata import SafeFileSystemReader, listing_with_dcp_files
+from megatron_lite.training.rank_agreement import RankAgreement, describe_error
 from megatron_lite.training.run_dir import claim_run_dir
 
 __all__ = ["Checkpointer", "CheckpointError", "layout_of"]
@@ -77,6 +79,11 @@ def layout_of(cfg) -> dict:
     return {"world_size": p.tp * p.pp * p.cp * p.dp, **{k: getattr(p, k) for k in keys}}
 
 
+def _layout_changes(saved: dict, now: dict) -> str:
+    """The layout keys that differ from the checkpoint's, as "tp 2->1, dp 1->2"."""
+    return ", ".join(f"{k} {saved.get(k)}->{v}" for k, v in now.items() if saved.get(k) != v)
+
+
 def _async_save(state, writer, planner, group):
     """dcp.async_save on a thread (the process executor hangs on CPU); returns a Future."""
     kw = {}
@@ -88,62 +95,6 @@ def _async_save(state, writer, planner, group):
         pass
     out = dcp.async_save(state, storage_writer=writer, planner=planner, process_group=group, **kw)
     return getattr(out, "upload_completion", out)
-
-
-def _describe(e: BaseException, rank: int) -> str:
-    """One line for an error: DCP's CheckpointException lists each failing rank's error
-    (without the tracebacks it carries)."""
-    if isinstance(e, CheckpointException):
-        return "; ".join(f"rank {r}: {type(x).__name__}: {x}" for r, (x, _) in e.failures.items())
-    if isinstance(e, CheckpointError):
-        return str(e)
-    return f"rank {rank}: {type(e).__name__}: {e}"
-
-
-def _error_entry(e: Exception, where: str, io: str = "read") -> tuple[str, str]:
-    """(kind, message) of an error to share with the other ranks; `io` says whether the
-    operation read ("read") or wrote ("write") checkpoint files."""
-    if isinstance(e, CheckpointWriteError):
-        return "write", str(e)
-    if isinstance(e, UnsafeCheckpointError):
-        return "unsafe", str(e)
-    if isinstance(e, CheckpointError) and io == "read":
-        return "damaged", str(e)
-    return io, f"{where}: {type(e).__name__}: {e}"
-
-
-_KINDS = {
-    "unsafe": UnsafeCheckpointError,
-    "write": CheckpointWriteError,
-    "read": CheckpointReadError,
-    "damaged": CheckpointError,
-}
-
-
-def _raise_agreed(errors: list[tuple[str, str]]) -> None:
-    """Raise the gathered errors' verdict the same way on every rank: an unsafe file or a
-    write error first, then CheckpointReadError when any rank could not read (never mistaken
-    for damage: resume=auto must not skip a good checkpoint over an I/O hiccup), else
-    CheckpointError for the first damage found."""
-    if not errors:
-        return
-    order = list(_KINDS)
-    kind, message = min(errors, key=lambda e: order.index(e[0]) if e[0] in order else 9)
-    raise _KINDS.get(kind, CheckpointError)(message)
-
-
-def _listing_with_dcp_files(tmp: str) -> list[str]:
-    """The files to checksum, after checking that every file DCP's index names is visible."""
-    names = files.data_files(tmp)
-    index = (SafeFileSystemReader(tmp).read_metadata().storage_data or {}).values()
-    wanted = {".metadata"} | {getattr(v, "relative_path", ".metadata") for v in index}
-    missing = sorted(wanted - set(names))
-    if missing:
-        raise CheckpointError(
-            f"{tmp}: DCP wrote {missing} but rank 0 cannot see them. Fix: checkpoints need a "
-            "file system that every rank shares (train.ckpt_dir)"
-        )
-    return names
 
 
 class Checkpointer:
@@ -158,6 +109,7 @@ class Checkpointer:
         # DCP's collectives run on a writer thread: they get groups of their own
         self.io_group = dist.new_group(backend="gloo", timeout=timeout, group_desc="ckpt_io")
         self.ctl_group = dist.new_group(backend="gloo", timeout=timeout, group_desc="ckpt_ctl")
+        self.ranks = RankAgreement(self.rank, self.world, self.ctl_group)  # errors agreed
         self.pending = None  # Future of an async save (rank 0: including the commit)
         self.signal_received = None
         self._old_handlers: dict = {}
@@ -165,31 +117,10 @@ class Checkpointer:
         # one run per directory; a no-op when train.main already holds the lock
         self.run_lock = claim_run_dir(self.cfg, self.rank, self.world, self.ctl_group)
 
-    # ------------------------------------------------------------------ messages and sync
+    # ------------------------------------------------------------------ messages
     def _say(self, msg: str) -> None:
         if self.rank == 0:
             print(f"[checkpoint] {msg}", flush=True)
-
-    def _broadcast(self, obj):
-        box = [obj]
-        if self.world > 1:
-            guarded(
-                "checkpoint broadcast",
-                self.ctl_group,
-                lambda: dist.broadcast_object_list(box, src=0, group=self.ctl_group),
-            )
-        return box[0]
-
-    def _any(self, flag: bool) -> bool:
-        if self.world == 1:
-            return flag
-        t = torch.tensor([int(flag)])
-        guarded(
-            "checkpoint all_reduce",
-            self.ctl_group,
-            lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.ctl_group),
-        )
-        return bool(t.item())
 
     # ------------------------------------------------------------------ resume
     def resume(self) -> None:
@@ -207,63 +138,28 @@ class Checkpointer:
     def _choose(self, resume: str, init_from: str | None):
         """(path, model_only) of a checkpoint whose checksums verify (collective)."""
         if resume == "auto":
-            candidates = self._from_rank0(lambda: files.auto_candidates(self.dir))
+            candidates = self.ranks.from_rank0(lambda: files.auto_candidates(self.dir))
             path, notes = files.select_auto(self.dir, candidates, check=self._verify)
             for note in notes:
                 self._say(note)
             if path is not None:
                 return path, False
         elif resume != "none":
-            path = self._from_rank0(lambda: files.resolve(resume))
+            path = self.ranks.from_rank0(lambda: files.resolve(resume))
             self._verify(path)
             return path, False
         if init_from is not None:
-            path = self._from_rank0(lambda: files.resolve(init_from))
+            path = self.ranks.from_rank0(lambda: files.resolve(init_from))
             self._verify(path)
             return path, True
         return None, False
 
-    def _from_rank0(self, fn, io: str = "read"):
-        """fn() evaluated on rank 0 (directory listings may differ across nodes' caches) and
-        broadcast; an error there is raised on every rank (see _raise_agreed)."""
-        result = None
-        if self.rank == 0:
-            try:
-                result = ("ok", fn())
-            except Exception as e:  # every rank must hear of it, or the others would hang
-                result = _error_entry(e, "rank 0", io)
-        status, value = self._broadcast(result)
-        if status != "ok":
-            _raise_agreed([(status, value)])
-        return value
-
-    def _on_every_rank(self, fn, what: str, gather: bool = False, io: str = "read"):
-        """fn() on every rank; a failure on any rank is raised on all of them. Returns this
-        rank's result, or with `gather` every rank's results in rank order."""
-        result, error = None, None
-        try:
-            result = fn()
-        except Exception as e:  # every rank must reach the gather below
-            error = _error_entry(e, f"{what} on rank {self.rank}", io)
-        entries = self._all_gather((error, result if gather else None), what)
-        _raise_agreed([e for e, _ in entries if e])
-        return [r for _, r in entries] if gather else result
-
     def _verify(self, path: str) -> None:
         """Every rank checks its share of the checkpoint's file checksums; raises on every
         rank: CheckpointError for a damaged checkpoint, CheckpointReadError for I/O trouble."""
-        self._on_every_rank(lambda: files.verify(path, (self.rank, self.world)), "checksum check")
-
-    def _all_gather(self, obj, what: str) -> list:
-        if self.world == 1:
-            return [obj]
-        out = [None] * self.world
-        guarded(
-            f"checkpoint {what}",
-            self.ctl_group,
-            lambda: dist.all_gather_object(out, obj, group=self.ctl_group),
+        self.ranks.on_every_rank(
+            lambda: files.verify(path, (self.rank, self.world)), "checksum check"
         )
-        return out
 
     def load(self, path: str, model_only: bool = False) -> None:
         """Load a verified checkpoint into the trainer (collective): see the module doc."""
@@ -273,18 +169,14 @@ class Checkpointer:
             reader = SafeFileSystemReader(path)
             return files.read_metadata(path), reader, reader.read_metadata().state_dict_metadata
 
-        meta, reader, stored = self._on_every_rank(read, f"reading {path}")
+        meta, reader, stored = self.ranks.on_every_rank(read, f"reading {path}")
         self._check_model_config(path, meta["config"].get("model", {}))
         with_optim = meta["kind"] == "train" and not model_only
         same_layout = with_optim and meta["layout"] == layout_of(self.cfg)
         with_master = any(k.startswith("optim/master/") for k in stored)
         buffers, pieces, apply = load_targets(tr.chunks, tr.optimizer, with_optim, with_master)
         if same_layout:
-            for key, t in stored.items():
-                prefix = f"rng/{self.rank}/"
-                if key.startswith(prefix):
-                    buffers[key] = torch.empty(t.size, dtype=t.properties.dtype)
-                    pieces[key] = Piece(key, tuple(t.size), (0,) * len(t.size))
+            add_rng_targets(buffers, pieces, stored, self.rank)
         self._check_keys(path, buffers, pieces, stored)
         try:
             guarded(
@@ -298,24 +190,17 @@ class Checkpointer:
                 ),
             )
         except CheckpointException as e:  # raised on every rank
-            raise CheckpointReadError(f"reading {path}: {_describe(e, self.rank)}") from None
+            raise CheckpointReadError(f"reading {path}: {describe_error(e, self.rank)}") from None
         apply()
         if with_optim:
             tr.step = meta["step"]
             tr.consumed_samples = self._consumed_samples(meta)
         if same_layout:
-            prefix = f"rng/{self.rank}/"
-            rng = {k[len(prefix) :]: v for k, v in buffers.items() if k.startswith(prefix)}
-            set_rng_states(tr.tracker, rng)
+            set_rng_states(tr.tracker, loaded_rng_states(buffers, self.rank))
         what = "model weights from" if not with_optim else "resumed from"
         self._say(f"{what} {path} (step {meta['step']}); now at step {tr.step}")
         if with_optim and not same_layout:
-            now = layout_of(self.cfg)
-            changed = ", ".join(
-                f"{k} {meta['layout'].get(k)}->{v}"
-                for k, v in now.items()
-                if meta["layout"].get(k) != v
-            )
+            changed = _layout_changes(meta["layout"], layout_of(self.cfg))
             self._say(
                 f"layout changed ({changed}): model and optimizer state resharded; RNG states "
                 "re-seeded, not restored (dropout masks differ from an unbroken run)"
@@ -359,7 +244,7 @@ class Checkpointer:
             if error:
                 break
         mine = sorted(k for k in buffers if k.startswith("model/"))
-        gathered = self._all_gather((error, mine), "key check")
+        gathered = self.ranks.all_gather((error, mine), "key check")
         errors = [e for e, _ in gathered if e]
         used = {k for _, keys in gathered for k in keys}
         unused = sorted(k for k in stored if k.startswith("model/") and k not in used)
@@ -374,7 +259,7 @@ class Checkpointer:
     # ------------------------------------------------------------------ save
     def save(self) -> float:
         """Checkpoint the current step (collective); returns the seconds this call blocked.
-        A failure raises CheckpointWriteError on every rank (see _write_failed)."""
+        A failure raises CheckpointWriteError on every rank (see checkpoint_files.save_failed)."""
         t0 = time.perf_counter()
         self.wait()
         tr, t = self.trainer, self.cfg.train
@@ -385,7 +270,7 @@ class Checkpointer:
             raise
         except (OSError, CheckpointError, CheckpointReadError, CheckpointException) as e:
             # every rank raised it (each step above agrees on errors)
-            raise self._write_failed(tmp, final, [_describe(e, self.rank)]) from None
+            raise files.save_failed(self.dir, tmp, final, [describe_error(e, self.rank)]) from None
         return time.perf_counter() - t0
 
     def _save(self, tmp: str, final: str, async_save: bool) -> None:
@@ -395,7 +280,7 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier save of this step
             os.makedirs(tmp)
 
-        self._from_rank0(fresh_dir, io="write")  # every rank waits for the directory
+        self.ranks.from_rank0(fresh_dir, io="write")  # every rank waits for the directory
         state, pieces = save_state(tr.chunks, tr.optimizer, tr.mesh, tr.tracker, self.rank)
         meta = {
             "kind": "train",
@@ -428,14 +313,13 @@ class Checkpointer:
                 self._commit(tmp, final, meta, table)
             except Exception as e:  # every rank must hear of it, or the others would hang
                 error = e
-        self._agree(error)  # raw; save() adds the paths
+        self.ranks.agree(error)  # raw; save() adds the paths
 
     def _checksums(self, tmp: str) -> dict[str, dict]:
         """sha256 of the written files, each rank hashing its share (collective)."""
-        if self.world > 1:  # dcp.save may return on a rank before the others' files are done
-            guarded("checkpoint barrier", self.ctl_group, lambda: dist.barrier(self.ctl_group))
-        names = self._from_rank0(lambda: _listing_with_dcp_files(tmp), io="write")
-        parts = self._on_every_rank(
+        self.ranks.barrier()  # dcp.save may return on a rank before the others' files are done
+        names = self.ranks.from_rank0(lambda: listing_with_dcp_files(tmp), io="write")
+        parts = self.ranks.on_every_rank(
             lambda: files.file_table(tmp, (self.rank, self.world), names),
             f"checksumming {tmp}",
             gather=True,
@@ -461,36 +345,6 @@ class Checkpointer:
             self._say(f"not removing {path}: it fails validation ({why}); inspect it by hand")
         self._say(f"saved {final}")
 
-    def _agree(self, error: BaseException | None) -> None:
-        """Raise CheckpointWriteError on every rank when the save failed on any, with the
-        failing ranks' errors (collective)."""
-        if not self._any(error is not None):
-            return
-        mine = None if error is None else _describe(error, self.rank)
-        raise CheckpointWriteError("; ".join(m for m in self._all_gather(mine, "save") if m))
-
-    def _write_failed(self, tmp: str, final: str, why: list[str]) -> CheckpointWriteError:
-        """The user-facing error of a failed save; `why` are the failing ranks' errors."""
-        step = int(os.path.basename(final).removeprefix("step_"))
-        fix = (
-            f"Fix: make train.ckpt_dir={self.dir} writable with enough free space, then resume "
-            "with train.resume=auto"
-        )
-        if os.path.isdir(final):  # failed after the rename: `latest` or pruning
-            return CheckpointWriteError(
-                f"could not finish saving checkpoint {final} (step {step}) after its commit: "
-                f"{'; '.join(why)}. The checkpoint itself is complete. {fix}"
-            )
-        older = [p for s, p in files.list_checkpoints(self.dir) if s < step]
-        previous = "there is no earlier checkpoint"
-        if older:
-            previous = f"the previous checkpoint {older[0]} is untouched"
-        return CheckpointWriteError(
-            f"could not write checkpoint {final} (step {step}): {'; '.join(why)}. Nothing was "
-            f"committed and {previous}; the unfinished save in {tmp} is removed at the next "
-            f"start. {fix}"
-        )
-
     def wait(self) -> None:
         """Finish a pending async save on every rank (collective when one is pending)."""
         if self.pending is None:
@@ -502,9 +356,9 @@ class Checkpointer:
         except (Exception, CheckpointException) as e:
             error = e
         try:
-            self._agree(error)
+            self.ranks.agree(error)
         except CheckpointWriteError as e:
-            raise self._write_failed(tmp, final, [str(e)]) from None
+            raise files.save_failed(self.dir, tmp, final, [str(e)]) from None
 
     # ------------------------------------------------------------------ training-loop hooks
     def start(self) -> None:
@@ -520,7 +374,7 @@ class Checkpointer:
     def after_step(self, record: dict) -> bool:
         """Save when due (adds ckpt_blocked_s to the record); True = stop training now."""
         t, step = self.cfg.train, self.trainer.step
-        stop = self._any(self.signal_received is not None)
+        stop = self.ranks.any(self.signal_received is not None)
         due = t.save_interval > 0 and (step % t.save_interval == 0 or step == t.steps)
         if due or (stop and t.save_interval > 0):
             record["ckpt_blocked_s"] = self.save()

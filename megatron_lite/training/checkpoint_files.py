@@ -104,6 +104,30 @@ def commit(tmp: str, final: str, meta: dict, table: dict[str, dict] | None = Non
     os.replace(tmp, final)
 
 
+def save_failed(ckpt_dir: str, tmp: str, final: str, why: list[str]) -> CheckpointWriteError:
+    """The user-facing error of a failed save of `final` (staged in `tmp`), saying what is left
+    on disk; `why` are the failing ranks' errors."""
+    step = int(os.path.basename(final).removeprefix("step_"))
+    fix = (
+        f"Fix: make train.ckpt_dir={ckpt_dir} writable with enough free space, then resume "
+        "with train.resume=auto"
+    )
+    if os.path.isdir(final):  # failed after the rename: `latest` or pruning
+        return CheckpointWriteError(
+            f"could not finish saving checkpoint {final} (step {step}) after its commit: "
+            f"{'; '.join(why)}. The checkpoint itself is complete. {fix}"
+        )
+    older = [p for s, p in list_checkpoints(ckpt_dir) if s < step]
+    previous = "there is no earlier checkpoint"
+    if older:
+        previous = f"the previous checkpoint {older[0]} is untouched"
+    return CheckpointWriteError(
+        f"could not write checkpoint {final} (step {step}): {'; '.join(why)}. Nothing was "
+        f"committed and {previous}; the unfinished save in {tmp} is removed at the next "
+        f"start. {fix}"
+    )
+
+
 def timestamp() -> str:
     """A sortable local time for names of things moved aside, e.g. 20250101-120000."""
     return time.strftime("%Y%m%d-%H%M%S")

@@ -221,6 +221,22 @@ def load_targets(chunks, optimizer, with_optimizer: bool, with_master: bool = Fa
     return buffers, pieces, apply
 
 
+def add_rng_targets(buffers: dict, pieces: dict, stored: dict, rank: int) -> None:
+    """Add load targets for this rank's stored RNG states (`stored`: DCP's
+    state_dict_metadata); same layout only, as their number and meaning depend on it."""
+    prefix = f"rng/{rank}/"
+    for key, t in stored.items():
+        if key.startswith(prefix):
+            buffers[key] = torch.empty(t.size, dtype=t.properties.dtype)
+            pieces[key] = Piece(key, tuple(t.size), (0,) * len(t.size))
+
+
+def loaded_rng_states(buffers: dict, rank: int) -> dict[str, torch.Tensor]:
+    """{generator: state} of this rank's RNG states once `buffers` are loaded."""
+    prefix = f"rng/{rank}/"
+    return {k[len(prefix) :]: v for k, v in buffers.items() if k.startswith(prefix)}
+
+
 class ShardSavePlanner(DefaultSavePlanner):
     """Writes each tensor as a chunk of its logical tensor at the piece's offsets."""
 

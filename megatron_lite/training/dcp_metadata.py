@@ -8,6 +8,7 @@ values they hold (torch.Size, dtypes, layouts, memory formats), paths and plain 
 Anything else is refused with UnsafeCheckpointError naming the file, before any of it runs.
 The result must also be what megatron_lite writes: tensors only, each stored in a file of the
 checkpoint directory itself. Tensor data is read by DCP with `torch.load(weights_only=True)`.
+`listing_with_dcp_files` checks, after a save, that every file the index names is visible.
 """
 
 from __future__ import annotations
@@ -24,7 +25,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from megatron_lite.training.checkpoint_files import CheckpointError, UnsafeCheckpointError
+from megatron_lite.training.checkpoint_files import (
+    CheckpointError,
+    UnsafeCheckpointError,
+    data_files,
+)
 
 DCP_METADATA = ".metadata"
 # modules whose dataclasses and enums (defined there) make up DCP's metadata
@@ -141,3 +146,18 @@ class SafeFileSystemReader(dcp.FileSystemReader):
                 meta.storage_meta.load_id = getattr(self, "load_id", None)
             self._metadata = meta
         return self._metadata
+
+
+def listing_with_dcp_files(tmp: str) -> list[str]:
+    """The files of a written checkpoint `tmp` (to checksum), after checking that every file
+    DCP's index names is visible here."""
+    names = data_files(tmp)
+    index = (SafeFileSystemReader(tmp).read_metadata().storage_data or {}).values()
+    wanted = {".metadata"} | {getattr(v, "relative_path", ".metadata") for v in index}
+    missing = sorted(wanted - set(names))
+    if missing:
+        raise CheckpointError(
+            f"{tmp}: DCP wrote {missing} but rank 0 cannot see them. Fix: checkpoints need a "
+            "file system that every rank shares (train.ckpt_dir)"
+        )
+    return names
