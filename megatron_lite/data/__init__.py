@@ -69,7 +69,8 @@ def build_dataset(cfg) -> tuple[object, int]:
         paths = [prefix]
     if not paths:
         raise DataFileError("no training data: set data.paths, data.corpus or data.mock=true")
-    indexed = [IndexedDataset(p) for p in paths]
+    # The full .idx check runs once per machine, when GPTDataset builds its cached indices.
+    indexed = [IndexedDataset(p, verify=False) for p in paths]
     vocab_size = _check_vocab(indexed, tokenizer_path, cfg.model.vocab_size)
     # A config key of its own once config.py has it; until then the default (beside the data).
     cache_dir = getattr(d, "index_cache_dir", None)

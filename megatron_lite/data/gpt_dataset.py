@@ -69,6 +69,7 @@ class GPTDataset:
     def _build(self) -> dict[str, np.ndarray]:
         """The document, stream and sample indices (vectorized; memory freed after saving)."""
         n, seq = len(self.indexed), self.seq_length
+        self.indexed.verify()  # once per machine: later opens skip it (the key has the .idx stamp)
         doc_order = seeded_rng(self.seed, _DOC_ORDER).permutation(n).astype(_index_dtype(n))
         doc_ends = np.cumsum(self.indexed.read_sizes()[doc_order], dtype=np.int64)
         total = int(doc_ends[-1]) if n else 0

@@ -22,6 +22,7 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import mmap
 import os
 from collections.abc import Callable, Iterator
 
@@ -103,6 +104,8 @@ class IndexCache:
             ):
                 return None
             arr = np.load(path, mmap_mode="r", allow_pickle=False)
+            if hasattr(mmap, "MADV_RANDOM") and isinstance(getattr(arr, "_mmap", None), mmap.mmap):
+                arr._mmap.madvise(mmap.MADV_RANDOM)  # lookups touch a page, not a readahead
             if str(arr.dtype) != record.get("dtype") or list(arr.shape) != record.get("shape"):
                 return None
             return arr

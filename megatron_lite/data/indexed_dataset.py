@@ -149,10 +149,13 @@ class IndexedDataset:
     Opening validates the pair and raises `DataFileError` (naming the file, the rule and the fix)
     for a missing file, a foreign or newer index, or a `.bin` whose size disagrees with the index.
     `sizes` and `offsets` are views of the memory-mapped `.idx`, never copied into memory:
-    indexing them costs a page, not the corpus.
+    indexing them costs a page, not the corpus. `verify=False` skips the full check of the
+    offsets (O(documents) reads), leaving the O(1) ones: the index builders (`GPTDataset`) run
+    `verify()` once per machine when they build, and their cache key holds the `.idx`'s size
+    and mtime, so every rank of every later start opens in constant time.
     """
 
-    def __init__(self, prefix: str):
+    def __init__(self, prefix: str, verify: bool = True):
         self.prefix = prefix
         self.idx_path, self.bin_path = prefix + ".idx", prefix + ".bin"
         for path in (self.idx_path, self.bin_path):
@@ -161,9 +164,13 @@ class IndexedDataset:
                     f"{path}: file does not exist. Fix: {_FIX}, or correct the "
                     f"dataset prefix {prefix!r}"
                 )
-        self.dtype, self.sizes, self.offsets, self.max_token_id, self.num_tokens = _read_index(
-            self.idx_path
-        )
+        self.dtype, self.sizes, self.offsets, self.max_token_id = _read_index(self.idx_path)
+        if verify:
+            self.num_tokens = self.verify()
+        else:  # from the last entry; verify() (run by the index builders) checks the rest
+            last = len(self.sizes) - 1
+            tail = int(self.offsets[last]) // self.dtype.itemsize + int(self.sizes[last])
+            self.num_tokens = tail if last >= 0 else 0
         expected = self.num_tokens * self.dtype.itemsize
         actual = os.path.getsize(self.bin_path)
         if actual != expected:
@@ -174,6 +181,12 @@ class IndexedDataset:
             )
         self._tokens = _map_tokens(self.bin_path, self.dtype)
         self._check_token_ids()
+
+    def verify(self) -> int:
+        """Check every size and offset of the `.idx` (12 bytes a document, read in chunks, the
+        mapping untouched); return the token count. DataFileError if they disagree."""
+        with open(self.idx_path, "rb") as f:
+            return _check_offsets(self.idx_path, f.fileno(), len(self.sizes), self.dtype.itemsize)
 
     def _check_token_ids(self) -> None:
         """The .bin's real id range (see `token_ids`) must be the one the index records."""
@@ -226,10 +239,9 @@ def _make_parents(path: str) -> list[str]:
     return missing[::-1]
 
 
-def _read_index(path: str) -> tuple[np.dtype, np.ndarray, np.ndarray, int, int]:
-    """Check an .idx file and map it: (dtype, token counts i32[n], byte offsets i64[n], max id,
-    token count). The arrays are views of a read-only mmap; the consistency check reads the
-    file in chunks (bounded memory, the mapping's pages stay untouched)."""
+def _read_index(path: str) -> tuple[np.dtype, np.ndarray, np.ndarray, int]:
+    """Check an .idx file's header and size and map it: (dtype, token counts i32[n], byte offsets
+    i64[n], max id), the arrays being views of a read-only mmap."""
     with open(path, "rb") as f:
         head = f.read(_HEADER.size)
         if len(head) < _HEADER.size or head[:8] != _MAGIC:
@@ -252,13 +264,12 @@ def _read_index(path: str) -> tuple[np.dtype, np.ndarray, np.ndarray, int, int]:
                 f"corrupt. Fix: {_FIX}"
             )
         dtype = np.dtype(_DTYPE_CODES[code])
-        num_tokens = _check_offsets(path, f.fileno(), n, dtype.itemsize)
         if n == 0:
-            return dtype, np.empty(0, np.int32), np.empty(0, np.int64), int(max_id), 0
-        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            return dtype, np.empty(0, np.int32), np.empty(0, np.int64), int(max_id)
+        buf = random_access_mmap(f.fileno())
     sizes = np.frombuffer(buf, dtype=np.int32, count=n, offset=_HEADER.size)
     offsets = np.frombuffer(buf, dtype=np.int64, count=n, offset=_HEADER.size + 4 * n)
-    return dtype, sizes, offsets, int(max_id), num_tokens
+    return dtype, sizes, offsets, int(max_id)
 
 
 def _check_offsets(path: str, fd: int, n: int, itemsize: int) -> int:
@@ -286,5 +297,14 @@ def _map_tokens(path: str, dtype: np.dtype) -> np.ndarray:
     if os.path.getsize(path) == 0:
         return np.empty(0, dtype=dtype)
     with open(path, "rb") as f:
-        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        buf = random_access_mmap(f.fileno())
     return np.frombuffer(buf, dtype=dtype)
+
+
+def random_access_mmap(fd: int) -> mmap.mmap:
+    """A read-only map of the whole file, advised for random access: a sample touches a few
+    pages, and without the advice each fault reads ahead (and keeps resident) megabytes."""
+    buf = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+    if hasattr(mmap, "MADV_RANDOM"):
+        buf.madvise(mmap.MADV_RANDOM)
+    return buf

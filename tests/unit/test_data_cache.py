@@ -191,3 +191,19 @@ def test_blend_indices_cached(tmp_path):
     assert first.period <= blended_dataset.MAX_PERIOD
     for i in (0, 99, 10**9):
         assert first.locate(i) == second.locate(i)
+
+
+def test_unverified_open_is_checked_when_the_indices_are_built(tmp_path):
+    from megatron_lite.data import DataFileError
+
+    _build(tmp_path / "d")
+    path = tmp_path / "d.idx"
+    data = bytearray(path.read_bytes())
+    n = len(IndexedDataset(str(tmp_path / "d")))
+    at = len(data) - 8 * n + 8 * (n // 2)  # a middle offset: the O(1) checks cannot see it
+    data[at : at + 8] = (12345).to_bytes(8, "little")
+    path.write_bytes(bytes(data))
+    indexed = IndexedDataset(str(tmp_path / "d"), verify=False)
+    with pytest.raises(DataFileError, match="offsets disagree"):
+        GPTDataset(indexed, SEQ, seed=1)
+    assert not os.path.isdir(tmp_path / "index_cache") or not _cache_files(tmp_path / "index_cache")
