@@ -18,6 +18,7 @@ setup(
         "torch>=2.6",
         "triton>=3.2",
         "sentencepiece>=0.2",
+        "tokenizers>=0.15",  # Hugging Face tokenizer.json files
         "wandb>=0.17",
         "numpy>=1.24",
         "pyyaml>=6.0",

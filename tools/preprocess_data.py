@@ -2,11 +2,14 @@
 
     python tools/preprocess_data.py --input plays/*.txt --tokenizer-model tok.model \\
         --output-prefix data/plays
-    python tools/preprocess_data.py --input corpus.jsonl --json-key text ...
+    python tools/preprocess_data.py --input corpus.jsonl --json-key text \\
+        --tokenizer-model llama3/tokenizer.json --workers 8 --output-prefix data/corpus
 
 Text files are one document each, or one per line (--split-lines), or one per blank-line
 separated paragraph (--split-blank-lines). *.jsonl / *.json files hold one JSON object per line
-whose --json-key field is a document. An EOS token follows every document.
+whose --json-key field is a document. An EOS token follows every document. The tokenizer is a
+SentencePiece .model or a Hugging Face tokenizer.json; --workers N tokenizes in N processes
+(the output is byte-identical for any N).
 """
 
 from __future__ import annotations
@@ -27,7 +30,11 @@ from megatron_lite.validation.paths import output_prefix_problem  # noqa: E402
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--input", nargs="+", required=True, help="text or .jsonl files")
-    parser.add_argument("--tokenizer-model", required=True, help="SentencePiece .model")
+    parser.add_argument(
+        "--tokenizer-model",
+        required=True,
+        help="SentencePiece .model or Hugging Face tokenizer.json",
+    )
     parser.add_argument("--output-prefix", required=True, help="writes <prefix>.bin/.idx")
     parser.add_argument("--json-key", default="text", help="JSON field holding the text")
     split = parser.add_mutually_exclusive_group()
@@ -37,6 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--no-eos", action="store_true", help="do not append EOS to documents")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--workers", type=int, default=1, help="tokenizer processes (default 1: all cores)"
+    )
     args = parser.parse_args(argv)
     problem = output_prefix_problem(args.output_prefix)
     if problem is not None:
@@ -44,6 +54,11 @@ def main(argv: list[str] | None = None) -> int:
             f"error: --output-prefix={args.output_prefix!r}: {problem}. Fix: give a prefix in a "
             f"directory this user can create or write, e.g. --output-prefix data/my_corpus",
             file=sys.stderr,
+        )
+        return 2
+    if args.workers < 1:
+        print(
+            f"error: --workers={args.workers}: must be >= 1. Fix: e.g. --workers 4", file=sys.stderr
         )
         return 2
     mode = "line" if args.split_lines else "blank_line" if args.split_blank_lines else "file"
@@ -57,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
             json_key=args.json_key,
             append_eos=not args.no_eos,
             progress=not args.quiet,
+            workers=args.workers,
         )
     except DataFileError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -69,9 +85,11 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
+    seconds = time.perf_counter() - start
     print(
         f"wrote {stats.prefix}.bin/.idx: {stats.documents} documents, {stats.tokens:,} tokens "
-        f"in {time.perf_counter() - start:.1f} s"
+        f"in {seconds:.1f} s ({stats.tokens / max(seconds, 1e-9):,.0f} tokens/s, "
+        f"{args.workers} worker{'s' if args.workers > 1 else ''})"
     )
     return 0
 

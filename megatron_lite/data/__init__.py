@@ -7,9 +7,10 @@ therefore imported lazily) cuts a step's global batch into a dp rank's microbatc
 
 from __future__ import annotations
 
+from megatron_lite.data.blended_dataset import BlendedDataset
 from megatron_lite.data.corpus import prepare_corpus
 from megatron_lite.data.errors import DataFileError
-from megatron_lite.data.gpt_dataset import BlendedDataset, GPTDataset, MockDataset
+from megatron_lite.data.gpt_dataset import GPTDataset, MockDataset, default_cache_dir
 from megatron_lite.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 from megatron_lite.data.tokenizer import Tokenizer, train_tokenizer
 
@@ -20,6 +21,7 @@ __all__ = [
     "IndexedDataset",
     "IndexedDatasetBuilder",
     "MockDataset",
+    "Prefetcher",
     "Tokenizer",
     "build_dataset",
     "microbatches_for_step",
@@ -34,6 +36,10 @@ def __getattr__(name: str):
         from megatron_lite.data.sampler import microbatches_for_step
 
         return microbatches_for_step
+    if name == "Prefetcher":
+        from megatron_lite.data.prefetch import Prefetcher
+
+        return Prefetcher
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -42,9 +48,12 @@ def build_dataset(cfg) -> tuple[object, int]:
 
     data.mock -> MockDataset over model.vocab_size; data.corpus -> the prepared corpus;
     data.paths -> one GPTDataset per prefix, blended by data.weights (default: by token count)
-    when there are several. vocab_size is the tokenizer's (data.tokenizer_model or the corpus
-    one), else the largest token id in the data + 1. If model.vocab_size is set and smaller than
-    that or than the data's largest id + 1, raises DataFileError naming the file and the fix.
+    when there are several. Their indices are cached in data.index_cache_dir (default: an
+    `index_cache/` folder beside each dataset; the blend's beside the first). vocab_size is the
+    tokenizer's (data.tokenizer_model, a SentencePiece .model or a Hugging Face tokenizer.json,
+    or the corpus one), else the largest token id in the data + 1. If model.vocab_size is set
+    and smaller than that or than the data's largest id + 1, raises DataFileError naming the
+    file and the fix.
     """
     d, seq, seed = cfg.data, cfg.model.seq_length, cfg.train.seed
     if d.mock:
@@ -60,13 +69,17 @@ def build_dataset(cfg) -> tuple[object, int]:
         paths = [prefix]
     if not paths:
         raise DataFileError("no training data: set data.paths, data.corpus or data.mock=true")
-    indexed = [IndexedDataset(p) for p in paths]
+    # The full .idx check runs once per machine, when GPTDataset builds its cached indices.
+    indexed = [IndexedDataset(p, verify=False) for p in paths]
     vocab_size = _check_vocab(indexed, tokenizer_path, cfg.model.vocab_size)
-    datasets = [GPTDataset(ds, seq, seed) for ds in indexed]
+    # A config key of its own once config.py has it; until then the default (beside the data).
+    cache_dir = getattr(d, "index_cache_dir", None)
+    datasets = [GPTDataset(ds, seq, seed, cache_dir) for ds in indexed]
     if len(datasets) == 1:
         return datasets[0], vocab_size
     weights = d.weights if d.weights is not None else [ds.num_tokens for ds in indexed]
-    return BlendedDataset(datasets, weights, seed), vocab_size
+    blend_dir = cache_dir or default_cache_dir(paths[0])
+    return BlendedDataset(datasets, weights, seed, blend_dir), vocab_size
 
 
 def _check_vocab(indexed: list[IndexedDataset], tokenizer_path: str | None, model_vocab) -> int:

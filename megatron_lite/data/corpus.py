@@ -13,8 +13,6 @@ wait, and every file is written to a temporary name and renamed into place.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
 import os
 import shutil
@@ -25,6 +23,7 @@ import time
 
 from megatron_lite.atomic import write_atomic
 from megatron_lite.data.errors import DataFileError
+from megatron_lite.data.index_cache import exclusive
 from megatron_lite.data.preprocess import preprocess
 from megatron_lite.data.tokenizer import train_tokenizer
 
@@ -55,7 +54,7 @@ def prepare_corpus(name: str, cache_dir: str, vocab_size: int) -> tuple[str, str
     if all(os.path.isfile(p) for p in outputs):
         return prefix, model_path
     os.makedirs(root, exist_ok=True)
-    with _exclusive(os.path.join(root, ".lock"), f"preparing the {name} corpus in {root}"):
+    with exclusive(os.path.join(root, ".lock"), f"preparing the {name} corpus in {root}"):
         if all(os.path.isfile(p) for p in outputs):  # another process finished meanwhile
             return prefix, model_path
         start = time.perf_counter()
@@ -80,21 +79,6 @@ def prepare_corpus(name: str, cache_dir: str, vocab_size: int) -> tuple[str, str
             flush=True,
         )
     return prefix, model_path
-
-
-@contextlib.contextmanager
-def _exclusive(lock_path: str, what: str):
-    """Hold an exclusive fcntl lock on `lock_path`; say once that we wait if another holds it."""
-    with open(lock_path, "a") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            print(f"[data] waiting for another process {what}", flush=True)
-            fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _shakespeare_texts(root: str) -> list[str]:

@@ -1,24 +1,26 @@
 """Sample datasets for GPT pretraining: every sample is int64 token ids of shape [seq_length+1].
 
-All three datasets are infinite and index-addressable: `dataset[i]` for any i >= 0 depends only
+The datasets are infinite and index-addressable: `dataset[i]` for any i >= 0 depends only
 on the seed and i, so the global sample order is independent of the parallel layout and a run
 resumes exactly from its step count.
 """
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 
 import numpy as np
 
 from megatron_lite.data.errors import DataFileError
+from megatron_lite.data.index_cache import IndexCache, file_stamp
 from megatron_lite.data.indexed_dataset import IndexedDataset
 
 # Stream tags of the seeded generators, so no two uses of one seed share random numbers.
-_DOC_ORDER, _SAMPLE_ORDER, _MOCK, _BLEND = 0, 1, 2, 3
+_DOC_ORDER, _SAMPLE_ORDER, _MOCK, BLEND_STREAM = 0, 1, 2, 3
 
 
-def _rng(seed: int, *keys: int) -> np.random.Generator:
+def seeded_rng(seed: int, *keys: int) -> np.random.Generator:
     return np.random.default_rng([seed % 2**63, *keys])
 
 
@@ -30,45 +32,98 @@ class GPTDataset:
     share one token and every token is a target exactly once. There are
     `num_samples = (tokens - 1) // s` samples per epoch; index i maps to epoch i // num_samples,
     whose samples come in their own order seeded by (seed, epoch).
+
+    The indices are built once per machine and memory-mapped from `cache_dir` (default
+    `index_cache/` beside the data; see `index_cache`): the document order `doc_order` [docs],
+    the stream end of each document in that order `doc_ends` [docs], the document (position in
+    `doc_order`) where each window starts `sample_doc` [num_samples], and each epoch's sample
+    order (built when the epoch is first used; epochs under SHUFFLE_CACHE_MIN samples are
+    computed in memory, which is faster than a file). `indices_built` says whether this process
+    built them.
     """
 
-    def __init__(self, indexed: IndexedDataset, seq_length: int, seed: int):
+    SHUFFLE_CACHE_MIN = 1 << 18
+    _INDICES = ("doc_order", "doc_ends", "sample_doc")
+
+    def __init__(
+        self, indexed: IndexedDataset, seq_length: int, seed: int, cache_dir: str | None = None
+    ):
         self.indexed, self.seq_length, self.seed = indexed, seq_length, seed
-        self.doc_order = _rng(seed, _DOC_ORDER).permutation(len(indexed))  # [docs]
-        # End position in the stream of each document, in shuffled order: [docs]
-        self._doc_ends = np.cumsum(indexed.sizes[self.doc_order], dtype=np.int64)
-        total = int(self._doc_ends[-1]) if len(indexed) else 0
-        self.num_samples = max(total - 1, 0) // seq_length
-        if self.num_samples < 1:
-            raise DataFileError(
-                f"{indexed.bin_path}: {total} tokens are too few for one sample of "
-                f"model.seq_length+1 = {seq_length + 1} tokens. Fix: use more data or a smaller "
-                f"model.seq_length"
-            )
+        fields = {
+            "dataset": os.path.basename(indexed.prefix),
+            "idx": file_stamp(indexed.idx_path),
+            "bin": file_stamp(indexed.bin_path),
+            "seed": seed,
+            "seq_length": seq_length,
+        }
+        self._cache = IndexCache(cache_dir or default_cache_dir(indexed.prefix), "gpt", fields)
+        arrays = self._cache.get_or_build(self._INDICES, self._build)
+        self.doc_order = arrays["doc_order"]  # [docs]
+        self._doc_ends = arrays["doc_ends"]  # [docs]
+        self._sample_doc = arrays["sample_doc"]  # [num_samples]
+        self.num_samples = len(self._sample_doc)
+        self.indices_built = self._cache.built
         # Two epochs' orders suffice: a global batch straddles at most one epoch boundary.
         self._orders: OrderedDict[int, np.ndarray] = OrderedDict()
+
+    def _build(self) -> dict[str, np.ndarray]:
+        """The document, stream and sample indices (vectorized; memory freed after saving)."""
+        n, seq = len(self.indexed), self.seq_length
+        self.indexed.verify()  # once per machine: later opens skip it (the key has the .idx stamp)
+        doc_order = seeded_rng(self.seed, _DOC_ORDER).permutation(n).astype(_index_dtype(n))
+        doc_ends = np.cumsum(self.indexed.read_sizes()[doc_order], dtype=np.int64)
+        total = int(doc_ends[-1]) if n else 0
+        num_samples = max(total - 1, 0) // seq
+        if num_samples < 1:
+            raise DataFileError(
+                f"{self.indexed.bin_path}: {total} tokens are too few for one sample of "
+                f"model.seq_length+1 = {seq + 1} tokens. Fix: use more data or a smaller "
+                f"model.seq_length"
+            )
+        starts = np.arange(num_samples, dtype=np.int64) * seq
+        sample_doc = np.searchsorted(doc_ends, starts, side="right").astype(_index_dtype(n))
+        return {"doc_order": doc_order, "doc_ends": doc_ends, "sample_doc": sample_doc}
+
+    def _epoch_order(self, epoch: int) -> np.ndarray:
+        """The sample order of `epoch` (a permutation of the windows), cached per machine."""
+        order = self._orders.get(epoch)
+        if order is not None:
+            self._orders.move_to_end(epoch)
+            return order
+
+        def build() -> dict[str, np.ndarray]:
+            perm = seeded_rng(self.seed, _SAMPLE_ORDER, epoch).permutation(self.num_samples)
+            return {f"shuffle{epoch}": perm.astype(_index_dtype(self.num_samples))}
+
+        if self.num_samples < self.SHUFFLE_CACHE_MIN:
+            order = build()[f"shuffle{epoch}"]
+        else:
+            order = self._cache.get_or_build((f"shuffle{epoch}",), build)[f"shuffle{epoch}"]
+        self._orders[epoch] = order
+        if len(self._orders) > 2:
+            self._orders.popitem(last=False)
+        return order
 
     def sample_index(self, i: int) -> int:
         """Position within the epoch's stream (in windows) of global sample i."""
         epoch, j = divmod(i, self.num_samples)
-        order = self._orders.get(epoch)
-        if order is None:
-            order = _rng(self.seed, _SAMPLE_ORDER, epoch).permutation(self.num_samples)
-            self._orders[epoch] = order
-            if len(self._orders) > 2:
-                self._orders.popitem(last=False)
-        return int(order[j])
+        return int(self._epoch_order(epoch)[j])
 
     def __getitem__(self, i: int) -> np.ndarray:
         """Tokens of sample i: int64 [seq_length+1]."""
         if i < 0:
             raise IndexError(f"sample index {i} must be >= 0")
-        return self.window(self.sample_index(i) * self.seq_length, self.seq_length + 1)
+        j = self.sample_index(i)
+        return self._gather(int(self._sample_doc[j]), j * self.seq_length, self.seq_length + 1)
 
     def window(self, start: int, length: int) -> np.ndarray:
         """Stream tokens [start, start+length) gathered across documents: int64 [length]."""
-        out = np.empty(length, dtype=np.int64)
         d = int(np.searchsorted(self._doc_ends, start, side="right"))
+        return self._gather(d, start, length)
+
+    def _gather(self, d: int, start: int, length: int) -> np.ndarray:
+        """Stream tokens [start, start+length), the first in document position d: int64."""
+        out = np.empty(length, dtype=np.int64)
         filled = 0
         while filled < length:
             doc_start = int(self._doc_ends[d - 1]) if d else 0
@@ -78,6 +133,16 @@ class GPTDataset:
             filled += take
             d += 1
         return out
+
+
+def default_cache_dir(prefix: str) -> str:
+    """Where a dataset's index cache lives unless data.index_cache_dir says otherwise."""
+    return os.path.join(os.path.dirname(os.path.abspath(prefix)), "index_cache")
+
+
+def _index_dtype(n: int) -> type[np.integer]:
+    """int32 for positions below 2**31 (half the bytes), else int64."""
+    return np.int32 if n < 2**31 else np.int64
 
 
 class MockDataset:
@@ -92,80 +157,5 @@ class MockDataset:
     def __getitem__(self, i: int) -> np.ndarray:
         if i < 0:
             raise IndexError(f"sample index {i} must be >= 0")
-        rng = _rng(self.seed, _MOCK, i)
+        rng = seeded_rng(self.seed, _MOCK, i)
         return rng.integers(0, self.vocab_size, size=self.seq_length + 1, dtype=np.int64)
-
-
-class BlendedDataset:
-    """Mixes datasets so that the share of samples from each tracks its weight.
-
-    Sample n goes to the dataset whose achieved count lags its target w_k·(n+1) the most
-    (Megatron's greedy blending; ties go to a seeded order of the datasets), and takes that
-    dataset's next sample: dataset k is indexed by its own running count. The choice is computed
-    in blocks of BLOCK samples; the counts at each block start are kept, so any index costs at
-    most one block of work after the blocks before it were visited once.
-    """
-
-    BLOCK = 16384
-    _CACHED_BLOCKS = 4
-
-    def __init__(self, datasets: list, weights: list[float], seed: int):
-        if not datasets or len(datasets) != len(weights):
-            raise ValueError(
-                f"need one weight per dataset, got {len(datasets)} datasets and "
-                f"{len(weights)} weights"
-            )
-        w = np.asarray(weights, dtype=np.float64)
-        if (w < 0).any() or w.sum() <= 0:
-            raise ValueError(f"blending weights must be >= 0 with a positive sum, got {weights}")
-        lengths = {getattr(d, "seq_length", None) for d in datasets}
-        if len(lengths) > 1:
-            raise ValueError(f"blended datasets must share seq_length, got {sorted(lengths)}")
-        self.datasets, self.seed = datasets, seed
-        self.seq_length = lengths.pop()
-        self.weights = (w / w.sum()).tolist()
-        self._tie_order = _rng(seed, _BLEND).permutation(len(datasets)).tolist()
-        self._block_starts = [[0] * len(datasets)]  # counts per dataset at each block start
-        self._blocks: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
-
-    def locate(self, i: int) -> tuple[int, int]:
-        """(dataset k, index into dataset k) of blended sample i."""
-        b, t = divmod(i, self.BLOCK)
-        choice, index = self._block(b)
-        return int(choice[t]), int(index[t])
-
-    def __getitem__(self, i: int) -> np.ndarray:
-        """Tokens of blended sample i: int64 [seq_length+1]."""
-        if i < 0:
-            raise IndexError(f"sample index {i} must be >= 0")
-        k, j = self.locate(i)
-        return self.datasets[k][j]
-
-    def _block(self, b: int) -> tuple[np.ndarray, np.ndarray]:
-        if b in self._blocks:
-            self._blocks.move_to_end(b)
-            return self._blocks[b]
-        while len(self._block_starts) <= b:  # walk forward to reach block b's start counts
-            self._simulate(len(self._block_starts) - 1)
-        result = self._simulate(b)
-        self._blocks[b] = result
-        if len(self._blocks) > self._CACHED_BLOCKS:
-            self._blocks.popitem(last=False)
-        return result
-
-    def _simulate(self, b: int) -> tuple[np.ndarray, np.ndarray]:
-        """Run the greedy over block b: (dataset choice int32 [BLOCK], sample index int64)."""
-        w, order = self.weights, self._tie_order
-        counts = list(self._block_starts[b])
-        choice = np.empty(self.BLOCK, dtype=np.int32)
-        index = np.empty(self.BLOCK, dtype=np.int64)
-        first = b * self.BLOCK
-        for t in range(self.BLOCK):
-            target = first + t + 1
-            # max() keeps the first of equal keys, so ties follow the seeded order.
-            k = max(order, key=lambda k: w[k] * target - counts[k])  # noqa: B023
-            choice[t], index[t] = k, counts[k]
-            counts[k] += 1
-        if len(self._block_starts) == b + 1:
-            self._block_starts.append(counts)
-        return choice, index

@@ -6,6 +6,9 @@ Layout (little-endian), close to Megatron's MMIDIDX format with the same dtype c
           max token id i64 (-1 when empty) | token counts i32[n] | byte offsets i64[n]
     .bin  the documents' tokens back to back, uint16 when the vocabulary is < 65500, else int32
 
+Both files are memory-mapped, never read into memory: opening checks the index in bounded-size
+chunks and afterwards `sizes`/`offsets` are views of the mapping.
+
 The maximum token id lets `build_dataset` check the model's vocabulary without reading `.bin`;
 a sidecar `<prefix>.maxid.json` (see `token_ids`) proves on each open, from a fingerprint of
 the `.bin`, that the `.bin` still holds ids in that range (an older dataset without the sidecar,
@@ -31,6 +34,8 @@ _HEADER = struct.Struct("<8sQBQq")
 # Megatron's dtype codes, so a reader coming from Megatron recognises them.
 _DTYPE_CODES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 8: np.uint16}
 _CODE_OF = {np.dtype(t): code for code, t in _DTYPE_CODES.items()}
+# Documents per chunk of the .idx consistency check (12 bytes each).
+_CHECK_CHUNK = 1 << 22
 _FIX = "re-run tools/preprocess_data.py to rebuild the .bin/.idx pair"
 
 
@@ -143,9 +148,14 @@ class IndexedDataset:
 
     Opening validates the pair and raises `DataFileError` (naming the file, the rule and the fix)
     for a missing file, a foreign or newer index, or a `.bin` whose size disagrees with the index.
+    `sizes` and `offsets` are views of the memory-mapped `.idx`, never copied into memory:
+    indexing them costs a page, not the corpus. `verify=False` skips the full check of the
+    offsets (O(documents) reads), leaving the O(1) ones: the index builders (`GPTDataset`) run
+    `verify()` once per machine when they build, and their cache key holds the `.idx`'s size
+    and mtime, so every rank of every later start opens in constant time.
     """
 
-    def __init__(self, prefix: str):
+    def __init__(self, prefix: str, verify: bool = True):
         self.prefix = prefix
         self.idx_path, self.bin_path = prefix + ".idx", prefix + ".bin"
         for path in (self.idx_path, self.bin_path):
@@ -155,7 +165,12 @@ class IndexedDataset:
                     f"dataset prefix {prefix!r}"
                 )
         self.dtype, self.sizes, self.offsets, self.max_token_id = _read_index(self.idx_path)
-        self.num_tokens = int(self.sizes.sum(dtype=np.int64))
+        if verify:
+            self.num_tokens = self.verify()
+        else:  # from the last entry; verify() (run by the index builders) checks the rest
+            last = len(self.sizes) - 1
+            tail = int(self.offsets[last]) // self.dtype.itemsize + int(self.sizes[last])
+            self.num_tokens = tail if last >= 0 else 0
         expected = self.num_tokens * self.dtype.itemsize
         actual = os.path.getsize(self.bin_path)
         if actual != expected:
@@ -166,6 +181,12 @@ class IndexedDataset:
             )
         self._tokens = _map_tokens(self.bin_path, self.dtype)
         self._check_token_ids()
+
+    def verify(self) -> int:
+        """Check every size and offset of the `.idx` (12 bytes a document, read in chunks, the
+        mapping untouched); return the token count. DataFileError if they disagree."""
+        with open(self.idx_path, "rb") as f:
+            return _check_offsets(self.idx_path, f.fileno(), len(self.sizes), self.dtype.itemsize)
 
     def _check_token_ids(self) -> None:
         """The .bin's real id range (see `token_ids`) must be the one the index records."""
@@ -180,6 +201,11 @@ class IndexedDataset:
 
     def __len__(self) -> int:
         return len(self.sizes)
+
+    def read_sizes(self) -> np.ndarray:
+        """A private in-memory copy of the token counts, int32 [n] (for index builders: reading
+        the file does not leave the mapping's pages resident in this process)."""
+        return np.fromfile(self.idx_path, np.int32, count=len(self.sizes), offset=_HEADER.size)
 
     def __getitem__(self, i: int) -> np.ndarray:
         """Tokens of document i, shape [sizes[i]] (a read-only view)."""
@@ -214,7 +240,8 @@ def _make_parents(path: str) -> list[str]:
 
 
 def _read_index(path: str) -> tuple[np.dtype, np.ndarray, np.ndarray, int]:
-    """Parse and check an .idx file: (dtype, token counts i32[n], byte offsets i64[n], max id)."""
+    """Check an .idx file's header and size and map it: (dtype, token counts i32[n], byte offsets
+    i64[n], max id), the arrays being views of a read-only mmap."""
     with open(path, "rb") as f:
         head = f.read(_HEADER.size)
         if len(head) < _HEADER.size or head[:8] != _MAGIC:
@@ -229,24 +256,40 @@ def _read_index(path: str) -> tuple[np.dtype, np.ndarray, np.ndarray, int]:
             )
         if code not in _DTYPE_CODES:
             raise DataFileError(f"{path}: unknown token dtype code {code}. Fix: {_FIX}")
-        body = f.read()
-    if len(body) != n * (4 + 8):
-        raise DataFileError(
-            f"{path}: header says {n} documents ({n * 12} index bytes) but "
-            f"{len(body)} bytes follow, so the index is truncated or "
-            f"corrupt. Fix: {_FIX}"
-        )
-    dtype = np.dtype(_DTYPE_CODES[code])
-    sizes = np.frombuffer(body, dtype=np.int32, count=n)
-    offsets = np.frombuffer(body, dtype=np.int64, count=n, offset=4 * n)
-    expected = np.zeros(n, dtype=np.int64)
-    np.cumsum(sizes[:-1], dtype=np.int64, out=expected[1:])
-    if (sizes < 0).any() or not np.array_equal(offsets, expected * dtype.itemsize):
-        raise DataFileError(
-            f"{path}: document sizes and byte offsets disagree, so the index is "
-            f"corrupt. Fix: {_FIX}"
-        )
+        body = os.fstat(f.fileno()).st_size - _HEADER.size
+        if body != n * (4 + 8):
+            raise DataFileError(
+                f"{path}: header says {n} documents ({n * 12} index bytes) but "
+                f"{body} bytes follow, so the index is truncated or "
+                f"corrupt. Fix: {_FIX}"
+            )
+        dtype = np.dtype(_DTYPE_CODES[code])
+        if n == 0:
+            return dtype, np.empty(0, np.int32), np.empty(0, np.int64), int(max_id)
+        buf = random_access_mmap(f.fileno())
+    sizes = np.frombuffer(buf, dtype=np.int32, count=n, offset=_HEADER.size)
+    offsets = np.frombuffer(buf, dtype=np.int64, count=n, offset=_HEADER.size + 4 * n)
     return dtype, sizes, offsets, int(max_id)
+
+
+def _check_offsets(path: str, fd: int, n: int, itemsize: int) -> int:
+    """Sizes >= 0 and offsets == their running sum (in bytes), chunk by chunk: the token count."""
+    total = 0
+    for start in range(0, n, _CHECK_CHUNK):
+        count = min(_CHECK_CHUNK, n - start)
+        sizes = np.frombuffer(os.pread(fd, 4 * count, _HEADER.size + 4 * start), np.int32)
+        offsets = np.frombuffer(os.pread(fd, 8 * count, _HEADER.size + 4 * n + 8 * start), np.int64)
+        expected = np.empty(count, dtype=np.int64)
+        expected[0] = total
+        np.cumsum(sizes[:-1], dtype=np.int64, out=expected[1:])
+        expected[1:] += total
+        if (sizes < 0).any() or not np.array_equal(offsets, expected * itemsize):
+            raise DataFileError(
+                f"{path}: document sizes and byte offsets disagree, so the index is "
+                f"corrupt. Fix: {_FIX}"
+            )
+        total = int(expected[-1]) + int(sizes[-1])
+    return total
 
 
 def _map_tokens(path: str, dtype: np.dtype) -> np.ndarray:
@@ -254,5 +297,14 @@ def _map_tokens(path: str, dtype: np.dtype) -> np.ndarray:
     if os.path.getsize(path) == 0:
         return np.empty(0, dtype=dtype)
     with open(path, "rb") as f:
-        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        buf = random_access_mmap(f.fileno())
     return np.frombuffer(buf, dtype=dtype)
+
+
+def random_access_mmap(fd: int) -> mmap.mmap:
+    """A read-only map of the whole file, advised for random access: a sample touches a few
+    pages, and without the advice each fault reads ahead (and keeps resident) megabytes."""
+    buf = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+    if hasattr(mmap, "MADV_RANDOM"):
+        buf.madvise(mmap.MADV_RANDOM)
+    return buf

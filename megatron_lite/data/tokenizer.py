@@ -1,8 +1,10 @@
-"""SentencePiece BPE tokenizer: training (deterministic, byte fallback) and a thin wrapper."""
+"""Tokenizers: SentencePiece BPE training (deterministic, byte fallback) and a thin wrapper over
+a SentencePiece `.model` or a Hugging Face `tokenizer.json`."""
 
 from __future__ import annotations
 
 import io
+import json
 import os
 
 import sentencepiece as spm
@@ -15,8 +17,19 @@ DEFAULT_INPUT_SENTENCE_SIZE = 300_000
 TRAINING_SEED = 1234
 
 
+# EOS names of the common Hugging Face tokenizers (Llama-3, GPT-2/Qwen, Llama-2/Mistral, Gemma),
+# tried in order when no tokenizer_config.json beside the tokenizer.json names its eos_token.
+HF_EOS_TOKENS = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>")
+
+
 class Tokenizer:
-    """A trained SentencePiece model. Ids: unk 0, bos 1, eos 2; no padding id."""
+    """A trained tokenizer: a SentencePiece `.model` or a Hugging Face `tokenizer.json`.
+
+    SentencePiece ids: unk 0, bos 1, eos 2; no padding id. A `tokenizer.json` is read with the
+    `tokenizers` package; its EOS is the `eos_token` of a `tokenizer_config.json` in the same
+    folder, else the first of HF_EOS_TOKENS it knows. Either kind encodes without adding special
+    tokens (no BOS): documents are raw text, and preprocessing appends the EOS.
+    """
 
     def __init__(self, model_path: str):
         if not os.path.isfile(model_path):
@@ -25,31 +38,88 @@ class Tokenizer:
                 f"with tools/train_tokenizer.py or correct data.tokenizer_model"
             )
         self.model_path = model_path
+        self.is_hf = model_path.endswith(".json")
+        if self.is_hf:
+            self._hf = _load_hf(model_path)
+            self._eos = _hf_eos_id(self._hf, model_path)
+            return
         try:
             self._sp = spm.SentencePieceProcessor(model_file=model_path)
         except (RuntimeError, OSError) as e:
             raise DataFileError(
                 f"{model_path}: not a SentencePiece model ({e}). Fix: train one "
-                f"with tools/train_tokenizer.py"
+                f"with tools/train_tokenizer.py, or give a Hugging Face tokenizer.json"
             ) from None
+        self._eos = self._sp.eos_id()
 
     @property
     def vocab_size(self) -> int:
+        if self.is_hf:
+            return self._hf.get_vocab_size(with_added_tokens=True)
         return self._sp.get_piece_size()
 
     @property
     def eos_id(self) -> int:
-        return self._sp.eos_id()
+        return self._eos
 
     def encode(self, text: str) -> list[int]:
+        if self.is_hf:
+            return self._hf.encode(text, add_special_tokens=False).ids
         return self._sp.encode(text)
 
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        """Encode many texts at once on all cores (same ids as `encode` on each)."""
-        return self._sp.encode(texts, num_threads=os.cpu_count() or 1)
+    def encode_batch(self, texts: list[str], threads: int | None = None) -> list[list[int]]:
+        """Encode many texts at once (same ids as `encode` on each), on `threads` threads
+        (default: all cores)."""
+        if self.is_hf:
+            return [e.ids for e in self._hf.encode_batch(texts, add_special_tokens=False)]
+        return self._sp.encode(texts, num_threads=threads or os.cpu_count() or 1)
 
     def decode(self, ids) -> str:
+        if self.is_hf:
+            return self._hf.decode([int(i) for i in ids], skip_special_tokens=False)
         return self._sp.decode([int(i) for i in ids])
+
+
+def _load_hf(path: str):
+    try:
+        from tokenizers import Tokenizer as HFTokenizer
+    except ImportError:
+        raise DataFileError(
+            f"{path}: a Hugging Face tokenizer.json needs the `tokenizers` package. Fix: "
+            f"pip install tokenizers (it is in megatron_lite's install_requires)"
+        ) from None
+    try:
+        return HFTokenizer.from_file(path)
+    except Exception as e:  # the Rust side raises plain Exception on malformed files
+        raise DataFileError(
+            f"{path}: not a Hugging Face tokenizer.json ({e}). Fix: give the tokenizer.json of "
+            f"a Hugging Face model, or a SentencePiece .model"
+        ) from None
+
+
+def _hf_eos_id(tok, path: str) -> int:
+    """The EOS id: tokenizer_config.json's eos_token beside `path`, else a known EOS name."""
+    names = list(HF_EOS_TOKENS)
+    config = os.path.join(os.path.dirname(os.path.abspath(path)), "tokenizer_config.json")
+    if os.path.isfile(config):
+        try:
+            with open(config) as f:
+                eos = json.load(f).get("eos_token")
+        except (OSError, ValueError, AttributeError):
+            eos = None
+        if isinstance(eos, dict):
+            eos = eos.get("content")
+        if isinstance(eos, str):
+            names.insert(0, eos)
+    for name in names:
+        token_id = tok.token_to_id(name)
+        if token_id is not None:
+            return token_id
+    raise DataFileError(
+        f"{path}: no end-of-document token: none of {', '.join(names)} is in its vocabulary. "
+        f'Fix: put a tokenizer_config.json with an "eos_token" beside it, or add one of '
+        f"those tokens when training the tokenizer"
+    )
 
 
 def train_tokenizer(

@@ -17,6 +17,8 @@ from megatron_lite.data import (
 from megatron_lite.data.sampler import microbatches_for_step
 
 SEQ = 8
+# A span of samples well past the start (the block size of an earlier blending implementation).
+FAR = 16384
 
 
 @pytest.fixture
@@ -106,7 +108,7 @@ class _Tagged:
 
 def test_blending_tracks_weights_and_counts():
     weights = [0.5, 0.3, 0.2]
-    n = 2 * BlendedDataset.BLOCK + 100
+    n = 2 * FAR + 100
     blend = BlendedDataset([_Tagged(k) for k in range(3)], weights, seed=0)
     picks = np.stack([blend[i] for i in range(n)])  # [n, 2]: (dataset, its running index)
     onehot = np.eye(3, dtype=np.int64)[picks[:, 0]]
@@ -122,7 +124,7 @@ def test_blending_random_access_is_deterministic():
     sets = [_Tagged(k) for k in range(2)]
     seq = BlendedDataset(sets, [1.0, 2.0], seed=3)
     rand = BlendedDataset(sets, [1.0, 2.0], seed=3)
-    idx = [3 * BlendedDataset.BLOCK + 5, 17, BlendedDataset.BLOCK, 2 * BlendedDataset.BLOCK - 1]
+    idx = [3 * FAR + 5, 17, FAR, 2 * FAR - 1]
     got = {i: rand[i] for i in idx}  # a far block first
     for i in sorted(idx):
         np.testing.assert_array_equal(got[i], seq[i], err_msg=f"blended sample {i}")
