@@ -7,6 +7,6 @@ set -euo pipefail
 cd "$(dirname "$0")"
 PYTHON=${PYTHON:-python}
 "$PYTHON" -c "import torch" 2>/dev/null || "$PYTHON" -m pip install -q torch==2.13.0
-"$PYTHON" -c "import megatron_lite.kernels" 2>/dev/null ||
+"$PYTHON" -c "import megatron_lite.kernels, tokenizers" 2>/dev/null ||
     "$PYTHON" -m pip install -q -e .
 exec "$PYTHON" -m megatron_lite.launch --config configs/quickstart.yaml "$@"

@@ -77,9 +77,10 @@ class DataConfig:
     mock: bool = False  # seeded random tokens (benchmarks, tests)
     paths: list[str] = field(default_factory=list)  # indexed dataset prefixes (.bin/.idx)
     weights: list[float] | None = None  # blending weights, one per path
-    tokenizer_model: str | None = None  # sentencepiece .model
+    tokenizer_model: str | None = None  # sentencepiece .model or Hugging Face tokenizer.json
     corpus: str | None = None  # built-in corpus prepared on first run (e.g. "shakespeare")
     cache_dir: str = ".cache/megatron_lite"
+    index_cache_dir: str | None = None  # cached data indices; None: index_cache/ beside the data
     tokenizer_vocab_size: int = 4096  # for tokenizers trained on first run
 
 

@@ -73,7 +73,7 @@ def build_dataset(cfg) -> tuple[object, int]:
     indexed = [IndexedDataset(p, verify=False) for p in paths]
     vocab_size = _check_vocab(indexed, tokenizer_path, cfg.model.vocab_size)
     # A config key of its own once config.py has it; until then the default (beside the data).
-    cache_dir = getattr(d, "index_cache_dir", None)
+    cache_dir = d.index_cache_dir
     datasets = [GPTDataset(ds, seq, seed, cache_dir) for ds in indexed]
     if len(datasets) == 1:
         return datasets[0], vocab_size

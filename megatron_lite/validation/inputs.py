@@ -92,7 +92,8 @@ def _validate_data(cfg: Config) -> None:
             "data.tokenizer_model",
             d.tokenizer_model,
             "file does not exist" if not os.path.isdir(d.tokenizer_model) else "is a directory",
-            "train one with tools/train_tokenizer.py, or give the path of its .model file",
+            "train one with tools/train_tokenizer.py, or give the path of its sentencepiece "
+            ".model or Hugging Face tokenizer.json file",
         )
         _rule(
             os.access(d.tokenizer_model, os.R_OK),

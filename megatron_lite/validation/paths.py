@@ -110,6 +110,12 @@ def _validate_output_paths(cfg: Config) -> None:
             "exists and is a file, not a directory",
             fix,
         )
+    if not d.mock and d.index_cache_dir is not None:
+        check_output_dir(
+            "data.index_cache_dir",
+            d.index_cache_dir,
+            "point it at a writable directory that every rank of a machine sees",
+        )
     if not d.mock and d.corpus is not None:
         check_output_dir(
             "data.cache_dir",
