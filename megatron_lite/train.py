@@ -145,12 +145,17 @@ def _main(argv) -> None:
     except (CheckpointError, CheckpointReadError) as e:  # agreed across ranks
         exit_together(2, e, run_lock)
     n_params = trainer.num_parameters()
+    mem = trainer.memory_report()  # collective
     if dist.get_rank() == 0:
         print(
             f"model: {cfg.model.arch}, {n_params / 1e6:.2f}M parameters, vocab {vocab_size}; "
             f"writing {cfg.train.out_dir}/metrics.jsonl",
             flush=True,
         )
+        terms = ", ".join(f"{k[4:]} {v / 2**20:.1f} MiB" for k, v in mem.items())
+        total = sum(v for k, v in mem.items() if not k.endswith("_peak")) / 2**20
+        stage = f"ZeRO-{p.zero_stage}" + (f", dp_shard={p.dp_shard}" if p.dp_shard else "")
+        print(f"model states per rank ({stage}; max over ranks): {terms}; total {total:.1f} MiB")
     try:
         trainer.train()
     except CheckpointError as e:  # a failed save (CheckpointWriteError), raised on every rank

@@ -14,6 +14,7 @@ from megatron_lite.models import build_model
 from megatron_lite.parallel import mappings
 from megatron_lite.parallel.comm_stats import STATS
 from megatron_lite.parallel.cross_entropy import IGNORE_INDEX
+from megatron_lite.parallel.data_parallel.memory import TERMS
 from megatron_lite.parallel.mesh import ParallelMesh
 from megatron_lite.parallel.params import unique_owner
 from megatron_lite.parallel.random import model_parallel_seed
@@ -170,11 +171,24 @@ class Trainer:
             "step_time_s": dt,
             "consumed_samples": self.consumed_samples,
             **({"skipped": True} if skipped else {}),
+            **self.memory_report(),
             **moe,
             **STATS.summary(),
         }
         self.step += 1
         return record
+
+    def memory_report(self) -> dict[str, int]:
+        """mem/<term>: model-state bytes per rank (weights, grads, master, optimizer), the max
+        over ranks; on CUDA also the allocator's peak allocated and reserved bytes."""
+        mem = self.dp.memory()
+        values = [float(mem[k]) for k in TERMS]
+        if self.device.type == "cuda":
+            values += [torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()]
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        mappings.all_reduce(t, dist.group.WORLD, op=dist.ReduceOp.MAX, kind="all_reduce_mem")
+        names = [*TERMS, "allocated_peak", "reserved_peak"][: len(values)]
+        return {f"mem/{k}": int(v) for k, v in zip(names, t.tolist(), strict=True)}
 
     def _moe_metrics(self) -> dict:
         m, mesh = self.cfg.model, self.mesh

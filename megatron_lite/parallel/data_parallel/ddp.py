@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from megatron_lite.parallel import mappings
 from megatron_lite.parallel.data_parallel.buffers import GradBuffer
+from megatron_lite.parallel.data_parallel.memory import model_state_bytes
 from megatron_lite.parallel.data_parallel.optimizer import ShardedAdamW, make_pieces
 from megatron_lite.parallel.mesh import ParallelMesh
 from megatron_lite.parallel.params import meta_of
@@ -178,6 +179,10 @@ class DataParallel:
         self.optimizer.step()
         for buf in self.buffers:
             buf.gather_params(wait=not self.overlap_param_gather)
+
+    def memory(self) -> dict[str, int]:
+        """This rank's model-state bytes by term (see memory.py)."""
+        return model_state_bytes(self)
 
     def wait_params(self) -> None:
         for buf in self.buffers:

@@ -84,6 +84,12 @@ class ShardedAdamW:
             foreach=False,
             fused=on_cuda or None,
         )
+        for pc in pieces:  # states exist from the start, so memory is measured before step 1
+            step = torch.zeros((), device=pc.master.device if on_cuda else "cpu")
+            zeros = [
+                torch.zeros_like(pc.master, memory_format=torch.preserve_format) for _ in MOMENTS
+            ]
+            self.inner.state[pc.master] = {"step": step, **dict(zip(MOMENTS, zeros, strict=True))}
 
     @property
     def param_groups(self):

@@ -1,0 +1,58 @@
+"""Model-state memory, measured by walking the tensors actually allocated (unique storages),
+and the formula it is checked against (README: "ZeRO stages").
+
+Bytes per parameter held by this rank (its TP/PP/EP shard), with N the sharding degree:
+
+| precision, stage | weights | grads | master | AdamW (m, v) | total    |
+|------------------|---------|-------|--------|--------------|----------|
+| fp32, 0          | 4       | 4     | 0      | 8            | 16       |
+| fp32, 1          | 4       | 4     | 0      | 8/N          | 8 + 8/N  |
+| fp32, 2          | 4       | 4/N   | 0      | 8/N          | 4 + 12/N |
+| bf16, 0          | 2       | 4     | 4      | 8            | 18       |
+| bf16, 1          | 2       | 4     | 4/N    | 8/N          | 6 + 12/N |
+| bf16, 2          | 2       | 4/N   | 4/N    | 8/N          | 2 + 16/N |
+
+fp32 masters are the parameters themselves (0 extra) unless the optimizer is offloaded (then
+4/N on the host). Buckets are padded to a multiple of N, so a measurement can exceed the formula
+by at most N - 1 elements per bucket.
+"""
+
+from __future__ import annotations
+
+TERMS = ("weights", "grads", "master", "optimizer")
+
+
+def _bytes(tensors, seen: set[int]) -> int:
+    total = 0
+    for t in tensors:
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if storage.nbytes() and key not in seen:
+            seen.add(key)
+            total += storage.nbytes()
+    return total
+
+
+def model_state_bytes(dp) -> dict[str, int]:
+    """{term: bytes} of a DataParallel's model states on this rank (unique storages)."""
+    seen: set[int] = set()
+    out = {"weights": _bytes([b.param_data for b in dp.buffers], seen)}
+    out["grads"] = _bytes(
+        [b.grad_data for b in dp.buffers] + [b.grad_shard for b in dp.buffers], seen
+    )
+    out["master"] = _bytes([pc.master for pc in dp.pieces], seen)
+    states = [t for s in dp.optimizer.inner.state.values() for t in s.values() if t.dim() > 0]
+    out["optimizer"] = _bytes(states, seen)
+    return out
+
+
+def formula_bytes(num_params: int, precision: str, zero_stage: int, n: int) -> dict[str, float]:
+    """The table above for `num_params` parameters on a rank (no padding)."""
+    shard = 1.0 / n if zero_stage >= 1 else 1.0
+    weight = 2 if precision == "bf16" else 4
+    return {
+        "weights": weight * num_params,
+        "grads": 4 * num_params * (shard if zero_stage >= 2 else 1.0),
+        "master": (4 * num_params * shard) if precision == "bf16" else 0.0,
+        "optimizer": 8 * num_params * shard,
+    }

@@ -1,0 +1,82 @@
+"""ZeRO accounting against formulas: model-state bytes per rank (the README table, within 2%),
+data-parallel communication bytes per step, and buckets launched while the backward still runs."""
+
+from tests.dist_harness import run_ranks
+from tests.parallel.parity import TINY, structured_dataset
+
+ONE_BUCKET = "parallel.ddp_bucket_size=100000000"  # one bucket per (chunk, group): no padding
+
+
+def _trainer(world, overrides, out_dir):
+    from megatron_lite.parallel.mesh import ParallelMesh, RankLayout
+    from megatron_lite.train import prepare
+    from megatron_lite.training.trainer import Trainer
+
+    data = f"data.paths=[{structured_dataset()}]"
+    args = [*TINY, data, "train.steps=1", f"train.out_dir={out_dir}", *overrides]
+    cfg, dataset, vocab = prepare(args, world_size=world)
+    return Trainer(cfg, ParallelMesh(RankLayout(world)), dataset, vocab)
+
+
+def _measure(rank, world, out_dir):
+    """For each (precision, stage): this rank's parameter count, measured bytes, one step's
+    DP communication bytes."""
+    out = {}
+    for precision in ("fp32", "bf16"):
+        for stage in (0, 1, 2):
+            over = [f"train.precision={precision}", f"parallel.zero_stage={stage}", ONE_BUCKET]
+            tr = _trainer(world, over, f"{out_dir}/{precision}{stage}")
+            record = tr.train_step()
+            n = sum(p.numel() for p in tr.params)
+            comm = {k: v for k, v in record.items() if k.startswith("comm_bytes/") and "_dp" in k}
+            out[(precision, stage)] = (n, tr.dp.memory(), comm)
+    return out
+
+
+def test_model_state_bytes_and_dp_traffic_match_the_formulas(tmp_path):
+    from megatron_lite.parallel.data_parallel.memory import formula_bytes
+
+    world = 4
+    for rank, results in enumerate(run_ranks(world, _measure, str(tmp_path), timeout=180)):
+        for (precision, stage), (n, measured, comm) in results.items():
+            want = formula_bytes(n, precision, stage, world)
+            for term, value in measured.items():
+                expected = want[term]
+                ok = value == expected == 0 or abs(value - expected) <= 0.02 * expected
+                assert ok, f"rank {rank} {precision} ZeRO-{stage} {term}: {value} vs {expected}"
+            padded = -(-n // world) * world if stage else n  # one bucket, padded to N shards
+            weight_bytes = 2 if precision == "bf16" else 4
+            if stage == 0:
+                assert comm == {"comm_bytes/all_reduce_dp": 4 * n}, comm
+            else:  # reduce-scatter counts its full fp32 input; the all-gather this rank's shard
+                assert comm == {
+                    "comm_bytes/reduce_scatter_dp": 4 * padded,
+                    "comm_bytes/all_gather_dp": weight_bytes * padded // world,
+                }, (precision, stage, comm)
+
+
+def _launch_points(rank, world, out_dir, overlap):
+    """How many buckets were still waiting for gradients when each bucket's reduction started."""
+    from megatron_lite.parallel.data_parallel import buffers
+
+    waiting = []
+    launch = buffers.GradBuffer._launch
+
+    def recording(self, bucket):
+        waiting.append(sum(b.ready < len(b.params) for b in self.buckets))
+        launch(self, bucket)
+
+    buffers.GradBuffer._launch = recording
+    over = ["parallel.ddp_bucket_size=20000", f"parallel.overlap_grad_reduce={overlap}"]
+    tr = _trainer(world, over, out_dir)
+    tr.train_step()
+    return waiting, len(tr.dp.buffers[0].buckets)
+
+
+def test_buckets_are_reduced_while_the_backward_runs(tmp_path):
+    waiting, n_buckets = run_ranks(2, _launch_points, str(tmp_path / "on"), True)[0]
+    assert n_buckets >= 4 and len(waiting) == n_buckets, (waiting, n_buckets)
+    # the first bucket (the last layers) starts while the rest of the backward is still to come
+    assert waiting[0] >= n_buckets - 1 and waiting == sorted(waiting, reverse=True), waiting
+    waiting_off, _ = run_ranks(2, _launch_points, str(tmp_path / "off"), False)[0]
+    assert waiting_off == [0] * n_buckets, waiting_off  # blocking: all after the backward
