@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_lite.config import Config
+from megatron_lite.data.prefetch import Prefetcher
 from megatron_lite.data.sampler import microbatches_at, split_sample
 from megatron_lite.models import build_model
 from megatron_lite.parallel import mappings
@@ -52,6 +53,7 @@ class Trainer:
         self.guard = NonFiniteGuard(cfg.train.skip_nonfinite_steps)
         self.step = 0
         self.consumed_samples = 0  # the data position (a checkpoint restores it)
+        self._prefetch: Prefetcher | None = None  # reads the next batches during train()
         self.checkpointer = Checkpointer(self)  # resumes per train.resume / train.init_from
         self.checkpointer.resume()  # sets step and consumed_samples
 
@@ -109,18 +111,25 @@ class Trainer:
         )
         return SpanRecorder()
 
-    def _microbatches(self) -> list[torch.Tensor]:
-        """This rank's microbatches of the next global batch, from the consumed-sample count."""
+    def _fetch(self, consumed_samples: int) -> list[torch.Tensor]:
+        """This rank's microbatches of the global batch starting at sample `consumed_samples`."""
         t, mesh = self.cfg.train, self.mesh
-        batches = microbatches_at(
+        return microbatches_at(
             self.dataset,
-            self.consumed_samples,
+            consumed_samples,
             t.global_batch_size,
             t.micro_batch_size,
             mesh.dp.rank,
             mesh.dp.size,
         )
-        return [mb.to(self.device) for mb in batches]
+
+    def _microbatches(self) -> list[torch.Tensor]:
+        """The next global batch's microbatches, read ahead on a thread while training runs."""
+        if self._prefetch is not None:
+            batches = self._prefetch.get(self.consumed_samples)
+        else:
+            batches = self._fetch(self.consumed_samples)
+        return [mb.to(self.device, non_blocking=True) for mb in batches]
 
     def train_step(self) -> dict:
         cfg, mesh = self.cfg, self.mesh
@@ -202,15 +211,22 @@ class Trainer:
 
     def train(self) -> list[dict]:
         records = []
-        first = self.step
+        first, t = self.step, self.cfg.train
         self.checkpointer.start()
-        while self.step < self.cfg.train.steps:
-            record = self.train_step()
-            stop = self.checkpointer.after_step(record)  # saves when due; stop after a signal
-            self.logger.log(record, first)
-            records.append(record)
-            if stop:
-                break
+        start, gbs = self.consumed_samples, t.global_batch_size  # bound now: the loop moves it
+        positions = [start + k * gbs for k in range(t.steps - first)]
+        self._prefetch = Prefetcher(self._fetch, positions, depth=2)
+        try:
+            while self.step < t.steps:
+                record = self.train_step()
+                stop = self.checkpointer.after_step(record)  # saves when due; stop on a signal
+                self.logger.log(record, first)
+                records.append(record)
+                if stop:
+                    break
+        finally:
+            self._prefetch.close()
+            self._prefetch = None
         self.checkpointer.finish()
         self.logger.close()
         return records
