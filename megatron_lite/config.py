@@ -56,6 +56,9 @@ class ParallelConfig:
     tp: int = 1
     pp: int = 1
     vpp: int = 1  # virtual pipeline stages (model chunks) per pipeline rank
+    pipeline_layers: list[int] | None = None  # layers per virtual stage (None: even split)
+    decoder_first_pipeline_num_layers: int | None = None  # Megatron's: the first stage's layers
+    decoder_last_pipeline_num_layers: int | None = None  # the last stage's; the rest even
     cp: int = 1
     ep: int = 1
     dp: int | None = None  # None = world_size / (tp·pp·cp)

@@ -35,6 +35,26 @@ def moe_ffn_hidden_size(m: ModelConfig) -> int:
     return m.moe_ffn_hidden_size or ffn_hidden_size(m)
 
 
+def stage_layers(m: ModelConfig, p: ParallelConfig) -> list[int]:
+    """Layers of each of the pp·vpp virtual stages: parallel.pipeline_layers, or Megatron's
+    decoder_first/last_pipeline_num_layers with the rest split evenly, or an even split."""
+    stages = p.pp * p.vpp
+    if p.pipeline_layers is not None:
+        return list(p.pipeline_layers)
+    first, last = p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers
+    if first is None and last is None:
+        return [m.num_layers // stages] * stages
+    ends = [n for n in (first, last) if n is not None]
+    middle = stages - len(ends)
+    rest = (m.num_layers - sum(ends)) // middle if middle else 0
+    counts = [rest] * stages
+    if first is not None:
+        counts[0] = first
+    if last is not None:
+        counts[-1] = last
+    return counts
+
+
 def num_microbatches(t: TrainConfig, dp: int) -> int:
     """Microbatches per step on each data-parallel rank."""
     return t.global_batch_size // (t.micro_batch_size * dp)

@@ -11,16 +11,17 @@ from megatron_lite.parallel.mesh import ParallelMesh
 from megatron_lite.parallel.params import init_parameters
 from megatron_lite.parallel.random import RNGStatesTracker
 from megatron_lite.pipeline.schedules import virtual_stage
+from megatron_lite.resolve import stage_layers
 
 __all__ = ["SPECS", "ModelChunk", "TransformerConfig", "build_model", "chunk_layers"]
 
 
-def chunk_layers(num_layers: int, pp: int, vpp: int, pp_rank: int, chunk: int) -> list[int]:
-    """Global layer numbers of local `chunk` on `pp_rank` (Megatron's interleaving: virtual
-    stage chunk·pp + pp_rank holds the stage-th block of num_layers/(pp·vpp) layers)."""
-    per_stage = num_layers // (pp * vpp)
+def chunk_layers(stage_layers: list[int], pp: int, pp_rank: int, chunk: int) -> list[int]:
+    """Global layer numbers of local `chunk` on `pp_rank`: virtual stage chunk·pp + pp_rank
+    (Megatron's interleaving) holds the next stage_layers[stage] layers."""
     stage = virtual_stage(pp_rank, chunk, pp)
-    return list(range(stage * per_stage, (stage + 1) * per_stage))
+    start = sum(stage_layers[:stage])
+    return list(range(start, start + stage_layers[stage]))
 
 
 def build_model(
@@ -31,6 +32,7 @@ def build_model(
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab_size))
     config = TransformerConfig.from_config(cfg, mesh.layout.world_size)
     pp, vpp = mesh.pp.size, cfg.parallel.vpp
+    split = stage_layers(cfg.model, cfg.parallel)
     chunks = []
     for c in range(vpp):
         stage = virtual_stage(mesh.pp.rank, c, pp)
@@ -38,7 +40,7 @@ def build_model(
             config,
             mesh,
             tracker,
-            chunk_layers(config.num_layers, pp, vpp, mesh.pp.rank, c),
+            chunk_layers(split, pp, mesh.pp.rank, c),
             pre_process=stage == 0,
             post_process=stage == pp * vpp - 1,
         )

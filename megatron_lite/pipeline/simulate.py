@@ -183,8 +183,12 @@ def simulate(
     forward_cost: float = 1,
     backward_cost: float = 2,
     comm_cost: float = 0,
+    stage_weights: list | None = None,
 ) -> SimResult:
     """Run all ranks' tables together (index = pipeline rank) and measure them.
+
+    `stage_weights[s]` scales the compute cost of virtual stage s (e.g. its layer count for an
+    uneven split); None: every stage costs the same.
 
     Tables are flat action lists (consecutive comm actions form one batch) or lists holding
     explicit batches as tuples. Raises ScheduleError for unmatched or out-of-order p2p and
@@ -210,11 +214,13 @@ def simulate(
                 ops = ops_steps[rank][pc[rank]]
                 head = ops[0].action
                 if not head.is_comm:
-                    end = clock[rank] + cost[head.kind]
+                    stage = virtual_stage(rank, head.chunk, pp)
+                    w = 1 if stage_weights is None else stage_weights[stage]
+                    end = clock[rank] + cost[head.kind] * w
                     spans.append(
                         Span(rank, head.kind, head.microbatch, head.chunk, clock[rank], end)
                     )
-                    busy[rank] += cost[head.kind]
+                    busy[rank] += cost[head.kind] * w
                     in_flight[rank] += 1 if head.kind == "forward" else -1
                     peak[rank] = max(peak[rank], in_flight[rank])
                 else:
@@ -236,7 +242,8 @@ def simulate(
         raise _deadlock(stuck, ops_steps, pc)
 
     makespan = max(clock, default=0)
-    exact = all(isinstance(c, int | Fraction) for c in (forward_cost, backward_cost, comm_cost))
+    costs = (forward_cost, backward_cost, comm_cost, *(stage_weights or ()))
+    exact = all(isinstance(c, int | Fraction) for c in costs)
     idle = [makespan - b for b in busy]
     ratio = (lambda a, b: Fraction(a, b)) if exact else (lambda a, b: a / b)
     return SimResult(

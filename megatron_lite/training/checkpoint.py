@@ -47,6 +47,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_lite.parallel.mappings import CollectiveError, guarded
+from megatron_lite.resolve import stage_layers
 from megatron_lite.training import checkpoint_files as files
 from megatron_lite.training.checkpoint_files import (
     CheckpointError,
@@ -76,7 +77,8 @@ def layout_of(cfg) -> dict:
     """What makes RNG states and shard shapes layout specific."""
     p = cfg.parallel
     keys = ("tp", "pp", "vpp", "cp", "ep", "dp", "sequence_parallel", "order")
-    return {"world_size": p.tp * p.pp * p.cp * p.dp, **{k: getattr(p, k) for k in keys}}
+    split = {"stage_layers": stage_layers(cfg.model, p)}  # which layers each rank holds
+    return {"world_size": p.tp * p.pp * p.cp * p.dp, **{k: getattr(p, k) for k in keys}, **split}
 
 
 def _layout_changes(saved: dict, now: dict) -> str:

@@ -113,8 +113,9 @@ def _validate_sequence_split(cfg: Config) -> None:
 
 
 def _validate_pipeline_layers(cfg: Config) -> None:
-    """Layers over pipeline stages and their virtual chunks."""
+    """Layers over pipeline stages and their virtual chunks (even, or an explicit split)."""
     m, p = cfg.model, cfg.parallel
+    stages = p.pp * p.vpp
     _rule(
         p.vpp == 1 or p.pp > 1,
         "parallel.vpp",
@@ -122,12 +123,68 @@ def _validate_pipeline_layers(cfg: Config) -> None:
         "virtual stages need parallel.pp > 1",
         "set parallel.vpp=1 or parallel.pp >= 2",
     )
+    ends = [p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers]
+    if p.pipeline_layers is not None:
+        _rule(
+            ends == [None, None],
+            "parallel.pipeline_layers",
+            p.pipeline_layers,
+            "cannot be combined with decoder_first/last_pipeline_num_layers",
+            "give either the whole list or the first/last stage's layers",
+        )
+        _validate_layer_list(p.pipeline_layers, stages, m.num_layers)
+    elif ends != [None, None]:
+        given = [n for n in ends if n is not None]
+        for key, n in zip(("first", "last"), ends, strict=True):
+            _rule(
+                n is None or 1 <= n < m.num_layers,
+                f"parallel.decoder_{key}_pipeline_num_layers",
+                n,
+                f"must be between 1 and model.num_layers - 1 = {m.num_layers - 1}",
+                "give the layers of that stage",
+            )
+        middle, rest = stages - len(given), m.num_layers - sum(given)
+        _rule(
+            stages > len(given) and rest > 0 and rest % middle == 0 and rest // middle >= 1,
+            "model.num_layers",
+            m.num_layers,
+            f"leaves {rest} layers for the other {middle} of pp·vpp = {stages} stages, which "
+            "must split them evenly (at least one each)",
+            "change the first/last stage's layers, or give parallel.pipeline_layers",
+        )
+    else:
+        _rule(
+            m.num_layers % stages == 0,
+            "model.num_layers",
+            m.num_layers,
+            f"must be divisible by pp·vpp = {p.pp}·{p.vpp}",
+            f"use a multiple of {stages}, or an uneven split: parallel.pipeline_layers or "
+            "parallel.decoder_first/last_pipeline_num_layers",
+        )
+
+
+def _validate_layer_list(layers: list, stages: int, num_layers: int) -> None:
+    key = "parallel.pipeline_layers"
     _rule(
-        m.num_layers % (p.pp * p.vpp) == 0,
-        "model.num_layers",
-        m.num_layers,
-        f"must be divisible by pp·vpp = {p.pp}·{p.vpp}",
-        f"use a multiple of {p.pp * p.vpp}",
+        len(layers) == stages,
+        key,
+        layers,
+        f"needs one entry per virtual stage: pp·vpp = {stages}",
+        f"give {stages} layer counts",
+    )
+    _rule(
+        all(isinstance(n, int) and n >= 1 for n in layers),
+        key,
+        layers,
+        "every stage needs at least one layer",
+        "give positive integers",
+    )
+    _rule(
+        sum(layers) == num_layers,
+        key,
+        layers,
+        f"must add up to model.num_layers={num_layers} (they add up to {sum(layers)})",
+        "make the counts add up to the model's layers",
     )
 
 
