@@ -84,6 +84,8 @@ class DataConfig:
     corpus: str | None = None  # built-in corpus prepared on first run (e.g. "shakespeare")
     cache_dir: str = ".cache/megatron_lite"
     index_cache_dir: str | None = None  # cached data indices; None: index_cache/ beside the data
+    split: str | None = None  # train,valid,test weights over each dataset's documents: "969,30,1"
+    valid_paths: list[str] = field(default_factory=list)  # validation prefixes (instead of split)
     tokenizer_vocab_size: int = 4096  # for tokenizers trained on first run
 
 
@@ -102,6 +104,8 @@ class TrainConfig:
     adam_beta2: float = 0.95
     adam_eps: float = 1e-8
     grad_clip: float = 1.0
+    eval_interval: int = 0  # validation loss every N steps and after the last (0: never)
+    eval_iters: int = 1  # global batches per evaluation
     skip_nonfinite_steps: int = 0  # skip up to N NaN/Inf steps in a row (0: stop at the first)
     precision: str = "fp32"  # fp32 | bf16 (bf16 weights, fp32 master weights and gradients)
     optimizer_offload: str = "none"  # none | cpu (master weights and AdamW states on the host)

@@ -55,6 +55,19 @@ def stage_layers(m: ModelConfig, p: ParallelConfig) -> list[int]:
     return counts
 
 
+def split_weights(split: str) -> list[float] | None:
+    """data.split "969,30,1" -> [train, valid, test] weights normalized to 1 (missing parts 0);
+    None when it is not 1 to 3 finite non-negative numbers with a positive sum."""
+    try:
+        values = [float(x) for x in split.split(",")]
+    except ValueError:
+        return None
+    if not 1 <= len(values) <= 3 or any(not 0 <= v < float("inf") for v in values):
+        return None
+    total = sum(values)
+    return None if total <= 0 else [v / total for v in values + [0.0] * (3 - len(values))]
+
+
 def num_microbatches(t: TrainConfig, dp: int) -> int:
     """Microbatches per step on each data-parallel rank."""
     return t.global_batch_size // (t.micro_batch_size * dp)

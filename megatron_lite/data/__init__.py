@@ -7,12 +7,15 @@ therefore imported lazily) cuts a step's global batch into a dp rank's microbatc
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from megatron_lite.data.blended_dataset import BlendedDataset
 from megatron_lite.data.corpus import prepare_corpus
 from megatron_lite.data.errors import DataFileError
 from megatron_lite.data.gpt_dataset import GPTDataset, MockDataset, default_cache_dir
 from megatron_lite.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 from megatron_lite.data.tokenizer import Tokenizer, train_tokenizer
+from megatron_lite.resolve import split_weights
 
 __all__ = [
     "BlendedDataset",
@@ -24,6 +27,7 @@ __all__ = [
     "Prefetcher",
     "Tokenizer",
     "build_dataset",
+    "build_valid_dataset",
     "microbatches_for_step",
     "prepare_corpus",
     "train_tokenizer",
@@ -72,14 +76,53 @@ def build_dataset(cfg) -> tuple[object, int]:
     # The full .idx check runs once per machine, when GPTDataset builds its cached indices.
     indexed = [IndexedDataset(p, verify=False) for p in paths]
     vocab_size = _check_vocab(indexed, tokenizer_path, cfg.model.vocab_size)
-    # A config key of its own once config.py has it; until then the default (beside the data).
+    return _gpt_datasets(indexed, d, seq, seed, part=0), vocab_size
+
+
+def build_valid_dataset(cfg):
+    """The validation dataset (None without data.split or data.valid_paths): data.valid_paths'
+    datasets, or the validation part of every training dataset's documents under data.split.
+    Mock data validates on another seed's tokens."""
+    d, seq, seed = cfg.data, cfg.model.seq_length, cfg.train.seed
+    if d.mock:
+        return MockDataset(cfg.model.vocab_size, seq, seed + 1)
+    if d.valid_paths:
+        indexed = [IndexedDataset(p, verify=False) for p in d.valid_paths]
+        return _gpt_datasets(indexed, replace(d, split=None, weights=None), seq, seed, part=0)
+    if d.split is None:
+        return None
+    paths = list(d.paths)
+    if d.corpus is not None:
+        paths = [prepare_corpus(d.corpus, d.cache_dir, d.tokenizer_vocab_size)[0]]
+    return _gpt_datasets([IndexedDataset(p, verify=False) for p in paths], d, seq, seed, part=1)
+
+
+def split_documents(num_docs: int, split: str | None) -> list[tuple[int, int]]:
+    """[first, last) document ranges of the train, valid and test parts (Megatron's
+    "969,30,1": weights normalized, boundaries rounded)."""
+    if split is None:
+        return [(0, num_docs), (num_docs, num_docs), (num_docs, num_docs)]
+    bounds, acc = [0], 0.0
+    for w in split_weights(split):
+        acc += w
+        bounds.append(round(acc * num_docs))
+    bounds[-1] = num_docs
+    return [(bounds[i], bounds[i + 1]) for i in range(3)]
+
+
+def _gpt_datasets(indexed, d, seq: int, seed: int, part: int):
+    """One GPTDataset per indexed dataset over `part` of its documents, blended if several."""
     cache_dir = d.index_cache_dir
-    datasets = [GPTDataset(ds, seq, seed, cache_dir) for ds in indexed]
+    docs = [split_documents(len(ds), d.split)[part] for ds in indexed]
+    datasets = [
+        GPTDataset(ds, seq, seed, cache_dir, None if d.split is None else r)
+        for ds, r in zip(indexed, docs, strict=True)
+    ]
     if len(datasets) == 1:
-        return datasets[0], vocab_size
+        return datasets[0]
     weights = d.weights if d.weights is not None else [ds.num_tokens for ds in indexed]
-    blend_dir = cache_dir or default_cache_dir(paths[0])
-    return BlendedDataset(datasets, weights, seed, blend_dir), vocab_size
+    blend_dir = cache_dir or default_cache_dir(indexed[0].prefix)
+    return BlendedDataset(datasets, weights, seed, blend_dir)
 
 
 def _check_vocab(indexed: list[IndexedDataset], tokenizer_path: str | None, model_vocab) -> int:

@@ -46,15 +46,22 @@ class GPTDataset:
     _INDICES = ("doc_order", "doc_ends", "sample_doc")
 
     def __init__(
-        self, indexed: IndexedDataset, seq_length: int, seed: int, cache_dir: str | None = None
+        self,
+        indexed: IndexedDataset,
+        seq_length: int,
+        seed: int,
+        cache_dir: str | None = None,
+        documents: tuple[int, int] | None = None,
     ):
         self.indexed, self.seq_length, self.seed = indexed, seq_length, seed
+        self.documents = documents or (0, len(indexed))  # [first, last): a train/valid split
         fields = {
             "dataset": os.path.basename(indexed.prefix),
             "idx": file_stamp(indexed.idx_path),
             "bin": file_stamp(indexed.bin_path),
             "seed": seed,
             "seq_length": seq_length,
+            **({"documents": list(documents)} if documents is not None else {}),
         }
         self._cache = IndexCache(cache_dir or default_cache_dir(indexed.prefix), "gpt", fields)
         arrays = self._cache.get_or_build(self._INDICES, self._build)
@@ -68,9 +75,11 @@ class GPTDataset:
 
     def _build(self) -> dict[str, np.ndarray]:
         """The document, stream and sample indices (vectorized; memory freed after saving)."""
-        n, seq = len(self.indexed), self.seq_length
+        (first, last), seq = self.documents, self.seq_length
+        n = last - first
         self.indexed.verify()  # once per machine: later opens skip it (the key has the .idx stamp)
-        doc_order = seeded_rng(self.seed, _DOC_ORDER).permutation(n).astype(_index_dtype(n))
+        order = first + seeded_rng(self.seed, _DOC_ORDER).permutation(n)
+        doc_order = order.astype(_index_dtype(len(self.indexed)))
         doc_ends = np.cumsum(self.indexed.read_sizes()[doc_order], dtype=np.int64)
         total = int(doc_ends[-1]) if n else 0
         num_samples = max(total - 1, 0) // seq

@@ -12,6 +12,7 @@ and the received output grad, and frees them after that backward.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,7 +21,13 @@ import torch.distributed as dist
 
 from megatron_lite.parallel import mappings
 from megatron_lite.pipeline.p2p import P2PCommunicator
-from megatron_lite.pipeline.schedules import Action, comm_batches, get_schedule, virtual_stage
+from megatron_lite.pipeline.schedules import (
+    Action,
+    comm_batches,
+    get_schedule,
+    virtual_stage,
+)
+from megatron_lite.pipeline.schedules import forward_only as forward_only_schedule
 from megatron_lite.pipeline.trace import SpanRecorder
 
 Key = tuple[int, int]  # (microbatch, chunk)
@@ -36,6 +43,7 @@ class _Run:
         self.chunks, self.microbatches, self.loss_scale = chunks, microbatches, loss_scale
         self.forward_step, self.p2p, self.dtype, self.recorder = forward_step, p2p, dtype, recorder
         self.pp_rank, self.pp_size, device = pp
+        self.forward_only = False
         self.last_stage = self.pp_size * len(chunks) - 1
         self.inputs: dict[Key, torch.Tensor] = {}  # received activations (leaves)
         self.outputs: dict[Key, torch.Tensor] = {}  # hidden out, or scaled loss (last stage)
@@ -52,9 +60,12 @@ class _Run:
         key, stage = (a.microbatch, a.chunk), self.stage(a.chunk)
         x = None if stage == 0 else self.inputs[key]  # [s/cp(/tp), b, h] from the previous stage
         out = self.forward_step(self.chunks[a.chunk], self.microbatches[a.microbatch], x)
+        if self.forward_only:
+            self.inputs.pop(key, None)
         if stage == self.last_stage:
             self.total += out.detach()
-            self.outputs[key] = out * self.loss_scale
+            if not self.forward_only:
+                self.outputs[key] = out * self.loss_scale
         else:  # the wire dtype is fixed; a bf16 output is upcast exactly
             self.outputs[key] = out.to(self.dtype)
 
@@ -73,14 +84,15 @@ class _Run:
         payload = {}
         for a in batch:
             key = (a.microbatch, a.chunk)
-            if a.kind == "send_forward":
-                payload[a] = self.outputs[key].detach()
+            if a.kind == "send_forward":  # kept for the backward unless forward-only
+                out = self.outputs.pop(key) if self.forward_only else self.outputs[key]
+                payload[a] = out.detach()
             elif a.kind == "send_backward":
                 payload[a] = self.input_grads.pop(key)
         for a, t in self.p2p.exchange(batch, payload).items():
             key = (a.microbatch, a.chunk)
             if a.kind == "recv_forward":
-                self.inputs[key] = t.requires_grad_()
+                self.inputs[key] = t if self.forward_only else t.requires_grad_()
             else:
                 self.output_grads[key] = t
 
@@ -125,6 +137,7 @@ def forward_backward(
     loss_scale: float = 1.0,
     timeout_s: float = 300.0,
     recorder: SpanRecorder | None = None,
+    forward_only: bool = False,
 ) -> torch.Tensor:
     """Forward and backward of every microbatch through this rank's `chunks`; returns the sum of
     the unscaled losses `forward_step` returned (float64, 0-dim; zero unless this rank holds the
@@ -134,12 +147,14 @@ def forward_backward(
     plain gradient accumulation). `tensor_shape`/`dtype` are the activation that crosses stages
     (every microbatch the same, e.g. `activation_shape(...)`); `timeout_s` bounds each
     send/recv batch (errors name rank, step, action and peer). `recorder` collects one span per
-    action for a pipeline trace.
+    action for a pipeline trace. `forward_only` (evaluation) runs the `forward_only` table under
+    torch.no_grad(): no backward, no activation kept.
     """
     pp = mappings.size(pp_group)
     pp_rank = dist.get_rank(pp_group) if pp > 1 else 0
     device = device or torch.device("cpu")
-    actions = get_schedule(pp, pp_rank, len(microbatches), len(chunks))
+    schedule = forward_only_schedule if forward_only else get_schedule
+    actions = schedule(pp, pp_rank, len(microbatches), len(chunks))
     p2p = None
     if pp > 1:
         if tensor_shape is None:
@@ -148,7 +163,9 @@ def forward_backward(
         p2p = P2PCommunicator(pp_group, ranks, tensor_shape, dtype, device, timeout_s)
     pp_info = (pp_rank, pp, device)
     run = _Run(chunks, microbatches, forward_step, loss_scale, p2p, pp_info, dtype, recorder)
-    for step in comm_batches(actions):
-        run.execute(step)
+    run.forward_only = forward_only
+    with torch.no_grad() if forward_only else contextlib.nullcontext():
+        for step in comm_batches(actions):
+            run.execute(step)
     run.check_done()
     return run.total

@@ -336,6 +336,23 @@ def get_schedule(pp_size: int, pp_rank: int, num_microbatches: int, vpp: int = 1
     return interleaved_one_f_one_b(pp_size, pp_rank, num_microbatches, vpp)
 
 
+def forward_only(pp_size: int, pp_rank: int, num_microbatches: int, vpp: int = 1) -> list[Action]:
+    """Evaluation: each microbatch through this rank's chunks in virtual-stage order, forwards
+    only (receive, forward, send), with no activation kept for a backward."""
+    check_schedule_args(pp_size, num_microbatches, vpp)
+    _check_rank(pp_size, pp_rank)
+    last, actions = pp_size * vpp - 1, []
+    for mb in range(num_microbatches):
+        for chunk in range(vpp):
+            stage = virtual_stage(pp_rank, chunk, pp_size)
+            if stage > 0:
+                actions.append(Action("recv_forward", mb, chunk))
+            actions.append(Action("forward", mb, chunk))
+            if stage < last:
+                actions.append(Action("send_forward", mb, chunk))
+    return actions
+
+
 def get_schedule_table(pp_size: int, num_microbatches: int, vpp: int = 1) -> list[list[Action]]:
     """Every rank's action list, indexed by pipeline rank (what `simulate` takes)."""
     return [get_schedule(pp_size, r, num_microbatches, vpp) for r in range(pp_size)]

@@ -131,7 +131,13 @@ def _check_stages(tables: list[list[Action]], vpp: int) -> None:
             if not a.is_comm:
                 seen_by_stage[(a.kind, a.microbatch, stage)] = (rank, i)
     num_mb = 1 + max((mb for _, mb, _ in seen_by_stage), default=-1)
-    for kind in ("forward", "backward"):
+    # a table without any backward is a forward-only (evaluation) schedule
+    kinds = (
+        ("forward", "backward")
+        if any(k == "backward" for k, _, _ in seen_by_stage)
+        else ("forward",)
+    )
+    for kind in kinds:
         for mb in range(num_mb):
             for stage in range(last + 1):
                 if (kind, mb, stage) not in seen_by_stage:

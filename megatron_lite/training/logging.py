@@ -107,6 +107,8 @@ class MetricsLogger:
 
         eta = (time.monotonic() - self.start) / max(step - first_step, 1) * (total - step)
         extra = "".join(f" | {k} {mean(k):.4g}" for k in ("aux_loss",) if k in w[-1])
+        if "eval_loss" in w[-1]:  # the last evaluation of the interval, not a mean
+            extra += f" | eval loss {w[-1]['eval_loss']:.4f}"
         print(
             f"step {step:5d}/{total} | loss {mean('loss'):.4f} | lr {w[-1]['lr']:.3e} | "
             f"grad norm {mean('grad_norm'):.3f} | {mean('tokens_per_s'):,.0f} tok/s | "

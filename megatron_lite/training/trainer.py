@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_lite.config import Config
+from megatron_lite.data import build_valid_dataset
 from megatron_lite.data.prefetch import Prefetcher
 from megatron_lite.data.sampler import microbatches_at, split_sample
 from megatron_lite.models import build_model
@@ -56,6 +57,7 @@ class Trainer:
         self._prefetch: Prefetcher | None = None  # reads the next batches during train()
         self.checkpointer = Checkpointer(self)  # resumes per train.resume / train.init_from
         self.checkpointer.resume()  # sets step and consumed_samples
+        self.valid_dataset = build_valid_dataset(cfg) if cfg.train.eval_interval > 0 else None
 
     def num_parameters(self) -> int:
         """Parameters of the whole model (each element once), summed over all ranks."""
@@ -67,7 +69,44 @@ class Trainer:
         mappings.all_reduce(t, dist.group.WORLD)
         return int(t.item())
 
-    def _forward_backward(self, microbatches, loss_scale: float) -> torch.Tensor:
+    def evaluate(self) -> float:
+        """Validation loss: the token-weighted mean over the first train.eval_iters global
+        batches of the validation set (the same batches every time), forward only. The
+        training samples, the RNG states and the MoE statistics are left as they were."""
+        t, mesh = self.cfg.train, self.mesh
+        sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # [loss sum, tokens]
+        owner = mesh.is_last_stage and mesh.tp.rank == 0
+        for it in range(t.eval_iters):
+            batches = microbatches_at(
+                self.valid_dataset,
+                it * t.global_batch_size,
+                t.global_batch_size,
+                t.micro_batch_size,
+                mesh.dp.rank,
+                mesh.dp.size,
+            )
+            micro = [mb.to(self.device) for mb in batches]
+            loss = self._forward_backward(micro, 1.0, forward_only=True)
+            tokens = sum(float((split_sample(mb)[1] != IGNORE_INDEX).sum()) for mb in micro)
+            if owner:
+                sums[0] += loss.double().reshape(())
+            if mesh.tp.rank == 0 and mesh.cp.rank == 0 and mesh.is_last_stage:
+                sums[1] += tokens  # each dp rank's tokens once
+        mappings.all_reduce(sums, dist.group.WORLD, kind="all_reduce_eval")
+        for layer in self._moe_layers():
+            layer.pop_stats()  # evaluation routes tokens too: not this step's statistics
+        return sums[0].item() / sums[1].item()
+
+    def _moe_layers(self) -> list:
+        if self.cfg.model.num_experts is None:
+            return []
+        from megatron_lite.moe.layer import moe_layers
+
+        return moe_layers(self.chunks)
+
+    def _forward_backward(
+        self, microbatches, loss_scale: float, forward_only: bool = False
+    ) -> torch.Tensor:
         """One path for every layout: the pipeline engine (pp = 1 runs no_pipelining)."""
         cfg, mesh = self.cfg, self.mesh
         shape = activation_shape(
@@ -78,7 +117,7 @@ class Trainer:
             mesh.tp.size,
             cfg.parallel.sequence_parallel,
         )
-        recorder = self._pipeline_recorder()
+        recorder = None if forward_only else self._pipeline_recorder()
         total = forward_backward(
             self.chunks,
             microbatches,
@@ -90,6 +129,7 @@ class Trainer:
             loss_scale=loss_scale,
             timeout_s=cfg.parallel.timeout_s,
             recorder=recorder,
+            forward_only=forward_only,
         )
         if recorder is not None:
             meta = {
@@ -209,6 +249,10 @@ class Trainer:
         z_loss = bool(m.moe_z_loss_coeff)
         return moe_metrics(self.chunks, m.num_layers, m.num_experts, count_here, z_loss)
 
+    def _eval_due(self) -> bool:
+        every = self.cfg.train.eval_interval
+        return every > 0 and (self.step % every == 0 or self.step == self.cfg.train.steps)
+
     def train(self) -> list[dict]:
         records = []
         first, t = self.step, self.cfg.train
@@ -219,6 +263,8 @@ class Trainer:
         try:
             while self.step < t.steps:
                 record = self.train_step()
+                if self._eval_due():
+                    record["eval_loss"] = self.evaluate()
                 stop = self.checkpointer.after_step(record)  # saves when due; stop on a signal
                 self.logger.log(record, first)
                 records.append(record)

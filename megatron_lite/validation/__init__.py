@@ -14,7 +14,7 @@ from megatron_lite.validation.fields import (
     _validate_positive_sizes,
     _validate_train_ranges,
 )
-from megatron_lite.validation.inputs import _validate_checkpointing, _validate_data
+from megatron_lite.validation.inputs import _validate_checkpointing, _validate_data, _validate_eval
 from megatron_lite.validation.moe import _validate_moe
 from megatron_lite.validation.parallel import (
     _validate_batch_sizes,
@@ -54,5 +54,6 @@ def validate(cfg: Config, world_size: int) -> Config:
     _validate_train_ranges(r)
     _validate_fp8(r)
     _validate_data(r)
+    _validate_eval(r)
     _validate_output_paths(r)
     return r

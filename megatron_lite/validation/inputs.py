@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 from megatron_lite.config import Config, TrainConfig
+from megatron_lite.resolve import split_weights
 from megatron_lite.validation.rules import _choice, _rule
 
 
@@ -135,4 +136,38 @@ def _validate_prefix(prefix: str) -> None:
             prefix,
             f"file {path} is not readable by this user",
             "fix its permissions or copy the dataset",
+        )
+
+
+def _validate_eval(cfg: Config) -> None:
+    """Validation loss settings: an interval, a batch count, and validation data to use."""
+    d, t = cfg.data, cfg.train
+    _rule(
+        t.eval_interval >= 0,
+        "train.eval_interval",
+        t.eval_interval,
+        "must be >= 0 (0 = never)",
+        "use e.g. 100",
+    )
+    _rule(t.eval_iters >= 1, "train.eval_iters", t.eval_iters, "must be >= 1", "use e.g. 10")
+    weights = split_weights(d.split) if d.split is not None else None
+    fix = 'use e.g. data.split="969,30,1"'
+    if d.split is not None:
+        _rule(
+            weights is not None,
+            "data.split",
+            d.split,
+            "must be 1 to 3 non-negative weights (train,valid,test) with a positive sum",
+            fix,
+        )
+        _rule(not d.valid_paths, "data.split", d.split, "is set with data.valid_paths", fix)
+    for prefix in d.valid_paths:
+        _validate_prefix(prefix)
+    if t.eval_interval > 0 and not d.mock:
+        _rule(
+            bool(d.valid_paths) or bool(weights and weights[1] > 0),
+            "train.eval_interval",
+            t.eval_interval,
+            "needs validation data: data.valid_paths, or a data.split with a validation part",
+            'set data.split="969,30,1" (or data.valid_paths), or train.eval_interval=0',
         )
