@@ -373,10 +373,14 @@ class Checkpointer:
     def _on_signal(self, signum, frame) -> None:
         self.signal_received = signal.Signals(signum).name
 
-    def after_step(self, record: dict) -> bool:
-        """Save when due (adds ckpt_blocked_s to the record); True = stop training now."""
+    def after_step(self, record: dict, stop_requested: bool | None = None) -> bool:
+        """Save when due (adds ckpt_blocked_s to the record); True = stop training now.
+        `stop_requested`: whether any rank got a stop signal, already agreed by the caller
+        (the trainer folds the flag into its one per-step world all-reduce); None: agree here."""
         t, step = self.cfg.train, self.trainer.step
-        stop = self.ranks.any(self.signal_received is not None)
+        stop = stop_requested
+        if stop is None:
+            stop = self.ranks.any(self.signal_received is not None)
         due = t.save_interval > 0 and (step % t.save_interval == 0 or step == t.steps)
         if due or (stop and t.save_interval > 0):
             record["ckpt_blocked_s"] = self.save()

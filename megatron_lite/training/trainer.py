@@ -55,6 +55,7 @@ class Trainer:
         self.step = 0
         self.consumed_samples = 0  # the data position (a checkpoint restores it)
         self._prefetch: Prefetcher | None = None  # reads the next batches during train()
+        self.stop_requested = False  # a rank got SIGTERM/SIGINT/SIGUSR1 (agreed every step)
         self.checkpointer = Checkpointer(self)  # resumes per train.resume / train.init_from
         self.checkpointer.resume()  # sets step and consumed_samples
         self.valid_dataset = build_valid_dataset(cfg) if cfg.train.eval_interval > 0 else None
@@ -189,14 +190,17 @@ class Trainer:
         self.dp.start_step(len(micro))
         loss_sum = self._forward_backward(micro, 1.0 / n_tokens)
         self.dp.finish_grad_sync()  # the buckets the backward did not already reduce
-        # one world all-reduce for [Σg², loss sum]: the loss lives on the last stage (tp rank 0
-        # reports it) and each CP rank holds a slice of the sum
+        # one world all-reduce for [Σg², loss sum, stop signals]: the loss lives on the last stage
+        # (tp rank 0 reports it), each CP rank holds a slice of the sum; a rank that got a stop
+        # signal adds 1, so every rank agrees on stopping without a collective of its own
         owner = mesh.is_last_stage and mesh.tp.rank == 0
         grad_sq = self.dp.grad_square_sum()
         loss_part = loss_sum.reshape(()).double() if owner else torch.zeros_like(grad_sq)
-        sums = torch.stack([grad_sq, loss_part])
+        signalled = float(self.checkpointer.signal_received is not None)
+        sums = torch.stack([grad_sq, loss_part, torch.full_like(grad_sq, signalled)])
         mappings.all_reduce(sums, dist.group.WORLD, kind="all_reduce_norm_loss")
-        grad_sq, loss_total = sums.tolist()
+        grad_sq, loss_total, signals = sums.tolist()
+        self.stop_requested = signals > 0
         grad_norm = grad_sq**0.5
         loss = loss_total / n_tokens
         skipped = self.guard.check(self.step, loss, grad_norm, loss_part.item(), self.named_params)
@@ -265,7 +269,8 @@ class Trainer:
                 record = self.train_step()
                 if self._eval_due():
                     record["eval_loss"] = self.evaluate()
-                stop = self.checkpointer.after_step(record)  # saves when due; stop on a signal
+                # saves when due; stops when a rank got a signal (agreed in train_step)
+                stop = self.checkpointer.after_step(record, self.stop_requested)
                 self.logger.log(record, first)
                 records.append(record)
                 if stop:
