@@ -98,8 +98,39 @@ def param_pieces(name: str, meta: ParamMeta) -> list[Piece]:
 
 
 def writes(meta: ParamMeta, mesh) -> bool:
-    """Whether this rank is the one replica that saves its pieces of the parameter."""
+    """Whether this rank holds the canonical replica of the parameter (dp·cp rank 0, TP rank 0
+    when TP-replicated); `writer_names` spreads the writing over all replicas instead."""
     return unique_owner(meta, mesh)
+
+
+def writer_names(params: list[tuple[str, ParamMeta, int]], mesh) -> set[str]:
+    """Which of this stage's parameters (name, meta, elements) this rank writes, so that every
+    replica group (dp·cp, or expert-data-parallel, × TP for TP-replicated parameters) shares
+    the writing about evenly (Megatron's fully parallel save): parameters are dealt, largest
+    first, to the least-loaded replica. Every rank of a stage computes the same table (their
+    parameters have the same names and local sizes), so each piece has one writer."""
+    loads: dict[tuple, int] = {}
+    mine = set()
+    tp, my_t = mesh.tp.size, mesh.tp.rank
+    for name, meta, numel in sorted(params, key=lambda item: (-item[2], item[0])):
+        if meta.tied_copy:  # the embedding's copy on the last stage: the first stage writes it
+            continue
+        group = mesh.edp if meta.is_expert else mesh.dp_cp
+        kind = "expert" if meta.is_expert else "dense"
+        if meta.tp_dim is None or meta.is_expert:  # one copy on every (replica, TP rank)
+            slots = [(kind, d, t) for d in range(group.size) for t in range(tp)]
+            best = min(slots, key=lambda s: (loads.get(s, 0), s))
+            loads[best] = loads.get(best, 0) + numel
+            mine.update([name] if best == (kind, group.rank, my_t) else [])
+            continue
+        for t in range(tp):  # each TP rank's shard has its own replicas
+            best = min(
+                ((kind, d, t) for d in range(group.size)), key=lambda s: (loads.get(s, 0), s)
+            )
+            loads[best] = loads.get(best, 0) + numel
+            if t == my_t and best[1] == group.rank:
+                mine.add(name)
+    return mine
 
 
 def named_parameters(chunks) -> list[tuple[str, torch.nn.Parameter]]:
@@ -155,8 +186,10 @@ def save_state(chunks, optimizer, mesh, tracker, rank: int):
     def add(key: str, t: torch.Tensor, piece: Piece) -> None:
         tensors[key], pieces[key] = t.detach(), piece
 
-    for name, p in named_parameters(chunks):
-        if not writes(p.meta, mesh):
+    named = named_parameters(chunks)
+    to_write = writer_names([(n, p.meta, p.numel()) for n, p in named], mesh)
+    for name, p in named:
+        if name not in to_write:
             continue
         state = optimizer_states.get(id(p), {})
         mine = param_pieces(name, p.meta)

@@ -2,6 +2,7 @@
 (damaged / truncated files reported by name), resume=auto fallback, and how parameter shards
 map to logical tensors (every element stored exactly once, by exactly one rank)."""
 
+import math
 import os
 from types import SimpleNamespace
 
@@ -12,7 +13,7 @@ from megatron_lite.parallel.mesh import RankLayout
 from megatron_lite.parallel.params import ParamMeta, shard
 from megatron_lite.training import checkpoint_files as files
 from megatron_lite.training.checkpoint_files import CheckpointError
-from megatron_lite.training.checkpoint_state import param_pieces, writes
+from megatron_lite.training.checkpoint_state import param_pieces, writer_names
 
 
 def fake_save(ckpt_dir: str, step: int, keep: int = 2) -> str:
@@ -154,32 +155,40 @@ def test_pieces_reassemble_the_full_tensor(tp):
         assert torch.all(seen == 1), f"{key}: elements stored {seen.unique().tolist()} times"
 
 
-def _mesh(tp_rank: int, dp_cp_rank: int, edp_rank: int) -> SimpleNamespace:
-    """The coordinates of ParallelMesh that the writer rule reads."""
+def _mesh(tp_rank: int, dp_cp_rank: int, edp_rank: int, tp=2, dp_cp=2, edp=1) -> SimpleNamespace:
+    """The coordinates of ParallelMesh that the writer rules read."""
     return SimpleNamespace(
-        tp=SimpleNamespace(rank=tp_rank),
-        dp_cp=SimpleNamespace(rank=dp_cp_rank),
-        edp=SimpleNamespace(rank=edp_rank),
+        tp=SimpleNamespace(rank=tp_rank, size=tp),
+        dp_cp=SimpleNamespace(rank=dp_cp_rank, size=dp_cp),
+        edp=SimpleNamespace(rank=edp_rank, size=edp),
     )
 
 
 def test_one_writer_per_piece():
-    """On tp2 x dp2 x pp2 with ep2, each (stage, piece) is written by exactly one rank."""
+    """On tp2 x dp2 x pp2 with ep2, each (stage, piece) is written by exactly one rank, and every
+    rank writes a share (Megatron's fully parallel save)."""
     layout = RankLayout(8, tp=2, pp=2, ep=2)
     writers: dict[tuple, list[int]] = {}
+    written = [0] * 8
     for rank in range(8):
         c = layout.coords(rank)
         mesh = _mesh(c["tp"], c["dp_cp"], c["edp"])
-        for name, meta in metas(2, c["tp"]).items():
+        stage = metas(2, c["tp"])
+        for meta in stage.values():
             if meta.is_expert:
                 meta.tp_rank, meta.tp_size = c["ep"], 2
-            if writes(meta, mesh):
+        sizes = [(n, m, math.prod(m.full_shape)) for n, m in stage.items()]
+        mine = writer_names(sizes, mesh)
+        for name, meta in stage.items():
+            if name in mine:
+                written[rank] += 1
                 for piece in param_pieces(name, meta):
                     writers.setdefault((c["pp"], piece.key, piece.offsets), []).append(rank)
     tied = ParamMeta((13, 16), tp_dim=0, padded=16, tied_copy=True, init_name="embedding.weight")
-    assert not writes(tied, _mesh(0, 0, 0))
+    assert not writer_names([("output_layer.weight", tied, 128)], _mesh(0, 0, 0))
     assert all(len(r) == 1 for r in writers.values()), writers
     assert len({k for _, k, _ in writers}) == 9  # qkv 3, fc1 bias 2, fc2, norm, emb, experts
+    assert all(n >= 1 for n in written), written
 
 
 # ------------------------------------------------------------------ config keys
