@@ -25,10 +25,10 @@ def chunk_layers(stage_layers: list[int], pp: int, pp_rank: int, chunk: int) -> 
 
 
 def build_model(
-    cfg: Config, mesh: ParallelMesh, tracker: RNGStatesTracker, vocab_size: int
+    cfg: Config, mesh: ParallelMesh, tracker: RNGStatesTracker, vocab_size: int, init: bool = True
 ) -> list[ModelChunk]:
     """This rank's model chunks (vpp of them), initialized layout-independently from
-    `train.seed`."""
+    `train.seed` (init=False: left uninitialized, for weights that a checkpoint will fill)."""
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab_size))
     config = TransformerConfig.from_config(cfg, mesh.layout.world_size)
     pp, vpp = mesh.pp.size, cfg.parallel.vpp
@@ -44,6 +44,7 @@ def build_model(
             pre_process=stage == 0,
             post_process=stage == pp * vpp - 1,
         )
-        init_parameters(chunk, cfg.train.seed)
+        if init:
+            init_parameters(chunk, cfg.train.seed)
         chunks.append(chunk)
     return chunks

@@ -1,8 +1,9 @@
 """Parameter metadata and layout-independent initialization.
 
-Every parameter carries a `ParamMeta` saying how its full (logical) tensor is sharded. The
-initializer draws the FULL tensor from a generator seeded by (seed, init name) and keeps this
-rank's shard, so the same seed gives the same model whatever the layout. Gradient finalization,
+Every parameter carries a `ParamMeta` saying how its full (logical) tensor is sharded. The full
+tensor is defined blockwise along its sharded dim, each block drawn from a generator seeded by
+(seed, init name, block), so a rank draws only the blocks its shard touches (time and memory
+follow the shard) and the same seed gives the same model whatever the layout. Gradient finalization,
 grad-norm clipping and checkpoints read the same metadata.
 
 A parameter without metadata (a plain `nn.Linear` or `nn.LayerNorm` mixed into a model) is
@@ -66,15 +67,68 @@ def _generator(seed: int, name: str) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
 
 
+BLOCK_ELEMENTS = 1 << 16  # about this many values per generator block
+
+
+def _block_length(shape: tuple[int, ...], dim: int) -> int:
+    """Indices along `dim` per block: a function of the full shape alone."""
+    per_index = max(1, math.prod(shape) // max(shape[dim], 1))
+    return max(1, BLOCK_ELEMENTS // per_index)
+
+
+def _draw(meta: ParamMeta, key: str, seed: int, dim: int, start: int, end: int) -> torch.Tensor:
+    """Indices [start, end) along `dim` of the logical full tensor: block b of the full tensor
+    (indices [b·B, (b+1)·B) along dim, everything else whole) comes from a generator seeded by
+    (seed, key, b), so a rank draws only the blocks its shard touches."""
+    full, n = meta.full_shape, meta.full_shape[dim]
+    step, parts = _block_length(full, dim), []
+    for b in range(start // step, -(-end // step)):
+        lo, hi = b * step, min((b + 1) * step, n)
+        shape = list(full)
+        shape[dim] = hi - lo
+        block = torch.randn(shape, generator=_generator(seed, f"{key}#{b}")) * meta.std
+        a, e = max(start, lo), min(end, hi)
+        parts.append(block.narrow(dim, a - lo, e - a))
+    if not parts:
+        shape = list(full)
+        shape[dim] = 0
+        return torch.empty(shape)
+    return torch.cat(parts, dim=dim)
+
+
 def full_tensor(meta: ParamMeta, name: str, seed: int) -> torch.Tensor:
     """The logical full tensor (fp32, CPU) for a parameter, identical on every layout."""
-    if meta.init == "zeros":
-        return torch.zeros(meta.full_shape)
-    if meta.init == "ones":
-        return torch.ones(meta.full_shape)
-    return (
-        torch.randn(meta.full_shape, generator=_generator(seed, meta.init_name or name)) * meta.std
-    )
+    if meta.init in ("zeros", "ones"):
+        return (torch.zeros if meta.init == "zeros" else torch.ones)(meta.full_shape)
+    dim = meta.tp_dim or 0
+    return _draw(meta, meta.init_name or name, seed, dim, 0, meta.full_shape[dim])
+
+
+def init_shard(meta: ParamMeta, name: str, seed: int) -> torch.Tensor:
+    """This rank's shard of `full_tensor(meta, name, seed)`, drawing only the blocks it needs:
+    time and memory follow the shard, not the whole parameter."""
+    dim = meta.tp_dim if meta.tp_dim is not None else 0
+    n = meta.full_shape[dim]
+    size = meta.padded if meta.padded is not None else n
+    segments = meta.segments or (size,)
+    tp, r = (meta.tp_size, meta.tp_rank) if meta.tp_dim is not None else (1, 0)
+    parts, offset = [], 0
+    for seg in segments:
+        lo, hi = offset + r * seg // tp, offset + (r + 1) * seg // tp  # this rank's chunk
+        real = max(lo, min(hi, n))  # rows past n are vocabulary padding (zeros)
+        if meta.init in ("zeros", "ones"):
+            shape = list(meta.full_shape)
+            shape[dim] = real - lo
+            fill = torch.zeros if meta.init == "zeros" else torch.ones
+            parts.append(fill(shape))
+        else:
+            parts.append(_draw(meta, meta.init_name or name, seed, dim, lo, real))
+        if hi > real:
+            shape = list(meta.full_shape)
+            shape[dim] = hi - real
+            parts.append(torch.zeros(shape))
+        offset += seg
+    return torch.cat(parts, dim=dim) if len(parts) > 1 else parts[0]
 
 
 def shard(full: torch.Tensor, meta: ParamMeta) -> torch.Tensor:
@@ -108,7 +162,7 @@ def init_parameters(module: torch.nn.Module, seed: int) -> None:
                 meta_of(p)
     for name, p in module.named_parameters():
         if p.meta.init != "module":
-            p.copy_(shard(full_tensor(p.meta, name, seed), p.meta))
+            p.copy_(init_shard(p.meta, name, seed))
 
 
 def _reset_replicated(mod_name: str, mod: torch.nn.Module, names: list[str], seed: int) -> None:

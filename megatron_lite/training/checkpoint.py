@@ -125,13 +125,14 @@ class Checkpointer:
             print(f"[checkpoint] {msg}", flush=True)
 
     # ------------------------------------------------------------------ resume
-    def resume(self) -> None:
-        """Apply train.resume / train.init_from (collective)."""
+    def resume(self) -> bool:
+        """Apply train.resume / train.init_from (collective); True when weights were loaded."""
         t = self.cfg.train
         try:
             path, model_only = self._choose(t.resume, t.init_from)
             if path is not None:
                 self.load(path, model_only=model_only)
+            return path is not None
         except BaseException:
             if self.run_lock is not None:  # nothing is being saved yet
                 self.run_lock.release()

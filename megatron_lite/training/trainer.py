@@ -18,7 +18,7 @@ from megatron_lite.parallel.comm_stats import STATS
 from megatron_lite.parallel.cross_entropy import IGNORE_INDEX
 from megatron_lite.parallel.data_parallel.memory import TERMS
 from megatron_lite.parallel.mesh import ParallelMesh
-from megatron_lite.parallel.params import unique_owner
+from megatron_lite.parallel.params import init_parameters, unique_owner
 from megatron_lite.parallel.random import model_parallel_seed
 from megatron_lite.pipeline.engine import forward_backward
 from megatron_lite.pipeline.p2p import activation_shape, pipeline_dtype
@@ -41,7 +41,9 @@ class Trainer:
             else torch.device("cpu")
         )
         self.tracker = model_parallel_seed(cfg.train.seed, mesh.tp.rank, mesh.pp.rank)
-        self.chunks = [c.to(self.device) for c in build_model(cfg, mesh, self.tracker, vocab_size)]
+        # weights are drawn after resume decides: a loaded checkpoint skips the random init
+        chunks = build_model(cfg, mesh, self.tracker, vocab_size, init=False)
+        self.chunks = [c.to(self.device) for c in chunks]
         if cfg.train.precision == "bf16":  # bf16 weights; fp32 masters live in the optimizer
             for c in self.chunks:
                 for p in c.parameters():
@@ -57,7 +59,10 @@ class Trainer:
         self._prefetch: Prefetcher | None = None  # reads the next batches during train()
         self.stop_requested = False  # a rank got SIGTERM/SIGINT/SIGUSR1 (agreed every step)
         self.checkpointer = Checkpointer(self)  # resumes per train.resume / train.init_from
-        self.checkpointer.resume()  # sets step and consumed_samples
+        if not self.checkpointer.resume():  # sets step and consumed_samples when it loads
+            for chunk in self.chunks:
+                init_parameters(chunk, cfg.train.seed)  # each rank draws only its shard
+            self.optimizer.sync_masters_from_params()
         self.valid_dataset = build_valid_dataset(cfg) if cfg.train.eval_interval > 0 else None
 
     def num_parameters(self) -> int:

@@ -1,0 +1,53 @@
+"""Shard-local initialization: each rank's shard equals the same slice of the layout-independent
+full tensor, and drawing it touches only about a 1/tp share of the generator blocks."""
+
+import pytest
+import torch
+
+from megatron_lite.parallel import params
+from megatron_lite.parallel.params import ParamMeta, full_tensor, init_shard, shard
+
+CASES = {
+    "qkv segments": ((32, 16), dict(tp_dim=0, segments=(16, 8, 8))),
+    "gate/up bias": ((24,), dict(tp_dim=0, segments=(12, 12))),
+    "row parallel": ((16, 12), dict(tp_dim=1)),
+    "padded vocab": ((13, 16), dict(tp_dim=0, padded=16)),
+    "experts": ((4, 6, 16), dict(tp_dim=0, is_expert=True)),
+    "replicated": ((16,), dict()),
+    "tall": ((5000, 64), dict(tp_dim=0)),
+    "wide": ((64, 5000), dict(tp_dim=1)),
+    "ones": ((64,), dict(init="ones", tp_dim=0)),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_shard_is_the_slice_of_the_full_tensor(case, tp):
+    shape, kw = CASES[case]
+    if any(s % tp for s in kw.get("segments", ())):
+        pytest.skip("segments not divisible")
+    for rank in range(tp):
+        extra = {"tp_rank": rank, "tp_size": tp} if "tp_dim" in kw else {}
+        meta = ParamMeta(shape, **kw, **extra)
+        want = shard(full_tensor(meta, "w", 11), meta)
+        assert torch.equal(init_shard(meta, "w", 11), want), (case, tp, rank)
+
+
+def test_a_shard_draws_only_its_blocks(monkeypatch):
+    drawn = []
+    real = torch.randn
+
+    def counting(*shape, **kw):
+        out = real(*shape, **kw)
+        drawn.append(out.numel())
+        return out
+
+    monkeypatch.setattr(params.torch, "randn", counting)
+    for dim, shape in ((0, (8192, 256)), (1, (256, 8192))):
+        full = ParamMeta(shape, tp_dim=dim, tp_rank=0, tp_size=1)
+        drawn.clear()
+        init_shard(full, "w", 0)
+        everything = sum(drawn)
+        drawn.clear()
+        init_shard(ParamMeta(shape, tp_dim=dim, tp_rank=3, tp_size=8), "w", 0)
+        assert sum(drawn) <= everything / 8 + params.BLOCK_ELEMENTS, (dim, sum(drawn))
