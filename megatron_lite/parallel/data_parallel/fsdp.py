@@ -132,7 +132,11 @@ class FullyShardedDataParallel:
         # the trainer's forward step and the pipeline engine never change a chunk's output in
         # place, which is what this FSDP2 warning (once per rank) is about
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view")
-        policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        # inputs are left as they come (fp32 rope tables, the fp32 wire between stages), as
+        # in stages 0-2: autocast picks the compute dtype of each op
+        policy = MixedPrecisionPolicy(
+            param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False
+        )
         kw = dict(reshard_after_forward=reshard_after_forward, mp_policy=policy)
         for chunk in chunks:
             _shard_chunk(chunk, list(layers_of(chunk)), dense, experts, kw)
