@@ -68,11 +68,13 @@ class ParallelConfig:
     timeout_s: float = 300.0  # collective / p2p timeout
     # data parallelism (parallel/data_parallel/): ZeRO stage, hybrid sharding, buckets
     zero_stage: int = 0  # 0 replicated optimizer | 1 distributed optimizer | 2 + sharded grads
+    # | 3 + sharded parameters (torch FSDP2)
     dp_shard: int | None = None  # shard within groups of this many ranks (None: the whole group)
     ddp_bucket_size: int = 40_000_000  # parameters per gradient bucket
     overlap_grad_reduce: bool = True  # reduce buckets during the backward
     overlap_param_gather: bool = True  # all-gather updated weights during the next forward
     grad_reduce_dtype: str = "fp32"  # fp32 | bf16
+    reshard_after_forward: bool = True  # zero_stage 3: free gathered weights after each forward
 
 
 @dataclass

@@ -175,6 +175,13 @@ def has_master_copies(chunks) -> bool:
     return any(p.dtype != torch.float32 for c in chunks for p in c.parameters())
 
 
+def whole_weights(optimizer) -> dict[int, torch.Tensor]:
+    """id(param) -> the whole local tensor of each parameter, from an optimizer whose parameters
+    are themselves sharded (ZeRO-3: `full_weights`, collective); empty when they are whole."""
+    full = getattr(optimizer, "full_weights", None)
+    return full() if full is not None else {}
+
+
 def save_state(chunks, optimizer, mesh, tracker, rank: int):
     """(tensors, pieces) keyed alike: what this rank writes. Tensors are views; stage (copy)
     them before training continues. The optimizer's state arrives as whole (logical) tensors
@@ -182,6 +189,7 @@ def save_state(chunks, optimizer, mesh, tracker, rank: int):
     weights when they are kept apart from bf16 parameters."""
     tensors, pieces = {}, {}
     optimizer_states = optimizer.full_states(with_master=has_master_copies(chunks))
+    weights = whole_weights(optimizer)
 
     def add(key: str, t: torch.Tensor, piece: Piece) -> None:
         tensors[key], pieces[key] = t.detach(), piece
@@ -194,7 +202,7 @@ def save_state(chunks, optimizer, mesh, tracker, rank: int):
         state = optimizer_states.get(id(p), {})
         mine = param_pieces(name, p.meta)
         for piece in mine:
-            add(f"model/{piece.key}", piece.local(p), piece)
+            add(f"model/{piece.key}", piece.local(weights.get(id(p), p)), piece)
             for k in (*MOMENTS, "master"):
                 if k in state:
                     add(f"optim/{k}/{piece.key}", piece.local(state[k]), piece)
@@ -214,15 +222,17 @@ def load_targets(chunks, optimizer, with_optimizer: bool, with_master: bool = Fa
     copies start from the loaded parameters)."""
     buffers, pieces, plan = {}, {}, []
     optim_kinds = (*MOMENTS, "master") if with_master else MOMENTS
+    weights = whole_weights(optimizer)
     for name, p in named_parameters(chunks):
+        w = weights.get(id(p), p)  # what the checkpoint holds: the whole local tensor
         entries = []
         for piece in param_pieces(name, p.meta):
             kinds = ("model", *(f"optim/{k}" for k in optim_kinds if with_optimizer))
             for kind in kinds:
                 key = f"{kind}/{piece.key}"
                 if key not in buffers:
-                    dtype = p.dtype if kind == "model" else torch.float32
-                    buffers[key] = torch.empty(piece.local(p).shape, dtype=dtype, device="cpu")
+                    dtype = w.dtype if kind == "model" else torch.float32
+                    buffers[key] = torch.empty(piece.local(w).shape, dtype=dtype, device="cpu")
                     pieces[key] = piece
                 entries.append((kind, piece, key))
         step_key = None
@@ -230,22 +240,24 @@ def load_targets(chunks, optimizer, with_optimizer: bool, with_master: bool = Fa
             step_key = f"optim/step/{logical_name(name, p.meta)}"
             buffers[step_key] = torch.zeros((), dtype=torch.float32)
             pieces[step_key] = Piece(step_key, (), ())
-        plan.append((p, entries, step_key))
+        plan.append((p, w, entries, step_key))
 
     @torch.no_grad()
     def apply() -> None:
         states = {}
-        for p, entries, step_key in plan:
-            dest = {"model": p.data}
+        for p, w, entries, step_key in plan:
+            dest = {"model": w.data}
             if with_optimizer:
-                state = {k: torch.zeros_like(p, dtype=torch.float32) for k in optim_kinds}
+                state = {k: torch.zeros_like(w, dtype=torch.float32) for k in optim_kinds}
                 dest.update({f"optim/{k}": t for k, t in state.items()})
                 state["step"] = buffers[step_key].clone()
                 states[id(p)] = state
             if p.meta.padded is not None:
-                p.data.zero_()
+                w.data.zero_()
             for kind, piece, key in entries:
                 piece.local(dest[kind]).copy_(buffers[key])
+        if weights:
+            optimizer.load_full_weights(weights)
         if with_optimizer:
             optimizer.load_full_states(states)
         else:

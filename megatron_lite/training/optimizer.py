@@ -7,13 +7,27 @@ import math
 import torch
 
 from megatron_lite.config import Config, TrainConfig
-from megatron_lite.parallel.data_parallel import DataParallel
+from megatron_lite.parallel.data_parallel import DataParallel, FullyShardedDataParallel
 
 
-def build_data_parallel(chunks, mesh, cfg: Config) -> DataParallel:
-    """Gradient buffers, bucketed reduction and AdamW for the configured ZeRO stage. Weight
-    decay on matrices only (not norms, biases or other 1-D parameters)."""
+def build_data_parallel(chunks, mesh, cfg: Config) -> DataParallel | FullyShardedDataParallel:
+    """Gradient buffers, bucketed reduction and AdamW for the configured ZeRO stage (stage 3:
+    FSDP2). Weight decay on matrices only (not norms, biases or other 1-D parameters)."""
     p, t = cfg.parallel, cfg.train
+    if p.zero_stage == 3:
+        return FullyShardedDataParallel(
+            chunks,
+            mesh,
+            dp_shard=p.dp_shard,
+            reshard_after_forward=p.reshard_after_forward,
+            param_dtype=torch.bfloat16 if t.precision == "bf16" else torch.float32,
+            reduce_dtype=torch.bfloat16 if p.grad_reduce_dtype == "bf16" else torch.float32,
+            tie_embeddings=cfg.model.tie_embeddings,
+            lr=t.lr,
+            betas=(t.adam_beta1, t.adam_beta2),
+            eps=t.adam_eps,
+            weight_decay=t.weight_decay,
+        )
     return DataParallel(
         chunks,
         mesh,

@@ -48,9 +48,9 @@ class Trainer:
             for c in self.chunks:
                 for p in c.parameters():
                     p.data = p.data.to(torch.bfloat16)
+        self.dp = build_data_parallel(self.chunks, mesh, cfg)  # ZeRO-3 replaces the parameters
         self.named_params = [(n, p) for c in self.chunks for n, p in c.named_parameters()]
         self.params = [p for _, p in self.named_params]
-        self.dp = build_data_parallel(self.chunks, mesh, cfg)
         self.optimizer = self.dp.optimizer
         self.logger = MetricsLogger(cfg, active=dist.get_rank() == 0)
         self.guard = NonFiniteGuard(cfg.train.skip_nonfinite_steps)

@@ -10,13 +10,15 @@ def _validate_data_parallel(cfg: Config) -> None:
     """On the resolved config (parallel.dp filled in)."""
     p, t = cfg.parallel, cfg.train
     _rule(
-        p.zero_stage in (0, 1, 2),
+        p.zero_stage in (0, 1, 2, 3),
         "parallel.zero_stage",
         p.zero_stage,
-        "must be 0 (replicated optimizer), 1 (distributed optimizer) or 2 (and sharded "
-        "gradients); stage 3 (FSDP2) is not available yet",
-        "use parallel.zero_stage=1 or 2 for sharded optimizer states",
+        "must be 0 (replicated optimizer), 1 (distributed optimizer), 2 (and sharded "
+        "gradients) or 3 (and sharded parameters, torch FSDP2)",
+        "use one of 0, 1, 2, 3",
     )
+    if p.zero_stage == 3:
+        _validate_zero3(cfg)
     _choice("parallel.grad_reduce_dtype", p.grad_reduce_dtype, ("fp32", "bf16"))
     _choice("train.optimizer_offload", t.optimizer_offload, ("none", "cpu"))
     _rule(
@@ -34,7 +36,7 @@ def _validate_data_parallel(cfg: Config) -> None:
         "parallel.dp_shard",
         p.dp_shard,
         "hybrid sharding shards the optimizer, which parallel.zero_stage=0 replicates",
-        "set parallel.zero_stage=1 or 2, or parallel.dp_shard=null",
+        "set parallel.zero_stage=1, 2 or 3, or parallel.dp_shard=null",
     )
     _rule(
         p.dp_shard >= 1 and group % p.dp_shard == 0,
@@ -50,4 +52,25 @@ def _validate_data_parallel(cfg: Config) -> None:
         p.dp_shard,
         f"must divide the experts' reduction group dp·cp/ep = {edp}",
         f"use a divisor of {edp}",
+    )
+
+
+def _validate_zero3(cfg: Config) -> None:
+    """What FSDP2 (parallel/data_parallel/fsdp.py) does not compose with."""
+    t, m = cfg.train, cfg.model
+    _rule(
+        t.optimizer_offload == "none",
+        "train.optimizer_offload",
+        t.optimizer_offload,
+        "optimizer offload is for parallel.zero_stage 0-2; stage 3 shards the optimizer "
+        "states over the data-parallel ranks instead",
+        "set train.optimizer_offload=none, or parallel.zero_stage=1 or 2",
+    )
+    _rule(
+        m.linear_backend == "local",
+        "model.linear_backend",
+        m.linear_backend,
+        "parallel.zero_stage=3 needs the local GEMM: a Transformer Engine GEMM keeps the "
+        "parameter it was built with, which FSDP2 replaces by its sharded copy",
+        "set model.linear_backend=local, or parallel.zero_stage=1 or 2",
     )

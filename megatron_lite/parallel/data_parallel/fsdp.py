@@ -1,0 +1,211 @@
+"""`FullyShardedDataParallel`: ZeRO stage 3 through torch FSDP2 (`fully_shard`), with hybrid
+sharding (HSDP), for one rank's model chunks. Same methods as `DataParallel`, so the trainer
+and the checkpoints do not know which stage runs.
+
+Units: `fully_shard` per transformer layer (each module of a chunk's `layers`), the expert
+modules inside them (their own unit, on the expert-data-parallel mesh), then the chunk root
+(embedding, final norm, output layer). Each unit's parameters are sharded over the gradient's
+reduction group, dp×cp for dense parameters and edp for experts, as a 1-D `DeviceMesh`, or with
+`dp_shard` a 2-D (replicate, shard) mesh: shard within blocks of dp_shard ranks, all-reduce the
+shards across the blocks. Our TP/EP shards are plain local tensors; FSDP2 shards them further
+along dim 0. The sharded fp32 parameters are the master weights; `param_dtype` is what the
+gathered weights compute in (bf16 under train.precision=bf16), `reduce_dtype` the gradient
+reduction's.
+
+Gradients are summed (the loss is already the mean over the global batch). Over microbatches
+they accumulate unsharded, in `reduce_dtype`, without communication: each chunk reduce-scatters
+once, in the backward of the step's last microbatch (a hook on the chunk's output counts its
+backwards, which run in microbatch order under every pipeline schedule). Then, as in
+`DataParallel`, sequence-parallel replicas are summed over TP and the tied embedding over the
+first/last pipeline stage, on the local shards (every such rank shards alike).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterable
+
+import torch
+
+from megatron_lite.parallel.data_parallel.ddp import _all_reduce_flat, hybrid_groups
+from megatron_lite.parallel.data_parallel.fsdp_optimizer import FSDPAdamW
+from megatron_lite.parallel.mesh import ParallelMesh
+from megatron_lite.parallel.params import meta_of
+
+try:  # torch >= 2.6 exports FSDP2 here
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+except ImportError:  # pragma: no cover - older torch
+    FSDPModule = MixedPrecisionPolicy = fully_shard = None
+
+from torch.distributed.device_mesh import DeviceMesh
+
+
+def sharding_mesh(mesh: ParallelMesh, name: str, dp_shard: int | None, device_type: str):
+    """The DeviceMesh FSDP2 shards over: this rank's `name` group (dp_cp or edp) as a 1-D mesh,
+    or, with dp_shard smaller than the group, a 2-D (replicate, shard) mesh (HSDP)."""
+    full = getattr(mesh, name)
+    if dp_shard is None or dp_shard == full.size:
+        return DeviceMesh.from_group(full.group, device_type, mesh_dim_names=("shard",))
+    shard, replica = hybrid_groups(mesh, name, dp_shard)
+    ranks = torch.tensor(full.ranks).reshape(-1, dp_shard)  # row: one shard group
+    return DeviceMesh.from_group(
+        [replica, shard], device_type, mesh=ranks, mesh_dim_names=("replicate", "shard")
+    )
+
+
+def _expert_modules(layer: torch.nn.Module) -> list[torch.nn.Module]:
+    """Submodules whose own parameters are all expert parameters (reduced over edp)."""
+    out = []
+    for m in layer.modules():
+        own = list(m.parameters(recurse=False))
+        if m is not layer and own and all(meta_of(p).is_expert for p in own):
+            out.append(m)
+    return out
+
+
+def _shard_chunk(chunk, layers, dense, experts, kw: dict) -> None:
+    """fully_shard the expert modules, each layer, then the chunk root; parameters keep their
+    metadata; gradients are summed; explicit prefetching between consecutive layers."""
+    metas = {n: meta_of(p) for n, p in chunk.named_parameters()}
+    for p in chunk.parameters():  # the sharded parameters are the fp32 masters
+        p.data = p.data.float()
+    for layer in layers:
+        for m in _expert_modules(layer):
+            fully_shard(m, mesh=experts, **kw)
+        fully_shard(layer, mesh=dense, **kw)
+    fully_shard(chunk, mesh=dense, **kw)
+    for n, p in chunk.named_parameters():  # FSDP2 made new (DTensor) parameters
+        p.meta = metas[n]
+    for m in chunk.modules():
+        if isinstance(m, FSDPModule):
+            _sum_gradients(m)
+    for a, b in zip(layers, layers[1:], strict=False):
+        a.set_modules_to_forward_prefetch([b])  # issued when a's forward starts
+        b.set_modules_to_backward_prefetch([a])  # issued when b's backward starts
+
+
+def _sum_gradients(m) -> None:
+    """Reduce with a plain SUM, no division: the loss is already the global-batch mean (and
+    gloo has neither AVG nor PREMUL_SUM). Older torch names the first call differently."""
+    divide = getattr(m, "set_gradient_divide_factor", None) or m.set_reduce_scatter_divide_factor
+    divide(1.0)
+    if hasattr(m, "set_force_sum_reduction_for_comms"):
+        m.set_force_sum_reduction_for_comms(True)
+
+
+class FullyShardedDataParallel:
+    """See the module docstring. `layers_of(chunk)` lists a chunk's transformer layers (default:
+    `chunk.layers.values()`)."""
+
+    def __init__(
+        self,
+        chunks: list[torch.nn.Module],
+        mesh: ParallelMesh,
+        *,
+        dp_shard: int | None = None,
+        reshard_after_forward: bool = True,
+        param_dtype: torch.dtype = torch.float32,
+        reduce_dtype: torch.dtype = torch.float32,
+        tie_embeddings: bool = False,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        layers_of: Callable[[torch.nn.Module], Iterable[torch.nn.Module]] | None = None,
+    ):
+        if fully_shard is None:
+            raise RuntimeError(
+                f"parallel.zero_stage=3 needs torch >= 2.6 (torch.distributed.fsdp.fully_shard); "
+                f"this is torch {torch.__version__}. Fix: upgrade torch or use zero_stage 1 or 2"
+            )
+        self.mesh, self.chunks = mesh, chunks
+        layers_of = layers_of or (lambda c: c.layers.values())
+        device = next(chunks[0].parameters()).device
+        dense = sharding_mesh(mesh, "dp_cp", dp_shard, device.type)
+        experts = None
+        if any(meta_of(p).is_expert for c in chunks for p in c.parameters()):
+            experts = sharding_mesh(mesh, "edp", dp_shard, device.type)
+        self.replicas = {False: 1, True: 1}  # HSDP: identical shards on the replicate dim
+        for is_expert, m in ((False, dense), (True, experts)):
+            if m is not None and m.ndim == 2:
+                self.replicas[is_expert] = m.size(0)
+        # the trainer's forward step and the pipeline engine never change a chunk's output in
+        # place, which is what this FSDP2 warning (once per rank) is about
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view")
+        # inputs are left as they come (fp32 rope tables, the fp32 wire between stages), as
+        # in stages 0-2: autocast picks the compute dtype of each op
+        policy = MixedPrecisionPolicy(
+            param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False
+        )
+        kw = dict(reshard_after_forward=reshard_after_forward, mp_policy=policy)
+        for chunk in chunks:
+            _shard_chunk(chunk, list(layers_of(chunk)), dense, experts, kw)
+        self.params = [p for c in chunks for p in c.parameters() if p.requires_grad]
+        self.tied = []
+        if mesh.pp.size > 1 and tie_embeddings:
+            for c in chunks:
+                for n, p in c.named_parameters():
+                    if p.meta.tied_copy or n == "embedding.weight":
+                        self.tied.append(p)
+        self.optimizer = FSDPAdamW(self.params, lr, betas, eps, weight_decay, param_dtype)
+        self.expected, self.backwards = 1, [0] * len(chunks)
+        for i, chunk in enumerate(chunks):
+            chunk.register_forward_hook(lambda m, a, out, i=i: self._watch_backward(i, out))
+
+    def _watch_backward(self, i: int, out) -> None:
+        if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(lambda grad, i=i: self._before_backward(i))
+
+    def _before_backward(self, i: int) -> None:
+        """Chunk i's backward of one microbatch starts: reduce-scatter only in the last one."""
+        self.backwards[i] += 1
+        last = self.backwards[i] >= self.expected
+        self.chunks[i].set_requires_gradient_sync(last)
+        self.chunks[i].set_is_last_backward(last)
+
+    # ------------------------------------------------------------ one step
+    def start_step(self, num_microbatches: int) -> None:
+        self.expected, self.backwards = num_microbatches, [0] * len(self.chunks)
+        for p in self.params:
+            p.grad = None
+
+    def _local_grads(self, params) -> list[torch.Tensor]:
+        return [p.grad.to_local() for p in params if p.grad is not None]
+
+    @torch.no_grad()
+    def finish_grad_sync(self) -> None:
+        """The sums over TP (sequence-parallel replicas) and over the embedding group (tied
+        embeddings), on this rank's shards (FSDP2 reduced them over dp×cp in the backward)."""
+        sp = [p for p in self.params if p.meta.sequence_parallel]
+        _all_reduce_flat(self._local_grads(sp), self.mesh.tp.group)
+        _all_reduce_flat(self._local_grads(self.tied), self.mesh.embedding.group)
+
+    @torch.no_grad()
+    def grad_square_sum(self) -> torch.Tensor:
+        """This rank's share of the global Σg² (fp64), as in `DataParallel.grad_square_sum`:
+        each local shard divided by the ranks holding an identical copy (HSDP replicas, TP
+        replicas of unsharded parameters; the tied last-stage copy counts zero times)."""
+        total = torch.zeros((), dtype=torch.float64, device=self.params[0].device)
+        for p in self.params:
+            meta = p.meta
+            if meta.tied_copy or p.grad is None:
+                continue
+            replicas = self.replicas[meta.is_expert]
+            if meta.tp_dim is None or meta.is_expert:  # experts: tp_dim is the EP shard dim
+                replicas *= self.mesh.tp.size
+            g = p.grad.to_local()
+            total += torch.linalg.vector_norm(g, dtype=torch.float64).square() / replicas
+        return total
+
+    @torch.no_grad()
+    def clip(self, norm: float, max_norm: float) -> None:
+        if max_norm > 0 and norm > max_norm:
+            grads = self._local_grads(self.params)
+            torch._foreach_mul_(grads, max_norm / (norm + 1e-6))
+
+    def step(self) -> None:
+        """AdamW on the shards; FSDP2 gathers them again in the next forward."""
+        self.optimizer.step()
+
+    def wait_params(self) -> None:
+        """Nothing in flight between steps: FSDP2 all-gathers per unit in the forward."""

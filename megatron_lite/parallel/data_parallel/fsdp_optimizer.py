@@ -1,0 +1,119 @@
+"""AdamW over FSDP2's sharded (DTensor) parameters, and the logical per-parameter states that
+checkpoints hold whatever the stage (ZeRO-3's side of `ShardedAdamW.full_states`).
+
+The sharded fp32 parameters are the master weights. Checkpoints see whole local tensors (this
+rank's TP/EP shard of each parameter, gathered over the FSDP mesh): `full_weights()` hands them
+out keyed by id(parameter), in the compute dtype the other stages store the model in (bf16
+under train.precision=bf16, with the fp32 masters beside them), and `load_full_weights()` takes
+them back into the shards.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor, Shard
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def _shard_of(full: torch.Tensor, p: torch.nn.Parameter) -> torch.Tensor:
+    """This rank's shard of `full` (a whole local tensor) for the DTensor parameter `p`, cut
+    as FSDP2 cuts it (torch.chunk along each Shard dim; trailing ranks may hold nothing), with
+    no communication."""
+    t = full.to(p.device, torch.float32)
+    for dim, placement in enumerate(p.placements):
+        if isinstance(placement, Shard):
+            n, r = p.device_mesh.size(dim), p.device_mesh.get_local_rank(dim)
+            pieces = torch.chunk(t, n, dim=placement.dim)
+            t = pieces[r] if r < len(pieces) else t.narrow(placement.dim, 0, 0)
+    return t
+
+
+def _like(p: torch.nn.Parameter, local: torch.Tensor) -> DTensor:
+    """A DTensor laid out as `p` holding this rank's shard `local` (an AdamW moment)."""
+    return DTensor.from_local(
+        local.clone(), p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
+    )
+
+
+class FSDPAdamW:
+    """torch AdamW on the DTensor parameters (weight decay on matrices: p.dim() >= 2; per
+    tensor on CPU, fused on CUDA), with the checkpoint interface of `ShardedAdamW`."""
+
+    def __init__(self, params, lr, betas, eps, weight_decay, param_dtype: torch.dtype):
+        self.params, self.param_dtype = params, param_dtype
+        on_cuda = bool(params) and params[0].is_cuda
+        self.inner = torch.optim.AdamW(
+            [
+                {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+                {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+            ],
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            foreach=False,
+            fused=on_cuda or None,
+        )
+
+    @property
+    def param_groups(self):
+        return self.inner.param_groups
+
+    @torch.no_grad()
+    def step(self) -> None:
+        self.inner.step()
+
+    @property
+    def keeps_masters(self) -> bool:
+        """Whether the weights compute in a lower precision than the fp32 shards (masters)."""
+        return self.param_dtype != torch.float32
+
+    # ------------------------------------------------------------ checkpoints
+    @torch.no_grad()
+    def full_weights(self) -> dict[int, torch.Tensor]:
+        """id(param) -> the whole local tensor in the compute dtype (collective)."""
+        return {id(p): p.full_tensor().to(self.param_dtype) for p in self.params}
+
+    @torch.no_grad()
+    def load_full_weights(self, weights: dict[int, torch.Tensor]) -> None:
+        """The inverse of full_weights (masters then start from the loaded weights)."""
+        for p in self.params:
+            if id(p) in weights:
+                p.to_local().copy_(_shard_of(weights[id(p)], p))
+
+    @torch.no_grad()
+    def full_states(self, with_master: bool) -> dict[int, dict[str, torch.Tensor]]:
+        """id(param) -> {"exp_avg", "exp_avg_sq", "step"[, "master"]}, whole local tensors
+        gathered from the shards (collective). The fp32 master is included when asked or when
+        the weights compute in bf16 (the parameters the caller sees are the fp32 shards)."""
+        out = {}
+        for p in self.params:
+            state = self.inner.state.get(p, {})
+            mine = {
+                k: state[k].full_tensor() if k in state else torch.zeros(p.shape, device=p.device)
+                for k in MOMENTS
+            }
+            if with_master or self.keeps_masters:
+                mine["master"] = p.full_tensor()
+            if "step" in state:
+                mine["step"] = state["step"].detach().clone()
+            out[id(p)] = mine
+        return out
+
+    @torch.no_grad()
+    def load_full_states(self, states: dict[int, dict[str, torch.Tensor]]) -> None:
+        """The inverse of full_states: each parameter takes its shard of the moments and, when
+        the checkpoint has one, of the fp32 master (else it keeps the loaded weights)."""
+        fused = bool(self.inner.param_groups[0].get("fused"))
+        for p in self.params:
+            state = states.get(id(p))
+            if state is None:
+                continue
+            mine = {k: _like(p, _shard_of(state[k], p)) for k in MOMENTS}
+            mine["step"] = state["step"].to(p.device if fused else "cpu", copy=True)
+            self.inner.state[p] = mine
+            if "master" in state:
+                p.to_local().copy_(_shard_of(state["master"], p))
+
+    def sync_masters_from_params(self) -> None:
+        """Nothing to do: the sharded parameters are the masters (load_full_weights wrote them)."""
