@@ -41,8 +41,10 @@ class Trainer:
             else torch.device("cpu")
         )
         self.tracker = model_parallel_seed(cfg.train.seed, mesh.tp.rank, mesh.pp.rank)
-        # weights are drawn after resume decides: a loaded checkpoint skips the random init
-        chunks = build_model(cfg, mesh, self.tracker, vocab_size, init=False)
+        # weights are drawn after resume decides (a loaded checkpoint skips the random init),
+        # except under ZeRO-3, where FSDP2 shards the weights it is given
+        self.init_later = cfg.parallel.zero_stage != 3
+        chunks = build_model(cfg, mesh, self.tracker, vocab_size, init=not self.init_later)
         self.chunks = [c.to(self.device) for c in chunks]
         if cfg.train.precision == "bf16":  # bf16 weights; fp32 masters live in the optimizer
             for c in self.chunks:
@@ -59,7 +61,8 @@ class Trainer:
         self._prefetch: Prefetcher | None = None  # reads the next batches during train()
         self.stop_requested = False  # a rank got SIGTERM/SIGINT/SIGUSR1 (agreed every step)
         self.checkpointer = Checkpointer(self)  # resumes per train.resume / train.init_from
-        if not self.checkpointer.resume():  # sets step and consumed_samples when it loads
+        loaded = self.checkpointer.resume()  # sets step and consumed_samples when it loads
+        if not loaded and self.init_later:
             for chunk in self.chunks:
                 init_parameters(chunk, cfg.train.seed)  # each rank draws only its shard
             self.optimizer.sync_masters_from_params()

@@ -29,6 +29,7 @@ import torch
 
 from megatron_lite.parallel.data_parallel.ddp import _all_reduce_flat, hybrid_groups
 from megatron_lite.parallel.data_parallel.fsdp_optimizer import FSDPAdamW
+from megatron_lite.parallel.data_parallel.memory import model_state_bytes
 from megatron_lite.parallel.mesh import ParallelMesh
 from megatron_lite.parallel.params import meta_of
 
@@ -206,6 +207,10 @@ class FullyShardedDataParallel:
     def step(self) -> None:
         """AdamW on the shards; FSDP2 gathers them again in the next forward."""
         self.optimizer.step()
+
+    def memory(self) -> dict[str, int]:
+        """This rank's model-state bytes by term (see memory.py)."""
+        return model_state_bytes(self)
 
     def wait_params(self) -> None:
         """Nothing in flight between steps: FSDP2 all-gathers per unit in the forward."""

@@ -33,8 +33,27 @@ def _bytes(tensors, seen: set[int]) -> int:
     return total
 
 
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t  # a DTensor counts its shard
+
+
+def sharded_state_bytes(fsdp) -> dict[str, int]:
+    """ZeRO-3 (FSDP2): the local shards of the parameters (fp32: also the master weights),
+    their gradients and the AdamW states."""
+    seen: set[int] = set()
+    params = fsdp.params
+    out = {"weights": _bytes([_local(p) for p in params], seen)}
+    out["grads"] = _bytes([_local(p.grad) for p in params if p.grad is not None], seen)
+    out["master"] = 0
+    states = [_local(t) for s in fsdp.optimizer.inner.state.values() for t in s.values()]
+    out["optimizer"] = _bytes([t for t in states if t.dim() > 0], seen)
+    return out
+
+
 def model_state_bytes(dp) -> dict[str, int]:
     """{term: bytes} of a DataParallel's model states on this rank (unique storages)."""
+    if not hasattr(dp, "buffers"):
+        return sharded_state_bytes(dp)
     seen: set[int] = set()
     out = {"weights": _bytes([b.param_data for b in dp.buffers], seen)}
     out["grads"] = _bytes(
