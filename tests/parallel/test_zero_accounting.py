@@ -80,3 +80,28 @@ def test_buckets_are_reduced_while_the_backward_runs(tmp_path):
     assert waiting[0] >= n_buckets - 1 and waiting == sorted(waiting, reverse=True), waiting
     waiting_off, _ = run_ranks(2, _launch_points, str(tmp_path / "off"), False)[0]
     assert waiting_off == [0] * n_buckets, waiting_off  # blocking: all after the backward
+
+
+def _zero3_traffic(rank, world, out_dir):
+    """One ZeRO-3 step (1 microbatch per rank): FSDP2's bytes, and the elements of every
+    parameter with dim 0 padded to a multiple of the shard count (FSDP2's layout)."""
+    import math
+
+    tr = _trainer(world, ["parallel.zero_stage=3"], out_dir)
+    record = tr.train_step()
+    padded = sum(
+        math.ceil(p.shape[0] / world) * world * math.prod(p.shape[1:])
+        for c in tr.chunks
+        for p in c.parameters()
+    )
+    return {k: v for k, v in record.items() if k.startswith("comm_bytes/") and "fsdp" in k}, padded
+
+
+def test_zero3_traffic_matches_the_analytical_volume(tmp_path):
+    for comm, padded in run_ranks(4, _zero3_traffic, str(tmp_path), timeout=120):
+        # weights gathered for the forward and again for the backward (resharded after the
+        # forward): 2 × this rank's fp32 shard; gradients reduce-scattered once: the full input
+        assert comm == {
+            "comm_bytes/all_gather_fsdp": 2 * 4 * padded // 4,
+            "comm_bytes/reduce_scatter_fsdp": 4 * padded,
+        }, (comm, padded)

@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from megatron_lite.parallel.data_parallel.ddp import _all_reduce_flat, hybrid_groups
+from megatron_lite.parallel.data_parallel.fsdp_comm import count_collectives
 from megatron_lite.parallel.data_parallel.fsdp_optimizer import FSDPAdamW
 from megatron_lite.parallel.data_parallel.memory import model_state_bytes
 from megatron_lite.parallel.mesh import ParallelMesh
@@ -80,6 +81,7 @@ def _shard_chunk(chunk, layers, dense, experts, kw: dict) -> None:
     for m in chunk.modules():
         if isinstance(m, FSDPModule):
             _sum_gradients(m)
+            count_collectives(m)  # all_gather_fsdp / reduce_scatter_fsdp in comm_stats
     for a, b in zip(layers, layers[1:], strict=False):
         a.set_modules_to_forward_prefetch([b])  # issued when a's forward starts
         b.set_modules_to_backward_prefetch([a])  # issued when b's backward starts

@@ -11,6 +11,7 @@ Bytes per parameter held by this rank (its TP/PP/EP shard), with N the sharding 
 | bf16, 0          | 2       | 4     | 4      | 8            | 18       |
 | bf16, 1          | 2       | 4     | 4/N    | 8/N          | 6 + 12/N |
 | bf16, 2          | 2       | 4/N   | 4/N    | 8/N          | 2 + 16/N |
+| either, 3        | 4/N     | 4/N   | 0      | 8/N          | 16/N     |
 
 fp32 masters are the parameters themselves (0 extra) unless the optimizer is offloaded (then
 4/N on the host). Buckets are padded to a multiple of N, so a measurement can exceed the formula
@@ -68,6 +69,9 @@ def model_state_bytes(dp) -> dict[str, int]:
 def formula_bytes(num_params: int, precision: str, zero_stage: int, n: int) -> dict[str, float]:
     """The table above for `num_params` parameters on a rank (no padding)."""
     shard = 1.0 / n if zero_stage >= 1 else 1.0
+    if zero_stage == 3:  # the fp32 shards are the weights and the masters
+        return {"weights": 4 * num_params * shard, "grads": 4 * num_params * shard,
+                "master": 0.0, "optimizer": 8 * num_params * shard}  # fmt: skip
     weight = 2 if precision == "bf16" else 4
     return {
         "weights": weight * num_params,
