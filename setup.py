@@ -34,6 +34,8 @@ setup(
             "safetensors>=0.4",
         ],
         "gpu": ["flash-attn>=2.6", "transformer-engine[pytorch]>=1.11"],
+        # tools/bench_data_parallel.py's DeepSpeed ZeRO peer (skipped, saying why, without it)
+        "bench": ["deepspeed==0.19.8"],
     },
     entry_points={"console_scripts": ["megatron-lite-train=megatron_lite.train:main"]},
 )
