@@ -202,7 +202,7 @@ class GradBuffer:
         """All-gather every bucket's parameters from the shards (after the optimizer step)."""
         if self.shard_size == 1:
             return
-        for b in self.buckets:
+        for b in reversed(self.buckets):  # forward order: the first layers' weights first
             a, e = b.shard_range(self.shard_rank, self.shard_size)
             full = self.param_data[b.start : b.end]
             b.gather = mappings.all_gather_async(full, self.param_data[a:e], self.shard_group)
