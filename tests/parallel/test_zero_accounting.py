@@ -23,11 +23,11 @@ def _measure(rank, world, out_dir):
     DP communication bytes."""
     out = {}
     for precision in ("fp32", "bf16"):
-        for stage in (0, 1, 2):
+        for stage in (0, 1, 2, 3):
             over = [f"train.precision={precision}", f"parallel.zero_stage={stage}", ONE_BUCKET]
             tr = _trainer(world, over, f"{out_dir}/{precision}{stage}")
             record = tr.train_step()
-            n = sum(p.numel() for p in tr.params)
+            n = sum(p.numel() for p in tr.params)  # a DTensor counts its whole (TP) tensor
             comm = {k: v for k, v in record.items() if k.startswith("comm_bytes/") and "_dp" in k}
             out[(precision, stage)] = (n, tr.dp.memory(), comm)
     return out
@@ -42,10 +42,13 @@ def test_model_state_bytes_and_dp_traffic_match_the_formulas(tmp_path):
             want = formula_bytes(n, precision, stage, world)
             for term, value in measured.items():
                 expected = want[term]
-                ok = value == expected == 0 or abs(value - expected) <= 0.02 * expected
+                slack = 0.02 if stage < 3 else 0.05  # FSDP2 pads each parameter's dim 0 to N
+                ok = value == expected == 0 or abs(value - expected) <= slack * expected
                 assert ok, f"rank {rank} {precision} ZeRO-{stage} {term}: {value} vs {expected}"
             padded = -(-n // world) * world if stage else n  # one bucket, padded to N shards
             weight_bytes = 2 if precision == "bf16" else 4
+            if stage == 3:  # FSDP2's traffic: test_zero3_traffic_matches_the_analytical_volume
+                continue
             if stage == 0:
                 assert comm == {"comm_bytes/all_reduce_dp": 4 * n}, comm
             else:  # reduce-scatter counts its full fp32 input; the all-gather this rank's shard
