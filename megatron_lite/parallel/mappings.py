@@ -112,6 +112,18 @@ def all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM, kind: str = "all_re
     return t
 
 
+def all_reduce_flat(tensors: list[torch.Tensor], group) -> None:
+    """Sum many tensors over `group` with one collective: flatten, all-reduce, copy back."""
+    if not tensors or size(group) == 1:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    all_reduce(flat, group)
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
 def all_gather_dim0(t: torch.Tensor, group) -> torch.Tensor:
     """[n, ...] -> [n·size, ...] in rank order."""
     world = size(group)

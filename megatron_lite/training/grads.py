@@ -16,18 +16,6 @@ from megatron_lite.parallel.mesh import ParallelMesh
 from megatron_lite.parallel.params import meta_of
 
 
-def _all_reduce_flat(grads: list[torch.Tensor], group) -> None:
-    """One collective for many tensors: flatten, all-reduce, copy back."""
-    if not grads or mappings.size(group) == 1:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    mappings.all_reduce(flat, group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
 @torch.no_grad()
 def finalize_grads(
     params: list[torch.nn.Parameter],
@@ -38,12 +26,14 @@ def finalize_grads(
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    _all_reduce_flat([p.grad for p in params if meta_of(p).sequence_parallel], mesh.tp.group)
+    mappings.all_reduce_flat(
+        [p.grad for p in params if meta_of(p).sequence_parallel], mesh.tp.group
+    )
     if tie_embeddings and mesh.pp.size > 1:
         tied = [p for p in params if meta_of(p).tied_copy or p is embedding_param]
-        _all_reduce_flat([p.grad for p in tied], mesh.embedding.group)
-    _all_reduce_flat([p.grad for p in params if not meta_of(p).is_expert], mesh.dp_cp.group)
-    _all_reduce_flat([p.grad for p in params if meta_of(p).is_expert], mesh.edp.group)
+        mappings.all_reduce_flat([p.grad for p in tied], mesh.embedding.group)
+    mappings.all_reduce_flat([p.grad for p in params if not meta_of(p).is_expert], mesh.dp_cp.group)
+    mappings.all_reduce_flat([p.grad for p in params if meta_of(p).is_expert], mesh.edp.group)
 
 
 @torch.no_grad()

@@ -145,9 +145,9 @@ class DataParallel:
         for buf in self.buffers:
             buf.finish()
         sp = [pc.grad for pc in self.pieces if meta_of(pc.param).sequence_parallel]
-        _all_reduce_flat(sp, self.mesh.tp.group)
+        mappings.all_reduce_flat(sp, self.mesh.tp.group)
         tied = {id(p) for p in self.tied}
-        _all_reduce_flat(
+        mappings.all_reduce_flat(
             [pc.grad for pc in self.pieces if id(pc.param) in tied], self.mesh.embedding.group
         )
 
@@ -187,14 +187,3 @@ class DataParallel:
     def wait_params(self) -> None:
         for buf in self.buffers:
             buf.wait_params()
-
-
-def _all_reduce_flat(grads: list[torch.Tensor], group) -> None:
-    if not grads or mappings.size(group) == 1:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    mappings.all_reduce(flat, group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()

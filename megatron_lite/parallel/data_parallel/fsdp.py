@@ -27,7 +27,8 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from megatron_lite.parallel.data_parallel.ddp import _all_reduce_flat, hybrid_groups
+from megatron_lite.parallel import mappings
+from megatron_lite.parallel.data_parallel.ddp import hybrid_groups
 from megatron_lite.parallel.data_parallel.fsdp_comm import count_collectives
 from megatron_lite.parallel.data_parallel.fsdp_optimizer import FSDPAdamW
 from megatron_lite.parallel.data_parallel.memory import model_state_bytes
@@ -180,8 +181,8 @@ class FullyShardedDataParallel:
         """The sums over TP (sequence-parallel replicas) and over the embedding group (tied
         embeddings), on this rank's shards (FSDP2 reduced them over dp×cp in the backward)."""
         sp = [p for p in self.params if p.meta.sequence_parallel]
-        _all_reduce_flat(self._local_grads(sp), self.mesh.tp.group)
-        _all_reduce_flat(self._local_grads(self.tied), self.mesh.embedding.group)
+        mappings.all_reduce_flat(self._local_grads(sp), self.mesh.tp.group)
+        mappings.all_reduce_flat(self._local_grads(self.tied), self.mesh.embedding.group)
 
     @torch.no_grad()
     def grad_square_sum(self) -> torch.Tensor:
