@@ -68,11 +68,23 @@ def sha256_file(path: str) -> str:
     return h.hexdigest()
 
 
+_DCP_FILE = re.compile(r"__(\d+)_\d+\.distcp")  # written by rank \1 (single_file_per_rank)
+
+
 def share(names, part: tuple[int, int]) -> list[str]:
-    """Rank `part[0]` of `part[1]`'s round-robin share of the sorted `names`: checksumming a
-    large checkpoint is split across ranks, so no rank waits on one that hashes everything."""
+    """The files rank `part[0]` of `part[1]` checksums: the DCP data file it wrote itself
+    (`__<rank>_0.distcp`, taken modulo the world when it differs), and a round-robin share of
+    the rest, so no rank hashes another rank's writes and none waits on one hashing it all."""
     rank, world = part
-    return sorted(names)[rank::world]
+    mine, rest = [], []
+    for name in sorted(names):
+        m = _DCP_FILE.fullmatch(name)
+        if m:
+            if int(m.group(1)) % world == rank:
+                mine.append(name)
+        else:
+            rest.append(name)
+    return mine + rest[rank::world]
 
 
 def data_files(path: str) -> list[str]:

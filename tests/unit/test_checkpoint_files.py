@@ -221,3 +221,10 @@ def test_init_from_a_hf_directory_says_convert_first(tmp_path):
     )
     with pytest.raises(ConfigError, match="convert_checkpoint.py hf-to-dcp"):
         validate(cfg, 1)
+
+
+def test_each_rank_checksums_the_file_it_wrote():
+    names = [".metadata", *(f"__{r}_0.distcp" for r in range(4))]
+    shares = [files.share(names, (r, 4)) for r in range(4)]
+    assert all(f"__{r}_0.distcp" in shares[r] for r in range(4)), shares
+    assert sorted(n for s in shares for n in s) == sorted(names)  # each file once
