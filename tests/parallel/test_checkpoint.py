@@ -207,3 +207,31 @@ def test_signal_on_one_rank_saves_and_stops_all(tmp_path):
     assert out[0][-1][2] is not None, "no checkpoint was saved on the signal"
     latest = open(tmp_path / "checkpoints" / "latest").read().strip()
     assert latest == "step_4"
+
+
+def _second_dataset(directory) -> str:
+    """Another learnable dataset (descending progressions) to blend with the structured one."""
+    import numpy as np
+
+    from megatron_lite.data import IndexedDatasetBuilder
+
+    prefix = os.path.join(str(directory), "down")
+    rng = np.random.default_rng(1)
+    with IndexedDatasetBuilder(prefix) as builder:
+        for _ in range(200):
+            start, step, n = rng.integers(0, 249), rng.integers(1, 5), rng.integers(20, 90)
+            builder.add_document((start - step * np.arange(n)) % 249)
+    return prefix
+
+
+def test_exact_resume_with_blending_and_validation(tmp_path):
+    """Blended datasets, a train/valid split with evaluation every 5 steps and ZeRO-1 on dp=2:
+    10 steps + resume + 10 steps give bitwise the losses of 20 straight steps."""
+    from tests.parallel.parity import structured_dataset
+
+    data = f"data.paths=[{structured_dataset()},{_second_dataset(tmp_path)}]"
+    layout = [data, "data.weights=[0.7,0.3]", 'data.split="90,10,0"', "train.eval_interval=5",
+              "parallel.zero_stage=1"]  # fmt: skip
+    base = tmp_path / "base"
+    full = train(2, [*layout, *SAVE], base)[0]
+    check_resume((base, full), 2, layout, tmp_path / "resumed", exact=True)
