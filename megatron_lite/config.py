@@ -119,6 +119,7 @@ class TrainConfig:
     resume: str = "auto"  # auto (newest valid in ckpt_dir, if any) | none | a checkpoint path
     init_from: str | None = None  # model weights only (step 0, fresh optimizer), e.g. from HF
     async_save: bool = False  # write on a thread while training continues
+    async_save_timeout_s: float = 3600.0  # how long an async save may take (not timeout_s)
     ckpt_dir: str | None = None  # None = <out_dir>/checkpoints
     # resume=none (or an older step) over existing checkpoints: move them aside, never delete
     overwrite: bool = False

@@ -112,6 +112,13 @@ class Checkpointer:
         self.io_group = dist.new_group(backend="gloo", timeout=timeout, group_desc="ckpt_io")
         self.ctl_group = dist.new_group(backend="gloo", timeout=timeout, group_desc="ckpt_ctl")
         self.ranks = RankAgreement(self.rank, self.world, self.ctl_group)  # errors agreed
+        # an async save runs beside training and may take longer than a collective may: its
+        # collectives (DCP's, on the writer thread, and the agreement at the next save or at
+        # the end) use a group of their own with train.async_save_timeout_s
+        slow = timedelta(seconds=max(t.async_save_timeout_s, self.cfg.parallel.timeout_s))
+        self.async_group = dist.new_group(backend="gloo", timeout=slow, group_desc="ckpt_async")
+        self.async_ranks = RankAgreement(self.rank, self.world, self.async_group)
+        self._hasher = ThreadPoolExecutor(1)  # each rank hashes what it wrote, off the step
         self.pending = None  # Future of an async save (rank 0: including the commit)
         self.signal_received = None
         self._old_handlers: dict = {}
@@ -197,7 +204,9 @@ class Checkpointer:
         apply()
         if with_optim:
             tr.step = meta["step"]
-            tr.consumed_samples = self._consumed_samples(meta)
+            tr.consumed_samples, note = files.consumed_samples(meta, self.cfg.train)
+            if note:
+                self._say(note)
         if same_layout:
             set_rng_states(tr.tracker, loaded_rng_states(buffers, self.rank))
         what = "model weights from" if not with_optim else "resumed from"
@@ -208,19 +217,6 @@ class Checkpointer:
                 f"layout changed ({changed}): model and optimizer state resharded; RNG states "
                 "re-seeded, not restored (dropout masks differ from an unbroken run)"
             )
-
-    def _consumed_samples(self, meta: dict) -> int:
-        """The data position to continue from; checkpoints from before it was stored count
-        step × their global batch size. A changed global batch size is said, not hidden."""
-        saved_gbs = meta["config"].get("train", {}).get("global_batch_size")
-        consumed = meta.get("consumed_samples", meta["step"] * (saved_gbs or 0))
-        gbs = self.cfg.train.global_batch_size
-        if saved_gbs is not None and saved_gbs != gbs:
-            self._say(
-                f"train.global_batch_size changed {saved_gbs} -> {gbs}: continuing from sample "
-                f"{consumed} (the next unseen one); the LR schedule continues by step"
-            )
-        return consumed
 
     def _check_model_config(self, path: str, saved: dict) -> None:
         """Settings that change what the weights compute without changing their shapes."""
@@ -296,7 +292,8 @@ class Checkpointer:
         writer = dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True)
         planner = ShardSavePlanner(pieces)
         if async_save:
-            future = _async_save(state, writer, planner, self.io_group)
+            future = _async_save(state, writer, planner, self.async_group)
+            future = self._hasher.submit(self._hash_own, future, tmp)
             if self.rank == 0:
                 future = self._committer.submit(self._commit_after, future, tmp, final, meta)
             self.pending = (future, tmp, final)
@@ -330,9 +327,16 @@ class Checkpointer:
         )
         return {name: row for part in parts for name, row in part.items()}
 
-    def _commit_after(self, future, tmp, final, meta) -> None:
+    def _hash_own(self, future, tmp: str) -> None:
+        """Async save, on this rank's thread: once DCP is done, hash the file it wrote."""
         future.result()
-        self._commit(tmp, final, meta)
+        files.write_own_checksums(tmp, self.rank, self.world)
+
+    def _commit_after(self, future, tmp, final, meta) -> None:
+        """Rank 0's commit thread: every rank's checksums (from files, not a collective)."""
+        future.result()
+        table = files.gather_checksums(tmp, self.world, self.cfg.train.async_save_timeout_s)
+        self._commit(tmp, final, meta, table)
 
     def _commit(self, tmp: str, final: str, meta: dict, table: dict | None = None) -> None:
         """Rank 0, once every rank's DCP files are written: metadata with the checksums
@@ -359,7 +363,7 @@ class Checkpointer:
         except (Exception, CheckpointException) as e:
             error = e
         try:
-            self.ranks.agree(error)
+            self.async_ranks.agree(error)  # on the async group: a slow save is no timeout
         except CheckpointWriteError as e:
             raise files.save_failed(self.dir, tmp, final, [str(e)]) from None
 

@@ -106,6 +106,47 @@ def file_table(
     return table
 
 
+def consumed_samples(meta: dict, train) -> tuple[int, str | None]:
+    """(the data position to continue from, a note when the global batch size changed):
+    checkpoints from before it was stored count step × their global batch size."""
+    saved_gbs = meta["config"].get("train", {}).get("global_batch_size")
+    consumed = meta.get("consumed_samples", meta["step"] * (saved_gbs or 0))
+    if saved_gbs is None or saved_gbs == train.global_batch_size:
+        return consumed, None
+    return consumed, (
+        f"train.global_batch_size changed {saved_gbs} -> {train.global_batch_size}: continuing "
+        f"from sample {consumed} (the next unseen one); the LR schedule continues by step"
+    )
+
+
+HASH_PREFIX = ".sha256.rank"  # an async save's per-writer checksums, merged at the commit
+
+
+def write_own_checksums(tmp: str, rank: int, world: int) -> None:
+    """Async save, each rank: the checksums of its share (the file it wrote) in `tmp`."""
+    names = [n for n in data_files(tmp) if not n.startswith(HASH_PREFIX)]
+    table = file_table(tmp, (rank, world), names)
+    write_atomic(os.path.join(tmp, f"{HASH_PREFIX}{rank}.json"), json.dumps(table))
+
+
+def gather_checksums(tmp: str, world: int, timeout_s: float) -> dict[str, dict]:
+    """Rank 0's commit thread: every rank's checksums, once they are all there (polled, so
+    no rank waits in a collective for another's hashing); the per-rank files are removed."""
+    deadline = time.monotonic() + timeout_s
+    paths = [os.path.join(tmp, f"{HASH_PREFIX}{r}.json") for r in range(world)]
+    while not all(os.path.exists(p) for p in paths):
+        if time.monotonic() > deadline:
+            missing = [p for p in paths if not os.path.exists(p)]
+            raise OSError(f"no checksums from {missing} within train.async_save_timeout_s")
+        time.sleep(0.1)
+    table = {}
+    for p in paths:
+        with open(p) as f:
+            table.update(json.load(f))
+        os.remove(p)
+    return table
+
+
 def commit(tmp: str, final: str, meta: dict, table: dict[str, dict] | None = None) -> None:
     """Write metadata.json with the files' checksums (`table`, or computed here), then rename
     tmp -> final."""

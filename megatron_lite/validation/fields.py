@@ -157,6 +157,13 @@ def _validate_train_ranges(cfg: Config) -> None:
     _rule(t.weight_decay >= 0, "train.weight_decay", t.weight_decay, "must be >= 0", "use 0.1")
     _rule(t.grad_clip >= 0, "train.grad_clip", t.grad_clip, "must be >= 0 (0 = off)", "use 1.0")
     _rule(
+        0 < t.async_save_timeout_s < float("inf"),
+        "train.async_save_timeout_s",
+        t.async_save_timeout_s,
+        "must be a positive number of seconds",
+        "use e.g. 3600 (an hour)",
+    )
+    _rule(
         t.skip_nonfinite_steps >= 0,
         "train.skip_nonfinite_steps",
         t.skip_nonfinite_steps,

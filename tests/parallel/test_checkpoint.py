@@ -235,3 +235,36 @@ def test_exact_resume_with_blending_and_validation(tmp_path):
     base = tmp_path / "base"
     full = train(2, [*layout, *SAVE], base)[0]
     check_resume((base, full), 2, layout, tmp_path / "resumed", exact=True)
+
+
+def _slow_writes(rank, world, overrides, out_dir):
+    """Rank 1 takes 6 s to write its checkpoint files, longer than parallel.timeout_s=3."""
+    import time
+
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    if rank == 1:
+        write = FileSystemWriter.write_data
+
+        def slow(self, plan, planner):
+            time.sleep(6)
+            return write(self, plan, planner)
+
+        FileSystemWriter.write_data = slow
+    return _train(rank, world, overrides, out_dir, "")
+
+
+def test_async_save_slower_than_the_timeout_completes(tmp_path):
+    """An async save whose writing outlasts parallel.timeout_s finishes on every rank (its
+    collectives have train.async_save_timeout_s), and the checkpoint verifies and resumes."""
+    from tests.parallel.parity import structured_dataset
+
+    args = [*TINY, f"data.paths=[{structured_dataset()}]", *GPT, "train.save_interval=4",
+            "train.steps=8", "train.async_save=true", "parallel.timeout_s=3"]  # fmt: skip
+    records = run_ranks(2, _slow_writes, args, str(tmp_path), timeout=120)[0]
+    assert [s for s, _, _ in records] == list(range(8)), records
+    step4 = os.path.join(tmp_path, "checkpoints", "step_4")
+    from megatron_lite.training import checkpoint_files as files
+
+    files.verify(step4)  # every file's checksum, hashed by the rank that wrote it
+    assert not [n for n in os.listdir(step4) if n.startswith(".sha256")]
