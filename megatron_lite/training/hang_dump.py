@@ -82,20 +82,27 @@ def write_dump(
     path = hang_path(out_dir, rank)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     write_atomic(path, json.dumps(record, indent=1))
+    marks = _marker_dir(out_dir)  # written after the file: its rank name says "done"
+    os.makedirs(marks, exist_ok=True)
+    with open(os.path.join(marks, str(rank)), "w"):
+        pass
     return path
 
 
+def _marker_dir(out_dir: str) -> str:
+    """One directory per attempt; a rank's empty file in it marks its dump as written, so
+    waiting peers list one directory instead of opening every rank's file."""
+    tag = "".join(c if c.isalnum() else "_" for c in attempt_id())
+    return os.path.join(out_dir, HANG_DIR, f".written-{tag}")
+
+
 def ranks_reported(out_dir: str, world_size: int) -> list[int]:
-    """Ranks whose hang file belongs to this attempt."""
-    found, mine = [], attempt_id()
-    for r in range(world_size):
-        try:
-            with open(hang_path(out_dir, r)) as f:
-                if json.load(f).get("attempt") == mine:
-                    found.append(r)
-        except (OSError, ValueError):
-            continue
-    return found
+    """Ranks whose hang file belongs to this attempt (one directory listing)."""
+    try:
+        names = os.listdir(_marker_dir(out_dir))
+    except OSError:
+        return []
+    return sorted(int(n) for n in names if n.isdigit() and int(n) < world_size)
 
 
 def wait_for_peers(out_dir: str, world_size: int, grace_s: float, poll_s: float = 0.2):
