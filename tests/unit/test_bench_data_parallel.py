@@ -28,12 +28,12 @@ def test_model_state_walk_counts_weights_grads_and_adamw_states():
 
 def test_quick_run_writes_outputs_at_the_formula(tmp_path):
     out = str(tmp_path)
-    main(["--quick", "--no-peers", "--stages", "0,1,2,3", "--out-dir", out])
+    main(["--quick", "--no-peers", "--stages", "1,3", "--out-dir", out])
     for name in ("table.txt", "results.csv", "results.json", "plot.png"):
         assert os.path.getsize(os.path.join(out, name)) > 0, f"{name} is missing or empty"
     with open(os.path.join(out, "results.json")) as f:
         rows = json.load(f)["rows"]
-    assert len(rows) == 8, [r["name"] for r in rows]  # stages 0-3, overlap on and off
+    assert len(rows) == 4, [r["name"] for r in rows]  # stages 1 and 3, overlap on and off
     for row in rows:
         if row["note"]:  # only a stage the validation rejects may be missing, with its reason
             assert row["stage"] == 3 and "config validation rejects" in row["note"], row
