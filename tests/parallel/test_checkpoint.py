@@ -238,7 +238,7 @@ def test_exact_resume_with_blending_and_validation(tmp_path):
 
 
 def _slow_writes(rank, world, overrides, out_dir):
-    """Rank 1 takes 6 s to write its checkpoint files, longer than parallel.timeout_s=3."""
+    """Rank 1 takes 3.5 s to write its checkpoint files, longer than parallel.timeout_s=2."""
     import time
 
     from torch.distributed.checkpoint import FileSystemWriter
@@ -247,7 +247,7 @@ def _slow_writes(rank, world, overrides, out_dir):
         write = FileSystemWriter.write_data
 
         def slow(self, plan, planner):
-            time.sleep(6)
+            time.sleep(3.5)
             return write(self, plan, planner)
 
         FileSystemWriter.write_data = slow
@@ -259,11 +259,11 @@ def test_async_save_slower_than_the_timeout_completes(tmp_path):
     collectives have train.async_save_timeout_s), and the checkpoint verifies and resumes."""
     from tests.parallel.parity import structured_dataset
 
-    args = [*TINY, f"data.paths=[{structured_dataset()}]", *GPT, "train.save_interval=4",
-            "train.steps=8", "train.async_save=true", "parallel.timeout_s=3"]  # fmt: skip
+    args = [*TINY, f"data.paths=[{structured_dataset()}]", *GPT, "train.save_interval=3",
+            "train.steps=3", "train.async_save=true", "parallel.timeout_s=2"]  # fmt: skip
     records = run_ranks(2, _slow_writes, args, str(tmp_path), timeout=120)[0]
-    assert [s for s, _, _ in records] == list(range(8)), records
-    step4 = os.path.join(tmp_path, "checkpoints", "step_4")
+    assert [s for s, _, _ in records] == list(range(3)), records
+    step4 = os.path.join(tmp_path, "checkpoints", "step_3")
     from megatron_lite.training import checkpoint_files as files
 
     files.verify(step4)  # every file's checksum, hashed by the rank that wrote it
