@@ -49,6 +49,28 @@ def unique_owner(meta: ParamMeta, mesh) -> bool:
     return mesh.dp_cp.rank == 0 and (meta.tp_dim is not None or mesh.tp.rank == 0)
 
 
+def identical_copies(meta: ParamMeta, data_replicas: int, tp_size: int) -> int:
+    """How many ranks hold an identical copy of a parameter's local elements, for counting each
+    element once in the global gradient norm: its data-parallel replicas, times TP when it is
+    not TP-sharded (experts: tp_dim is the EP shard dim); 0 for the tied last-stage copy,
+    which the first stage already counts."""
+    if meta.tied_copy:
+        return 0
+    if meta.tp_dim is None or meta.is_expert:
+        return data_replicas * tp_size
+    return data_replicas
+
+
+def square_sum_share(entries, tp_size: int, device) -> torch.Tensor:
+    """This rank's share of the global Σg² (fp64) from (meta, local grad, data replicas)."""
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for meta, grad, data_replicas in entries:
+        n = identical_copies(meta, data_replicas, tp_size)
+        if n:
+            total += torch.linalg.vector_norm(grad, dtype=torch.float64).square() / n
+    return total
+
+
 def set_meta(p: torch.nn.Parameter, **kw) -> torch.nn.Parameter:
     """Attach sharding/init metadata to `p` (ParamMeta's fields as keywords); returns `p`."""
     p.meta = ParamMeta(**kw)

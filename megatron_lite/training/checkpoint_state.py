@@ -12,9 +12,9 @@ A parameter sharded along `tp_dim` (over TP, or over EP for experts) is one logi
 segment (`.../linear_qkv.weight/q`), because each segment is split over TP separately, so every
 rank's piece of a segment is one contiguous block at a known offset. A rank describes its
 pieces by (offsets, sizes) in DCP's chunk metadata; DCP's resharding reads whatever overlap
-another layout's pieces have with the stored ones. Exactly one rank writes each piece: the
-dp·cp rank 0 (expert-data-parallel rank 0 for experts), TP rank 0 for TP-replicated params,
-and never the tied output-layer copy (it loads the embedding's tensors).
+another layout's pieces have with the stored ones. Exactly one rank writes each piece, one of
+its replicas chosen by `writer_names` so the writing is spread over them, and never the tied
+output-layer copy (it loads the embedding's tensors).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from megatron_lite.parallel.params import ParamMeta, unique_owner
+from megatron_lite.parallel.params import ParamMeta
 
 SEGMENT_NAMES = {"linear_qkv": ("q", "k", "v"), "linear_fc1": ("gate", "up")}
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -95,12 +95,6 @@ def param_pieces(name: str, meta: ParamMeta) -> list[Piece]:
         pieces.append(Piece(f"{base}/{seg_name}", shape, _at(zeros, d, r * n), d, start, n))
         start += n
     return pieces
-
-
-def writes(meta: ParamMeta, mesh) -> bool:
-    """Whether this rank holds the canonical replica of the parameter (dp·cp rank 0, TP rank 0
-    when TP-replicated); `writer_names` spreads the writing over all replicas instead."""
-    return unique_owner(meta, mesh)
 
 
 def writer_names(params: list[tuple[str, ParamMeta, int]], mesh) -> set[str]:

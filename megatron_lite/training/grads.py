@@ -13,7 +13,7 @@ import torch
 
 from megatron_lite.parallel import mappings
 from megatron_lite.parallel.mesh import ParallelMesh
-from megatron_lite.parallel.params import meta_of
+from megatron_lite.parallel.params import meta_of, square_sum_share
 
 
 @torch.no_grad()
@@ -42,15 +42,11 @@ def local_grad_square_sum(params: list[torch.nn.Parameter], mesh: ParallelMesh) 
     element once: each rank divides by how many ranks hold an identical copy of that element
     (dp·cp replicas, TP replicas of unsharded params; the tied embedding's last-stage copy
     counts zero times)."""
-    total = torch.zeros((), dtype=torch.float64, device=params[0].device)
+    entries = []
     for p in params:
-        if meta_of(p).tied_copy:
-            continue
-        replicas = mesh.edp.size if meta_of(p).is_expert else mesh.dp_cp.size
-        if meta_of(p).tp_dim is None or meta_of(p).is_expert:  # experts: tp_dim is the EP shard dim
-            replicas *= mesh.tp.size
-        total += torch.linalg.vector_norm(p.grad, dtype=torch.float64).square() / replicas
-    return total
+        meta = meta_of(p)
+        entries.append((meta, p.grad, mesh.edp.size if meta.is_expert else mesh.dp_cp.size))
+    return square_sum_share(entries, mesh.tp.size, params[0].device)
 
 
 @torch.no_grad()

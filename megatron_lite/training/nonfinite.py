@@ -37,9 +37,10 @@ def nonfinite_grads(named_params: list[tuple[str, torch.nn.Parameter]], limit: i
 
 def describe(step: int, loss: float, grad_norm: float, local_loss: float, named_params) -> str:
     """What went non-finite at `step`, gathered over the world (call on every rank).
-    `local_loss` is this rank's share of the loss sum (0 on ranks that report none)."""
+    `local_loss` is this rank's share of the loss sum (0 on ranks that report none), a number
+    or a 0-dim tensor (read only here, off the finite path)."""
     grads = nonfinite_grads(named_params) if not math.isfinite(grad_norm) else []
-    mine = (not math.isfinite(local_loss), grads)
+    mine = (not math.isfinite(float(local_loss)), grads)
     everyone = [None] * dist.get_world_size()
     guarded("all_gather_object", None, lambda: dist.all_gather_object(everyone, mine))
     parts = []

@@ -60,6 +60,7 @@ class Trainer:
         self.consumed_samples = 0  # the data position (a checkpoint restores it)
         self._prefetch: Prefetcher | None = None  # reads the next batches during train()
         self.stop_requested = False  # a rank got SIGTERM/SIGINT/SIGUSR1 (agreed every step)
+        self._memory: dict[str, int] | None = None  # mem/* of the steps (see _step_memory)
         self.checkpointer = Checkpointer(self)  # resumes per train.resume / train.init_from
         loaded = self.checkpointer.resume()  # sets step and consumed_samples when it loads
         if not loaded and self.init_later:
@@ -96,11 +97,11 @@ class Trainer:
             )
             micro = [mb.to(self.device) for mb in batches]
             loss = self._forward_backward(micro, 1.0, forward_only=True)
-            tokens = sum(float((split_sample(mb)[1] != IGNORE_INDEX).sum()) for mb in micro)
             if owner:
                 sums[0] += loss.double().reshape(())
             if mesh.tp.rank == 0 and mesh.cp.rank == 0 and mesh.is_last_stage:
-                sums[1] += tokens  # each dp rank's tokens once
+                for mb in micro:  # each dp rank's tokens once; summed on the device
+                    sums[1] += (split_sample(mb)[1] != IGNORE_INDEX).sum()
         mappings.all_reduce(sums, dist.group.WORLD, kind="all_reduce_eval")
         for layer in self._moe_layers():
             layer.pop_stats()  # evaluation routes tokens too: not this step's statistics
@@ -211,7 +212,7 @@ class Trainer:
         self.stop_requested = signals > 0
         grad_norm = grad_sq**0.5
         loss = loss_total / n_tokens
-        skipped = self.guard.check(self.step, loss, grad_norm, loss_part.item(), self.named_params)
+        skipped = self.guard.check(self.step, loss, grad_norm, loss_part, self.named_params)
         if skipped is None:
             self.dp.clip(grad_norm, cfg.train.grad_clip)
             self.dp.step()  # AdamW on this rank's shards, then the weights all-gathered
@@ -232,12 +233,20 @@ class Trainer:
             "step_time_s": dt,
             "consumed_samples": self.consumed_samples,
             **({"skipped": True} if skipped else {}),
-            **self.memory_report(),
+            **self._step_memory(),
             **moe,
             **STATS.summary(),
         }
         self.step += 1
         return record
+
+    def _step_memory(self) -> dict[str, int]:
+        """The step's mem/* figures. The model states are allocated once, so on CPU the report
+        after the first step is kept (no collective per step); on CUDA the allocator's peaks
+        change, so it is reduced every step."""
+        if self._memory is None or self.device.type == "cuda":
+            self._memory = self.memory_report()
+        return self._memory
 
     def memory_report(self) -> dict[str, int]:
         """mem/<term>: model-state bytes per rank (weights, grads, master, optimizer), the max

@@ -89,6 +89,7 @@ class GradBuffer:
             p.main_grad = self.grad_data[r.start : r.start + n].view_as(p)
         self.counts: dict[int, int] = {}
         self.expected = 1
+        self.pending_gathers = 0  # all-gathers launched by gather_params, not yet waited for
         self.grad_shard = self._make_grad_shard(total)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
 
@@ -206,11 +207,14 @@ class GradBuffer:
             a, e = b.shard_range(self.shard_rank, self.shard_size)
             full = self.param_data[b.start : b.end]
             b.gather = mappings.all_gather_async(full, self.param_data[a:e], self.shard_group)
+            self.pending_gathers += 1
         if wait:
             self.wait_params()
 
     def wait_params(self, params=None) -> None:
         """Wait for the all-gathers of the buckets holding `params` (default: all)."""
+        if not self.pending_gathers:  # every forward pre-hook asks: answer at once when done
+            return
         buckets = (
             self.buckets
             if params is None
@@ -224,3 +228,4 @@ class GradBuffer:
             if b.gather is not None:
                 b.gather.wait()
                 b.gather = None
+                self.pending_gathers -= 1

@@ -25,7 +25,7 @@ from megatron_lite.parallel.data_parallel.buffers import GradBuffer
 from megatron_lite.parallel.data_parallel.memory import model_state_bytes
 from megatron_lite.parallel.data_parallel.optimizer import ShardedAdamW, make_pieces
 from megatron_lite.parallel.mesh import ParallelMesh
-from megatron_lite.parallel.params import meta_of
+from megatron_lite.parallel.params import meta_of, square_sum_share
 
 
 def hybrid_groups(mesh: ParallelMesh, name: str, dp_shard: int):
@@ -157,16 +157,8 @@ class DataParallel:
         number of ranks holding an identical copy (replicas of the shard; TP replicas of
         unsharded parameters; the tied last-stage copy counts zero times)."""
         device = self.buffers[0].grad_data.device if self.buffers else torch.device("cpu")
-        total = torch.zeros((), dtype=torch.float64, device=device)
-        for pc in self.pieces:
-            meta = meta_of(pc.param)
-            if meta.tied_copy:
-                continue
-            replicas = pc.buffer.replicas
-            if meta.tp_dim is None or meta.is_expert:  # experts: tp_dim is the EP shard dim
-                replicas *= self.mesh.tp.size
-            total += torch.linalg.vector_norm(pc.grad, dtype=torch.float64).square() / replicas
-        return total
+        entries = [(meta_of(pc.param), pc.grad, pc.buffer.replicas) for pc in self.pieces]
+        return square_sum_share(entries, self.mesh.tp.size, device)
 
     @torch.no_grad()
     def clip(self, norm: float, max_norm: float) -> None:

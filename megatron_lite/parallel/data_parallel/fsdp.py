@@ -33,7 +33,7 @@ from megatron_lite.parallel.data_parallel.fsdp_comm import count_collectives
 from megatron_lite.parallel.data_parallel.fsdp_optimizer import FSDPAdamW
 from megatron_lite.parallel.data_parallel.memory import model_state_bytes
 from megatron_lite.parallel.mesh import ParallelMesh
-from megatron_lite.parallel.params import meta_of
+from megatron_lite.parallel.params import meta_of, square_sum_share
 
 try:  # torch >= 2.6 exports FSDP2 here
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -189,17 +189,12 @@ class FullyShardedDataParallel:
         """This rank's share of the global Σg² (fp64), as in `DataParallel.grad_square_sum`:
         each local shard divided by the ranks holding an identical copy (HSDP replicas, TP
         replicas of unsharded parameters; the tied last-stage copy counts zero times)."""
-        total = torch.zeros((), dtype=torch.float64, device=self.params[0].device)
-        for p in self.params:
-            meta = p.meta
-            if meta.tied_copy or p.grad is None:
-                continue
-            replicas = self.replicas[meta.is_expert]
-            if meta.tp_dim is None or meta.is_expert:  # experts: tp_dim is the EP shard dim
-                replicas *= self.mesh.tp.size
-            g = p.grad.to_local()
-            total += torch.linalg.vector_norm(g, dtype=torch.float64).square() / replicas
-        return total
+        entries = [
+            (p.meta, p.grad.to_local(), self.replicas[p.meta.is_expert])
+            for p in self.params
+            if p.grad is not None
+        ]
+        return square_sum_share(entries, self.mesh.tp.size, self.params[0].device)
 
     @torch.no_grad()
     def clip(self, norm: float, max_norm: float) -> None:
