@@ -44,7 +44,7 @@ def prepare(argv=None, world_size: int | None = None, hardware: bool = True):
     """Config + data, no process groups: returns (cfg, dataset, vocab_size) or raises
     ConfigError / DataFileError with a user-facing message. `hardware=False` skips the checks
     that need the ranks' machine (GPU backends), for validating on a login node."""
-    from megatron_lite.data import build_dataset
+    from megatron_lite.data import build_dataset, build_valid_dataset
 
     args = parse_args(argv)
     world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
@@ -54,6 +54,8 @@ def prepare(argv=None, world_size: int | None = None, hardware: bool = True):
     dataset, vocab_size = build_dataset(cfg)
     if cfg.model.vocab_size is None:
         cfg.model.vocab_size = vocab_size
+    if cfg.train.eval_interval > 0:  # build (or check) the validation indices' cache now:
+        build_valid_dataset(cfg)  # the launcher does it once, before any rank starts
     return cfg, dataset, cfg.model.vocab_size
 
 

@@ -33,6 +33,7 @@ checkpoint as it was.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import signal
@@ -49,6 +50,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from megatron_lite.parallel.mappings import CollectiveError, guarded
 from megatron_lite.resolve import stage_layers
 from megatron_lite.training import checkpoint_files as files
+from megatron_lite.training.checkpoint_exchange import ParallelRead
 from megatron_lite.training.checkpoint_files import (
     CheckpointError,
     CheckpointReadError,
@@ -63,7 +65,12 @@ from megatron_lite.training.checkpoint_state import (
     save_state,
     set_rng_states,
 )
-from megatron_lite.training.dcp_metadata import SafeFileSystemReader, listing_with_dcp_files
+from megatron_lite.training.dcp_metadata import (
+    SafeFileSystemReader,
+    listing_with_dcp_files,
+    planned_reads,
+    storage_ranges,
+)
 from megatron_lite.training.rank_agreement import RankAgreement, describe_error
 from megatron_lite.training.run_dir import claim_run_dir
 
@@ -84,6 +91,21 @@ def layout_of(cfg) -> dict:
 def _layout_changes(saved: dict, now: dict) -> str:
     """The layout keys that differ from the checkpoint's, as "tp 2->1, dp 1->2"."""
     return ", ".join(f"{k} {saved.get(k)}->{v}" for k, v in now.items() if saved.get(k) != v)
+
+
+@dataclasses.dataclass
+class _LoadJob:
+    """A checkpoint being loaded: its metadata, reader and this rank's buffers (see load)."""
+
+    path: str
+    meta: dict
+    reader: SafeFileSystemReader
+    metadata: object  # DCP's Metadata
+    buffers: dict
+    pieces: dict
+    apply: object
+    parallel: ParallelRead
+    with_optim: bool
 
 
 def _async_save(state, writer, planner, group):
@@ -120,6 +142,8 @@ class Checkpointer:
         self.async_ranks = RankAgreement(self.rank, self.world, self.async_group)
         self._hasher = ThreadPoolExecutor(1)  # each rank hashes what it wrote, off the step
         self.pending = None  # Future of an async save (rank 0: including the commit)
+        self._job: _LoadJob | None = None  # the checkpoint _verify accepted, for load()
+        self.read_bytes = self.loaded_bytes = 0  # at the last load: read here, and in all
         self.signal_received = None
         self._old_handlers: dict = {}
         self._committer = ThreadPoolExecutor(1) if self.rank == 0 else None
@@ -145,6 +169,15 @@ class Checkpointer:
                 self.run_lock.release()
             raise
 
+    def will_load(self) -> bool:
+        """Whether resume() will load weights (or raise): a checkpoint to resume exists, or
+        train.resume / train.init_from names one (collective). Lets the model skip its
+        random init when a checkpoint will fill it."""
+        t = self.cfg.train
+        if t.resume == "auto" and self.ranks.from_rank0(lambda: files.auto_candidates(self.dir)):
+            return True
+        return t.resume not in ("auto", "none") or t.init_from is not None
+
     def _choose(self, resume: str, init_from: str | None):
         """(path, model_only) of a checkpoint whose checksums verify (collective)."""
         if resume == "auto":
@@ -160,48 +193,84 @@ class Checkpointer:
             return path, False
         if init_from is not None:
             path = self.ranks.from_rank0(lambda: files.resolve(init_from))
-            self._verify(path)
+            self._verify(path, model_only=True)
             return path, True
         return None, False
 
-    def _verify(self, path: str) -> None:
-        """Every rank checks its share of the checkpoint's file checksums; raises on every
-        rank: CheckpointError for a damaged checkpoint, CheckpointReadError for I/O trouble."""
-        self.ranks.on_every_rank(
-            lambda: files.verify(path, (self.rank, self.world)), "checksum check"
-        )
+    def _verify(self, path: str, model_only: bool = False) -> None:
+        """Prepare the load of `path` and check, on every rank, the size of every file and the
+        sha256 of exactly the bytes this rank will read (its share of the tensors, see
+        checkpoint_exchange.py, and DCP's `.metadata`); raises on every rank: CheckpointError
+        for a damaged checkpoint, CheckpointReadError for I/O trouble."""
+        job = self._prepare(path, model_only)
 
-    def load(self, path: str, model_only: bool = False) -> None:
-        """Load a verified checkpoint into the trainer (collective): see the module doc."""
+        def check():
+            stored = job.metadata.state_dict_metadata
+            ok = {  # a missing or misshapen tensor is reported by _check_keys at load time
+                k
+                for k in job.parallel.mine
+                if k in stored and tuple(stored[k].size) == job.pieces[k].global_shape
+            }
+            planner = ShardLoadPlanner({k: job.pieces[k] for k in ok})
+            planner.set_up_planner({k: job.buffers[k] for k in ok}, job.metadata)
+            files.verify_reads(path, planned_reads(job.metadata, planner.create_local_plan()))
+
+        self.ranks.on_every_rank(check, "checksum check")
+        self._job = job
+
+    def _prepare(self, path: str, model_only: bool) -> _LoadJob:
+        """Read the checkpoint's metadata and set up the buffers this rank loads into."""
         tr = self.trainer
 
         def read():
             reader = SafeFileSystemReader(path)
-            return files.read_metadata(path), reader, reader.read_metadata().state_dict_metadata
+            return files.read_metadata(path), reader, reader.read_metadata()
 
-        meta, reader, stored = self.ranks.on_every_rank(read, f"reading {path}")
-        self._check_model_config(path, meta["config"].get("model", {}))
+        meta, reader, metadata = self.ranks.on_every_rank(read, f"reading {path}")
+        stored = metadata.state_dict_metadata
         with_optim = meta["kind"] == "train" and not model_only
         same_layout = with_optim and meta["layout"] == layout_of(self.cfg)
         with_master = any(k.startswith("optim/master/") for k in stored)
-        buffers, pieces, apply = load_targets(tr.chunks, tr.optimizer, with_optim, with_master)
+        buffers, pieces, apply, per_param = load_targets(
+            tr.chunks, tr.optimizer, with_optim, with_master
+        )
         if same_layout:
             add_rng_targets(buffers, pieces, stored, self.rank)
-        self._check_keys(path, buffers, pieces, stored)
+        parallel = ParallelRead(buffers, per_param, tr.mesh)
+        return _LoadJob(path, meta, reader, metadata, buffers, pieces, apply, parallel, with_optim)
+
+    def load(self, path: str, model_only: bool = False) -> None:
+        """Load a verified checkpoint into the trainer (collective): see the module doc. Each
+        rank reads its share of its replica group's tensors and receives the rest."""
+        tr = self.trainer
+        job = self._job
+        if job is None or job.path != path:
+            self._verify(path, model_only)
+            job = self._job
+        self._job = None
+        meta, buffers, pieces = job.meta, job.buffers, job.pieces
+        self._check_model_config(path, meta["config"].get("model", {}))
+        with_optim = job.with_optim
+        same_layout = with_optim and meta["layout"] == layout_of(self.cfg)
+        self._check_keys(path, buffers, pieces, job.metadata.state_dict_metadata)
+        mine = sorted(job.parallel.mine)
         try:
             guarded(
                 f"dcp.load from {path}",
                 self.io_group,
                 lambda: dcp.load(
-                    buffers,
-                    storage_reader=reader,
-                    planner=ShardLoadPlanner(pieces),
+                    {k: buffers[k] for k in mine},
+                    storage_reader=job.reader,
+                    planner=ShardLoadPlanner({k: pieces[k] for k in mine}),
                     process_group=self.io_group,
                 ),
             )
         except CheckpointException as e:  # raised on every rank
             raise CheckpointReadError(f"reading {path}: {describe_error(e, self.rank)}") from None
-        apply()
+        job.parallel.exchange(buffers, tr.device)
+        self.read_bytes = job.parallel.read_bytes(buffers)
+        self.loaded_bytes = sum(t.nbytes for t in buffers.values())
+        job.apply()
         if with_optim:
             tr.step = meta["step"]
             tr.consumed_samples, note = files.consumed_samples(meta, self.cfg.train)
@@ -210,7 +279,8 @@ class Checkpointer:
         if same_layout:
             set_rng_states(tr.tracker, loaded_rng_states(buffers, self.rank))
         what = "model weights from" if not with_optim else "resumed from"
-        self._say(f"{what} {path} (step {meta['step']}); now at step {tr.step}")
+        share = f"read {self.read_bytes / 2**20:.1f} of {self.loaded_bytes / 2**20:.1f} MiB here"
+        self._say(f"{what} {path} (step {meta['step']}, {share}); now at step {tr.step}")
         if with_optim and not same_layout:
             changed = _layout_changes(meta["layout"], layout_of(self.cfg))
             self._say(
@@ -320,7 +390,7 @@ class Checkpointer:
         self.ranks.barrier()  # dcp.save may return on a rank before the others' files are done
         names = self.ranks.from_rank0(lambda: listing_with_dcp_files(tmp), io="write")
         parts = self.ranks.on_every_rank(
-            lambda: files.file_table(tmp, (self.rank, self.world), names),
+            lambda: files.file_table(tmp, (self.rank, self.world), names, storage_ranges(tmp)),
             f"checksumming {tmp}",
             gather=True,
             io="write",
@@ -330,7 +400,7 @@ class Checkpointer:
     def _hash_own(self, future, tmp: str) -> None:
         """Async save, on this rank's thread: once DCP is done, hash the file it wrote."""
         future.result()
-        files.write_own_checksums(tmp, self.rank, self.world)
+        files.write_own_checksums(tmp, self.rank, self.world, storage_ranges(tmp))
 
     def _commit_after(self, future, tmp, final, meta) -> None:
         """Rank 0's commit thread: every rank's checksums (from files, not a collective)."""

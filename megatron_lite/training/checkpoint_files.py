@@ -94,15 +94,42 @@ def data_files(path: str) -> list[str]:
     )
 
 
+def range_hashes(file: str, ranges) -> dict[str, list]:
+    """{str(offset): [length, sha256]} of the byte ranges (offset, length) of `file`: DCP's
+    stored items, so a rank that reads some of them can check exactly those."""
+    out = {}
+    with open(file, "rb") as f:
+        for offset, length in sorted(set(ranges)):
+            f.seek(offset)
+            h, left = hashlib.sha256(), length
+            while left > 0:
+                block = f.read(min(left, 1 << 20))
+                if not block:
+                    break
+                h.update(block)
+                left -= len(block)
+            out[str(offset)] = [length, h.hexdigest()]
+    return out
+
+
 def file_table(
-    path: str, part: tuple[int, int] = (0, 1), names: list[str] | None = None
+    path: str,
+    part: tuple[int, int] = (0, 1),
+    names: list[str] | None = None,
+    ranges: dict[str, list[tuple[int, int]]] | None = None,
 ) -> dict[str, dict]:
-    """sha256 and size of `names` (default: data_files(path)), or of this rank's share of
-    them when `part` = (rank, world)."""
+    """Size and sha256 of `names` (default: data_files(path)), or of this rank's share of
+    them when `part` = (rank, world). A file with `ranges` (DCP's items in it) gets one sha256
+    per item (`items`) instead of one for the whole file."""
     table = {}
     for name in share(data_files(path) if names is None else names, part):
         full = os.path.join(path, name)
-        table[name] = {"sha256": sha256_file(full), "bytes": os.path.getsize(full)}
+        row: dict = {"bytes": os.path.getsize(full)}
+        if ranges and name in ranges:
+            row["items"] = range_hashes(full, ranges[name])
+        else:
+            row["sha256"] = sha256_file(full)
+        table[name] = row
     return table
 
 
@@ -122,10 +149,11 @@ def consumed_samples(meta: dict, train) -> tuple[int, str | None]:
 HASH_PREFIX = ".sha256.rank"  # an async save's per-writer checksums, merged at the commit
 
 
-def write_own_checksums(tmp: str, rank: int, world: int) -> None:
-    """Async save, each rank: the checksums of its share (the file it wrote) in `tmp`."""
+def write_own_checksums(tmp: str, rank: int, world: int, ranges=None) -> None:
+    """Async save, each rank: the checksums of its share (the file it wrote) in `tmp`, per
+    DCP item where `ranges` lists them (see file_table)."""
     names = [n for n in data_files(tmp) if not n.startswith(HASH_PREFIX)]
-    table = file_table(tmp, (rank, world), names)
+    table = file_table(tmp, (rank, world), names, ranges)
     write_atomic(os.path.join(tmp, f"{HASH_PREFIX}{rank}.json"), json.dumps(table))
 
 
@@ -267,25 +295,61 @@ def read_metadata(path: str) -> dict:
     return meta
 
 
+def _damaged(file: str, why: str) -> CheckpointError:
+    fix = "Fix: resume from an older checkpoint (train.resume=auto picks the newest valid one)"
+    return CheckpointError(f"checkpoint file {file} {why}. {fix}")
+
+
+def _check_sizes(path: str, meta: dict) -> None:
+    for name, want in meta["files"].items():
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            raise _damaged(file, "is missing")
+        size = os.path.getsize(file)
+        if size != want["bytes"]:
+            raise _damaged(file, f"is truncated or damaged: {size} bytes, expected {want['bytes']}")
+
+
+def _check_file(path: str, name: str, want: dict, ranges=None) -> None:
+    """sha256 of file `name` (whole, or the items among `ranges`, default all items)."""
+    file = os.path.join(path, name)
+    if "items" not in want:
+        if sha256_file(file) != want["sha256"]:
+            raise _damaged(file, "is damaged: sha256 mismatch")
+        return
+    items = want["items"]
+    wanted = [(int(o), n) for o, (n, _) in items.items()] if ranges is None else ranges
+    for offset, length in sorted(set(wanted)):
+        row = items.get(str(offset))
+        if row is None or row[0] != length:
+            raise _damaged(file, f"has no checksummed item of {length} bytes at {offset}")
+        if range_hashes(file, [(offset, length)])[str(offset)][1] != row[1]:
+            raise _damaged(file, f"is damaged: sha256 mismatch in the item at byte {offset}")
+
+
 def verify(path: str, part: tuple[int, int] = (0, 1)) -> dict:
     """Read metadata.json and check the listed files' sizes and sha256 (this rank's share of
     them when `part` = (rank, world)); returns the metadata or raises CheckpointError naming
     the first damaged, truncated or missing file."""
     meta = read_metadata(path)
-    fix = "Fix: resume from an older checkpoint (train.resume=auto picks the newest valid one)"
+    _check_sizes(path, meta)
     for name in share(meta["files"], part):
-        want = meta["files"][name]
-        file = os.path.join(path, name)
-        if not os.path.isfile(file):
-            raise CheckpointError(f"checkpoint file {file} is missing. {fix}")
-        size = os.path.getsize(file)
-        if size != want["bytes"]:
-            raise CheckpointError(
-                f"checkpoint file {file} is truncated or damaged: {size} bytes, "
-                f"expected {want['bytes']}. {fix}"
-            )
-        if sha256_file(file) != want["sha256"]:
-            raise CheckpointError(f"checkpoint file {file} is damaged: sha256 mismatch. {fix}")
+        _check_file(path, name, meta["files"][name])
+    return meta
+
+
+def verify_reads(path: str, reads: dict[str, list[tuple[int, int]]]) -> dict:
+    """What resume checks on each rank: every listed file's size (stat only), and the sha256
+    of exactly the bytes this rank reads, `reads` = {file: [(offset, length)]} (a whole file
+    when it was checksummed whole, e.g. DCP's `.metadata`). Returns the metadata or raises
+    CheckpointError naming the first damaged, truncated or missing file."""
+    meta = read_metadata(path)
+    _check_sizes(path, meta)
+    for name in sorted(reads):
+        want = meta["files"].get(name)
+        if want is None:
+            raise _damaged(os.path.join(path, name), "is not listed in metadata.json")
+        _check_file(path, name, want, reads[name])
     return meta
 
 

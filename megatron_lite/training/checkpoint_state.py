@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from megatron_lite.parallel.params import ParamMeta
+from megatron_lite.training.checkpoint_exchange import ParamKeys
 
 SEGMENT_NAMES = {"linear_qkv": ("q", "k", "v"), "linear_fc1": ("gate", "up")}
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -210,16 +211,17 @@ def save_state(chunks, optimizer, mesh, tracker, rank: int):
 
 
 def load_targets(chunks, optimizer, with_optimizer: bool, with_master: bool = False):
-    """Buffers to read this rank's pieces into, keyed by checkpoint key, and `apply()` that
-    copies them into the parameters and hands the optimizer its state (zeros in vocabulary
-    padding). `with_master`: the checkpoint holds fp32 master weights (else masters that are
-    copies start from the loaded parameters)."""
-    buffers, pieces, plan = {}, {}, []
+    """Buffers to read this rank's pieces into, keyed by checkpoint key, their pieces,
+    `apply()` that copies them into the parameters and hands the optimizer its state (zeros in
+    vocabulary padding), and the buffers' keys per parameter (for the fully parallel read).
+    `with_master`: the checkpoint holds fp32 master weights (else masters that are copies
+    start from the loaded parameters)."""
+    buffers, pieces, plan, per_param = {}, {}, [], []
     optim_kinds = (*MOMENTS, "master") if with_master else MOMENTS
     weights = whole_weights(optimizer)
     for name, p in named_parameters(chunks):
         w = weights.get(id(p), p)  # what the checkpoint holds: the whole local tensor
-        entries = []
+        entries, new_keys = [], []
         for piece in param_pieces(name, p.meta):
             kinds = ("model", *(f"optim/{k}" for k in optim_kinds if with_optimizer))
             for kind in kinds:
@@ -228,13 +230,18 @@ def load_targets(chunks, optimizer, with_optimizer: bool, with_master: bool = Fa
                     dtype = w.dtype if kind == "model" else torch.float32
                     buffers[key] = torch.empty(piece.local(w).shape, dtype=dtype, device="cpu")
                     pieces[key] = piece
+                    new_keys.append(key)
                 entries.append((kind, piece, key))
         step_key = None
         if with_optimizer:
             step_key = f"optim/step/{logical_name(name, p.meta)}"
-            buffers[step_key] = torch.zeros((), dtype=torch.float32)
-            pieces[step_key] = Piece(step_key, (), ())
+            if step_key not in buffers:
+                buffers[step_key] = torch.zeros((), dtype=torch.float32)
+                pieces[step_key] = Piece(step_key, (), ())
+                new_keys.append(step_key)
         plan.append((p, w, entries, step_key))
+        if new_keys:
+            per_param.append(ParamKeys(tuple(new_keys), bool(p.meta.is_expert)))
 
     @torch.no_grad()
     def apply() -> None:
@@ -257,7 +264,7 @@ def load_targets(chunks, optimizer, with_optimizer: bool, with_master: bool = Fa
         else:
             optimizer.sync_masters_from_params()
 
-    return buffers, pieces, apply
+    return buffers, pieces, apply, per_param
 
 
 def add_rng_targets(buffers: dict, pieces: dict, stored: dict, rank: int) -> None:

@@ -161,3 +161,20 @@ def listing_with_dcp_files(tmp: str) -> list[str]:
             "file system that every rank shares (train.ckpt_dir)"
         )
     return names
+
+
+def storage_ranges(path: str) -> dict[str, list[tuple[int, int]]]:
+    """{data file: [(offset, length)]} of every item DCP's index of `path` stores."""
+    out: dict[str, list[tuple[int, int]]] = {}
+    for info in (SafeFileSystemReader(path).read_metadata().storage_data or {}).values():
+        out.setdefault(info.relative_path, []).append((int(info.offset), int(info.length)))
+    return out
+
+
+def planned_reads(metadata: Metadata, plan) -> dict[str, list[tuple[int, int]]]:
+    """{data file: [(offset, length)]} of the stored items a DCP LoadPlan reads."""
+    out: dict[str, list[tuple[int, int]]] = {DCP_METADATA: []}  # read whole by every rank
+    for item in plan.items:
+        info = metadata.storage_data[item.storage_index]
+        out.setdefault(info.relative_path, []).append((int(info.offset), int(info.length)))
+    return out

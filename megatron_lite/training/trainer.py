@@ -41,10 +41,15 @@ class Trainer:
             else torch.device("cpu")
         )
         self.tracker = model_parallel_seed(cfg.train.seed, mesh.tp.rank, mesh.pp.rank)
-        # weights are drawn after resume decides (a loaded checkpoint skips the random init),
-        # except under ZeRO-3, where FSDP2 shards the weights it is given
-        self.init_later = cfg.parallel.zero_stage != 3
-        chunks = build_model(cfg, mesh, self.tracker, vocab_size, init=not self.init_later)
+        self.step = 0
+        self.consumed_samples = 0  # the data position (a checkpoint restores it)
+        self.checkpointer = Checkpointer(self)  # resumes per train.resume / train.init_from
+        # the weights are built uninitialized (never drawn) and drawn only when no checkpoint
+        # will fill them, after the data-parallel wrapper, except under ZeRO-3 from scratch:
+        # FSDP2 shards the weights it is given, so they are drawn first
+        will_load = self.checkpointer.will_load()
+        init_now = cfg.parallel.zero_stage == 3 and not will_load
+        chunks = build_model(cfg, mesh, self.tracker, vocab_size, init=init_now)
         self.chunks = [c.to(self.device) for c in chunks]
         if cfg.train.precision == "bf16":  # bf16 weights; fp32 masters live in the optimizer
             for c in self.chunks:
@@ -56,14 +61,13 @@ class Trainer:
         self.optimizer = self.dp.optimizer
         self.logger = MetricsLogger(cfg, active=dist.get_rank() == 0)
         self.guard = NonFiniteGuard(cfg.train.skip_nonfinite_steps)
-        self.step = 0
-        self.consumed_samples = 0  # the data position (a checkpoint restores it)
         self._prefetch: Prefetcher | None = None  # reads the next batches during train()
         self.stop_requested = False  # a rank got SIGTERM/SIGINT/SIGUSR1 (agreed every step)
         self._memory: dict[str, int] | None = None  # mem/* of the steps (see _step_memory)
-        self.checkpointer = Checkpointer(self)  # resumes per train.resume / train.init_from
         loaded = self.checkpointer.resume()  # sets step and consumed_samples when it loads
-        if not loaded and self.init_later:
+        if loaded != will_load:  # resume either loads what will_load saw or raises
+            raise RuntimeError(f"checkpoint expected {will_load}, loaded {loaded}")
+        if not loaded and not init_now:
             for chunk in self.chunks:
                 init_parameters(chunk, cfg.train.seed)  # each rank draws only its shard
             self.optimizer.sync_masters_from_params()

@@ -55,10 +55,10 @@ def _train(rank, world, overrides, out_dir, mode):
         checkpoint_files.commit = crash
     if mode == "ioerror" and rank == 1:
 
-        def unreadable(path, part=(0, 1)):
+        def unreadable(path, reads):
             raise PermissionError(13, "Permission denied", path)
 
-        checkpoint_files.verify = unreadable
+        checkpoint_files.verify_reads = unreadable
     cfg, dataset, vocab = prepare(["train.out_dir=" + out_dir, *overrides], world_size=world)
     p = cfg.parallel
     mesh = ParallelMesh(RankLayout(world, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, order=p.order))

@@ -23,3 +23,54 @@ def test_every_dp_rank_writes_its_share(tmp_path):
     b = train_losses(2, [*LLAMA, resume, "parallel.tp=2"], str(tmp_path / "tp2"))
     diff = max_rel_diff(a + b, reference_losses(LLAMA))
     assert diff < 1e-5, diff
+
+
+def _resume_reads(rank, world, overrides, out_dir):
+    import torch.distributed as dist
+
+    import megatron_lite.models
+    import megatron_lite.training.trainer
+    from megatron_lite.parallel.mesh import ParallelMesh, RankLayout
+    from megatron_lite.train import prepare
+    from megatron_lite.training.trainer import Trainer
+
+    def no_random_init(*args):
+        raise AssertionError("a resumed model must not be randomly initialized")
+
+    megatron_lite.models.init_parameters = no_random_init  # build_model's (ZeRO-3)
+    megatron_lite.training.trainer.init_parameters = no_random_init
+
+    cfg, dataset, vocab = prepare(["train.out_dir=" + out_dir, *overrides], world_size=world)
+    p = cfg.parallel
+    mesh = ParallelMesh(RankLayout(world, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, order=p.order))
+    trainer = Trainer(cfg, mesh, dataset, vocab)
+    read, loaded = trainer.checkpointer.read_bytes, trainer.checkpointer.loaded_bytes
+    losses = [r["loss"] for r in trainer.train()]
+    return losses if dist.get_rank() == 0 else None, read, loaded
+
+
+def test_every_dp_rank_reads_its_share(tmp_path):
+    """Fully parallel load: on the same dp4 layout each rank reads about a quarter of what it
+    loads (the rest is broadcast by its replicas), and the resumed run continues exactly;
+    resuming draws no random weights (ZeRO-1 and ZeRO-3)."""
+    from tests.dist_harness import run_ranks
+    from tests.parallel.parity import TINY, structured_dataset
+
+    run = str(tmp_path / "dp4")
+    common = [*TINY, f"data.paths=[{structured_dataset()}]", *LLAMA, "parallel.zero_stage=1"]
+    first = ["train.save_interval=10", "train.steps=10", "train.lr_decay_steps=20"]
+    a = train_losses(4, [*LLAMA, *first, "parallel.zero_stage=1"], run)
+    resume = [f"train.resume={run}/checkpoints/step_10", "train.lr_decay_steps=20"]
+    out = run_ranks(4, _resume_reads, [*common, *resume], str(tmp_path / "again"), timeout=180)
+    reads = [r for _, r, _ in out]
+    ratio = max(reads) / (sum(reads) / len(reads))
+    print(f"PARALLEL LOAD dp4: bytes read per rank {reads} of {out[0][2]}, max/mean {ratio:.3f}")
+    assert ratio <= 1.3, reads
+    assert all(r < 0.35 * loaded for _, r, loaded in out), out
+    diff = max_rel_diff(a + out[0][0], reference_losses(LLAMA))
+    assert diff < 1e-5, diff
+    # ZeRO-3 (FSDP2 shards what it is given) resumes without drawing the weights either
+    zero3 = [*common, *resume, "parallel.zero_stage=3"]
+    out = run_ranks(2, _resume_reads, zero3, str(tmp_path / "zero3"), timeout=180)
+    diff = max_rel_diff(a + out[0][0], reference_losses(LLAMA))
+    assert diff < 1e-5, diff

@@ -228,3 +228,30 @@ def test_each_rank_checksums_the_file_it_wrote():
     shares = [files.share(names, (r, 4)) for r in range(4)]
     assert all(f"__{r}_0.distcp" in shares[r] for r in range(4)), shares
     assert sorted(n for s in shares for n in s) == sorted(names)  # each file once
+
+
+def test_item_checksums_check_exactly_what_a_rank_reads(tmp_path):
+    """Per-item sha256 (DCP's stored items): verify_reads hashes only the ranges it is given,
+    so damage is caught by the rank that reads the damaged item, and by a whole verify."""
+    d = str(tmp_path / "step_1")
+    os.makedirs(d)
+    data = os.path.join(d, "__0_0.distcp")
+    with open(data, "wb") as f:
+        f.write(os.urandom(300))
+    ranges = {"__0_0.distcp": [(0, 100), (100, 150), (250, 50)]}
+    table = files.file_table(d, ranges=ranges)
+    assert set(table["__0_0.distcp"]["items"]) == {"0", "100", "250"}
+    os.rename(d, d + ".tmp")
+    files.commit(d + ".tmp", d, {"kind": "train", "step": 1}, table)
+    with open(data, "r+b") as f:
+        f.seek(120)
+        byte = f.read(1)
+        f.seek(120)
+        f.write(bytes([byte[0] ^ 0xFF]))  # inside the item at 100
+    files.verify_reads(d, {"__0_0.distcp": [(0, 100), (250, 50)]})  # reads around the damage
+    with pytest.raises(CheckpointError, match="sha256 mismatch in the item at byte 100"):
+        files.verify_reads(d, {"__0_0.distcp": [(100, 150)]})
+    with pytest.raises(CheckpointError, match="item at byte 100"):
+        files.verify(d)
+    with pytest.raises(CheckpointError, match="no checksummed item of 10 bytes at 5"):
+        files.verify_reads(d, {"__0_0.distcp": [(5, 10)]})

@@ -207,3 +207,18 @@ def test_unverified_open_is_checked_when_the_indices_are_built(tmp_path):
     with pytest.raises(DataFileError, match="offsets disagree"):
         GPTDataset(indexed, SEQ, seed=1)
     assert not os.path.isdir(tmp_path / "index_cache") or not _cache_files(tmp_path / "index_cache")
+
+
+def test_prepare_builds_the_validation_indices_too(tmp_path):
+    """The launcher's prepare() builds every index the ranks will open, the validation
+    split's included (3 arrays per part), so no rank builds one after start-up."""
+    from megatron_lite.train import prepare
+
+    _build(tmp_path / "d", n=60)
+    cache = tmp_path / "index_cache"
+    common = [f"data.paths=[{tmp_path / 'd'}]", "model.seq_length=8", "data.split=90,10,0"]
+    prepare([*common, "train.eval_interval=0"], world_size=1, hardware=False)
+    train_only = _cache_files(cache)
+    prepare([*common, "train.eval_interval=5"], world_size=1, hardware=False)
+    both = _cache_files(cache)
+    assert len(train_only) == 3 and len(both) == 6 and set(train_only) < set(both), both
