@@ -19,9 +19,11 @@ ranks (so none waits in a collective for one that failed) in rank_agreement.py. 
   with tools/convert_checkpoint.py. A resumable checkpoint in ckpt_dir takes precedence.
 
 Async save (train.async_save) stages a CPU copy at the step boundary and writes on a thread
-(DCP's thread executor) over its own gloo group; rank 0 then checksums and commits on its own
-thread. A synchronous save splits the checksumming across ranks, and so does resume's
-verification. The time the step was blocked is logged as ckpt_blocked_s.
+(DCP's thread executor) over its own gloo group; each rank then checksums what it wrote on a
+thread of its own, and rank 0 commits on another. Checksums are per stored tensor chunk, and
+resume checks on each rank exactly the chunks it reads; each rank reads its share of its
+replica group's tensors and receives the rest (checkpoint_exchange.py). The time the step was
+blocked is logged as ckpt_blocked_s.
 
 Safety (see run_dir.py, dcp_metadata.py): the run directory is locked for one run (held until
 the last async save is committed); DCP's pickled `.metadata` is read through an allow-list, so
