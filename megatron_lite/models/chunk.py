@@ -51,9 +51,8 @@ class ModelChunk(nn.Module):
         self.tp_group, self.tp_rank = mesh.tp.group, mesh.tp.rank
         self.hidden_dropout = c.hidden_dropout
         self.fp32_residual = c.fp32_residual_connection
-        self.full_recompute = (c.recompute_method, c.recompute_num_layers)
-        if c.recompute_granularity != "full":
-            self.full_recompute = (None, 0)
+        full = c.recompute_granularity == "full"
+        self.full_recompute = (c.recompute_method, c.recompute_num_layers) if full else (None, 0)
         self.padded_vocab, self.vocab_size = c.padded_vocab_size, c.vocab_size
         self.fp8_recipe = None if c.fp8 is None else fp8_recipe(c.fp8, c.fp8_recipe)
         self.fp8_group = mesh.tp_dp_cp.group  # FP8 amax reduction: one pipeline stage
