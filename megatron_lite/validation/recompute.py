@@ -14,6 +14,18 @@ def _validate_recompute(cfg: Config) -> None:
     """Granularity, the selective module list, and the full method and layer count."""
     m = cfg.model
     _choice("model.recompute_granularity", m.recompute_granularity, (None, "selective", "full"))
+    recomputes_gemms = m.recompute_granularity == "full" or (
+        m.recompute_granularity == "selective" and {"mlp", "moe"} & set(m.recompute_modules)
+    )
+    _rule(
+        not (recomputes_gemms and m.fp8 is not None),
+        "model.recompute_granularity",
+        m.recompute_granularity,
+        f"recomputing GEMMs under model.fp8={m.fp8!r} is not supported (the recompute runs "
+        f"outside TE's fp8_autocast, so it would not repeat the forward)",
+        "recompute only core_attn (recompute_granularity=selective, recompute_modules="
+        "[core_attn]), or set model.fp8=null",
+    )
     if m.recompute_granularity == "selective":
         _validate_modules(cfg)
     if m.recompute_granularity != "full":

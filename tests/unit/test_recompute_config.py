@@ -28,6 +28,11 @@ BAD = [
     ([*FULL, "model.recompute_method=chunked"], "model.recompute_method='chunked': must be one"),
     ([*FULL, "model.recompute_method=uniform"], "model.recompute_num_layers=None"),
     ([*FULL, "model.recompute_method=block", "model.recompute_num_layers=0"], "1 .. 4"),
+    (
+        [*FULL, "model.recompute_method=uniform", "model.recompute_num_layers=1",
+         "model.fp8=hybrid", "model.linear_backend=te", "train.precision=bf16"],
+        "recomputing GEMMs under model.fp8='hybrid' is not supported",
+    ),
     # 2 layers per stage under pp=2
     ([*FULL, "model.recompute_method=block", "model.recompute_num_layers=3", "parallel.pp=2"],
      "recompute_num_layers <= 2"),
