@@ -29,7 +29,7 @@ class RMSNorm(nn.Module):
         """[..., h] -> [..., h]; with `residual`, normalizes x + residual and returns
         (normed, x + residual)."""
         if residual is not None and x.dtype != residual.dtype:
-            x = x.to(residual.dtype)  # bf16 branch output joins the fp32 residual stream
+            x = x.to(residual.dtype)  # a bf16 branch output joins an fp32 residual stream
         return kernels.rms_norm(x, self.weight, self.eps, residual=residual)
 
 

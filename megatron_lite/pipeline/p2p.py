@@ -6,10 +6,11 @@ link share) and waits for all of them. Shapes are known from the config, so noth
 payload crosses: every tensor is the hidden state of one microbatch, [s/cp, b, h], or
 [s/(cp·tp), b, h] under sequence parallelism, and its gradient has the same shape.
 
-Wire dtype (`pipeline_dtype`) is fp32 for both train.precision=fp32 and bf16: parameters stay
-fp32 under autocast and the embedding output that starts the residual stream is fp32, so every
-stage already accepts fp32 hidden input; a stage whose output is bf16 is upcast (lossless) by
-the engine before it is sent, so the receiver never needs the sender's dtype.
+Wire dtype (`pipeline_dtype`) is the residual stream's: fp32 under train.precision=fp32, bf16
+under bf16 (bf16 parameters: the embedding output that starts the stream is bf16), fp32 again
+under bf16 with model.fp32_residual_connection (the embedding output is cast to fp32). The
+engine casts each stage output to it before sending, so the receiver never needs the sender's
+dtype.
 
 Each op reports to `comm_stats` (kind p2p_send / p2p_recv). Waits have a deadline (the group
 timeout, parallel.timeout_s): on timeout or a backend error, `P2PError` names rank, step,
@@ -40,10 +41,12 @@ class P2PError(CollectiveError):
     """A pipeline send/recv failed or timed out; names rank, step, action and peer rank."""
 
 
-def pipeline_dtype(precision: str) -> torch.dtype:
-    """dtype of every tensor crossing stages: fp32 under fp32 and bf16 autocast (module doc)."""
+def pipeline_dtype(precision: str, fp32_residual_connection: bool = False) -> torch.dtype:
+    """dtype of every tensor crossing stages: the residual stream's (module doc)."""
     if precision not in ("fp32", "bf16"):
         raise ValueError(f"train.precision={precision!r}: expected fp32 or bf16")
+    if precision == "bf16" and not fp32_residual_connection:
+        return torch.bfloat16
     return torch.float32
 
 

@@ -138,7 +138,7 @@ class Trainer:
             lm_forward_step(cfg.train.precision, self.device),
             pp_group=mesh.pp.group,
             tensor_shape=shape,
-            dtype=pipeline_dtype(cfg.train.precision),
+            dtype=pipeline_dtype(cfg.train.precision, cfg.model.fp32_residual_connection),
             device=self.device,
             loss_scale=loss_scale,
             timeout_s=cfg.parallel.timeout_s,
