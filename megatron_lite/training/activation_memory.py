@@ -38,12 +38,14 @@ def in_backward() -> bool:
 
 
 class _Saved:
-    """What the autograd graph keeps for one saved tensor; releases its storage on delete."""
+    """What the autograd graph keeps for one saved tensor (detached: an alias of its data, so
+    a later `out.data = ...` on the original, as pipeline deallocation does, cannot change
+    what backward reads); releases its storage on delete."""
 
     __slots__ = ("tensor", "_meter", "_key")
 
     def __init__(self, tensor: torch.Tensor, meter: SavedTensorMeter | None, key: _Key | None):
-        self.tensor, self._meter, self._key = tensor, meter, key
+        self.tensor, self._meter, self._key = tensor.detach(), meter, key
 
     def __del__(self):
         if self._meter is not None:
