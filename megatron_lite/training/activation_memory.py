@@ -26,9 +26,9 @@ def _storage_key(t: torch.Tensor) -> tuple[_Key, int] | None:
     wrapper subclass such as DTensor: its local tensor is what gets saved and counted)."""
     try:
         s = t.untyped_storage()
+        return (str(t.device), s.data_ptr()), s.nbytes()
     except (RuntimeError, NotImplementedError, TypeError):
         return None
-    return (str(t.device), s.data_ptr()), s.nbytes()
 
 
 def in_backward() -> bool:

@@ -11,6 +11,8 @@ import pytest
 import torch
 from torch import nn
 
+from megatron_lite.pipeline.schedules import get_schedule_table
+from megatron_lite.pipeline.simulate import simulate
 from tests.dist_harness import run_ranks
 
 S, B, H = 8, 2, 16
@@ -86,6 +88,8 @@ def test_in_flight_and_freed_outputs_match_the_schedule(pp, cases):
         for vpp, m, in_flight, held_bytes, freed, err in results:
             where = f"pp={pp} vpp={vpp} m={m} rank {rank}"
             assert in_flight == expected_in_flight(pp, rank, m, vpp), where
+            simulated = simulate(get_schedule_table(pp, m, vpp)).peak_in_flight[rank]
+            assert in_flight == simulated, f"{where}: the simulator says {simulated}"
             assert err < 1e-12, f"{where}: grads differ from one process by {err}"
             sends = m * vpp - (m if rank == pp - 1 else 0)  # the last stage sends nothing
             assert freed == sends, f"{where}: freed {freed} of {sends} sent outputs"
