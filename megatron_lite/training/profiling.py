@@ -16,17 +16,26 @@ import os
 import torch
 
 
-def _cuda_memory_history(enabled: bool) -> None:
-    """Start (True) or stop (False) recording the CUDA allocator's history: the one private
-    torch call here (torch.cuda.memory._record_memory_history)."""
+def _cuda_memory_history(enabled: bool, dump_to: str | None = None) -> None:
+    """Start (True) or dump to `dump_to` and stop (False) recording the CUDA allocator's
+    history: the private torch calls of this module (torch.cuda.memory._record_memory_history,
+    _dump_snapshot)."""
+    if not enabled and dump_to is not None:
+        torch.cuda.memory._dump_snapshot(dump_to)
     torch.cuda.memory._record_memory_history("all" if enabled else None, max_entries=1_000_000)
 
 
 class StepProfiler:
     """Profiles steps [a, b] of a run; `steps` empty: does nothing."""
 
-    def __init__(self, steps: list[int], out_dir: str, rank: int, device: torch.device,
-                 memory_snapshot: bool = False):  # fmt: skip
+    def __init__(
+        self,
+        steps: list[int],
+        out_dir: str,
+        rank: int,
+        device: torch.device,
+        memory_snapshot: bool = False,
+    ):
         self.first, self.last = (steps[0], steps[1]) if steps else (-1, -1)
         self.dir = os.path.join(out_dir, "profile", f"rank{rank}")
         self.cuda, self.snapshot = device.type == "cuda", memory_snapshot and device.type == "cuda"
@@ -69,6 +78,5 @@ class StepProfiler:
         self.prof.export_chrome_trace(path)
         self.prof, self.done = None, True
         if self.snapshot:
-            torch.cuda.memory._dump_snapshot(os.path.join(self.dir, "memory_snapshot.pickle"))
-            _cuda_memory_history(False)
+            _cuda_memory_history(False, os.path.join(self.dir, "memory_snapshot.pickle"))
         return path

@@ -62,3 +62,15 @@ def test_profile_steps_validation(steps, needle):
     with pytest.raises(ConfigError, match="train.profile_steps") as e:
         validate(cfg, 1)
     assert needle in str(e.value)
+
+
+def test_memory_snapshot_needs_profile_steps_and_cuda():
+    cfg = load_config(None, [*TINY, "train.profile_memory_snapshot=true"])
+    with pytest.raises(ConfigError, match="set train.profile_steps"):
+        validate(cfg, 1)
+    from megatron_lite.validation.profiling import check_profile_hardware
+
+    cfg.train.profile_steps = [0, 0]
+    check_profile_hardware(cfg, cuda=True)
+    with pytest.raises(ConfigError, match="no CUDA device"):
+        check_profile_hardware(cfg, cuda=False)
