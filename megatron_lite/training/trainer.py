@@ -223,8 +223,8 @@ class Trainer:
         loss_part = loss_sum.reshape(()).double() if owner else torch.zeros_like(grad_sq)
         signalled = float(self.checkpointer.signal_received is not None)
         changed = float(self._activations != self._activations_reduced)
-        flags = torch.tensor([signalled, changed], dtype=grad_sq.dtype, device=grad_sq.device)
-        sums = torch.cat([torch.stack([grad_sq, loss_part]), flags])
+        flags = [torch.full_like(grad_sq, signalled), torch.full_like(grad_sq, changed)]
+        sums = torch.stack([grad_sq, loss_part, *flags])
         mappings.all_reduce(sums, dist.group.WORLD, kind="all_reduce_norm_loss")
         grad_sq, loss_total, signals, act_changes = sums.tolist()
         self.stop_requested = signals > 0
