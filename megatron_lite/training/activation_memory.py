@@ -60,7 +60,9 @@ class SavedTensorMeter:
     flat buffers they live in are matched by storage). `nn.Parameter`s and their views are
     always excluded.
     `by_label[name]`: bytes of storages first saved in the forward while `label(name)` was
-    active; saves during backward (recomputation) go to `recomputed_bytes` instead.
+    active; saves during backward (recomputation) go to `recomputed_bytes` instead. Not seen:
+    tensors kept by another saved-tensor hook pair nested inside (torch.utils.checkpoint with
+    use_reentrant=False holds its recomputed tensors that way; its saved inputs are counted).
     """
 
     def __init__(self, exclude: Iterable[torch.Tensor] = ()):
