@@ -119,6 +119,9 @@ class TrainConfig:
     optimizer_offload: str = "none"  # none | cpu (master weights and AdamW states on the host)
     out_dir: str = "runs/default"
     profile_pipeline: bool = False
+    # torch.profiler traces of steps [a, b] (0-based, as in metrics.jsonl); [] = none
+    profile_steps: list[int] = field(default_factory=list)
+    profile_memory_snapshot: bool = False  # CUDA: also the allocator's history over those steps
     # checkpointing (training/checkpoint.py)
     save_interval: int = 0  # save every N steps and after the last one; 0 = never
     keep_checkpoints: int = 2  # newest checkpoints kept in ckpt_dir

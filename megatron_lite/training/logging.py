@@ -107,6 +107,10 @@ class MetricsLogger:
 
         eta = (time.monotonic() - self.start) / max(step - first_step, 1) * (total - step)
         extra = "".join(f" | {k} {mean(k):.4g}" for k in ("aux_loss",) if k in w[-1])
+        if "tflops_per_rank" in w[-1]:  # model TFLOP/s per rank (MFU on a known GPU)
+            extra += f" | {mean('tflops_per_rank'):.3g} TFLOP/s/rank"
+            if "mfu" in w[-1]:
+                extra += f" | MFU {mean('mfu'):.1%}"
         if "eval_loss" in w[-1]:  # the last evaluation of the interval, not a mean
             extra += f" | eval loss {w[-1]['eval_loss']:.4f}"
         print(

@@ -20,14 +20,17 @@ from megatron_lite.parallel.data_parallel.memory import TERMS
 from megatron_lite.parallel.mesh import ParallelMesh
 from megatron_lite.parallel.params import init_parameters, unique_owner
 from megatron_lite.parallel.random import model_parallel_seed
-from megatron_lite.pipeline.engine import forward_backward
+from megatron_lite.pipeline.engine import PipelineStats, forward_backward
 from megatron_lite.pipeline.p2p import activation_shape, pipeline_dtype
 from megatron_lite.pipeline.trace import SpanRecorder, write_trace
+from megatron_lite.training.activation_memory import SavedTensorMeter
 from megatron_lite.training.checkpoint import Checkpointer
+from megatron_lite.training.flops import model_flops_per_token, peak_tflops
 from megatron_lite.training.lm_step import lm_forward_step
 from megatron_lite.training.logging import MetricsLogger
 from megatron_lite.training.nonfinite import NonFiniteGuard
 from megatron_lite.training.optimizer import build_data_parallel, lr_at, set_lr
+from megatron_lite.training.profiling import StepProfiler
 
 
 class Trainer:
@@ -64,6 +67,16 @@ class Trainer:
         self._prefetch: Prefetcher | None = None  # reads the next batches during train()
         self.stop_requested = False  # a rank got SIGTERM/SIGINT/SIGUSR1 (agreed every step)
         self._memory: dict[str, int] | None = None  # mem/* of the steps (see _step_memory)
+        self._activations: int | None = None  # this rank's activation peak of the last step
+        self._activations_reduced: int | None = None  # ... as it was when last reduced
+        self._cuda_peaks = [0, 0]  # allocated, reserved: the run's peaks (reset every step)
+        # the step's saved-tensor report (CPU): peak_bytes, by_label, recomputed_bytes
+        self.last_activation_report: dict | None = None
+        self.pipeline_stats = PipelineStats()  # what the last step's schedule held
+        self.flops_per_step = model_flops_per_token(cfg, vocab_size) * (
+            cfg.train.global_batch_size * cfg.model.seq_length
+        )
+        self.peak_tflops = self._peak_tflops()
         loaded = self.checkpointer.resume()  # sets step and consumed_samples when it loads
         if loaded != will_load:  # resume either loads what will_load saw or raises
             raise RuntimeError(f"checkpoint expected {will_load}, loaded {loaded}")
@@ -144,6 +157,7 @@ class Trainer:
             timeout_s=cfg.parallel.timeout_s,
             recorder=recorder,
             forward_only=forward_only,
+            stats=None if forward_only else self.pipeline_stats,
         )
         if recorder is not None:
             meta = {
@@ -201,18 +215,22 @@ class Trainer:
         lr = lr_at(self.step, cfg.train)
         set_lr(self.optimizer, lr)
         self.dp.start_step(len(micro))
-        loss_sum = self._forward_backward(micro, 1.0 / n_tokens)
+        loss_sum = self._measured_forward_backward(micro, 1.0 / n_tokens)
         self.dp.finish_grad_sync()  # the buckets the backward did not already reduce
-        # one world all-reduce for [Σg², loss sum, stop signals]: the loss lives on the last stage
-        # (tp rank 0 reports it), each CP rank holds a slice of the sum; a rank that got a stop
-        # signal adds 1, so every rank agrees on stopping without a collective of its own
+        # one world all-reduce for [Σg², loss sum, stop signals, activation changes]: the loss
+        # lives on the last stage (tp rank 0 reports it), each CP rank holds a slice of the sum;
+        # a rank that got a stop signal adds 1, so every rank agrees on stopping without a
+        # collective of its own; likewise a rank whose activation peak changed since it was last
+        # reduced (MoE routing) adds 1, so all redo the memory MAX all-reduce
         owner = mesh.is_last_stage and mesh.tp.rank == 0
         grad_sq = self.dp.grad_square_sum()
         loss_part = loss_sum.reshape(()).double() if owner else torch.zeros_like(grad_sq)
         signalled = float(self.checkpointer.signal_received is not None)
-        sums = torch.stack([grad_sq, loss_part, torch.full_like(grad_sq, signalled)])
+        changed = float(self._activations != self._activations_reduced)
+        flags = [torch.full_like(grad_sq, signalled), torch.full_like(grad_sq, changed)]
+        sums = torch.stack([grad_sq, loss_part, *flags])
         mappings.all_reduce(sums, dist.group.WORLD, kind="all_reduce_norm_loss")
-        grad_sq, loss_total, signals = sums.tolist()
+        grad_sq, loss_total, signals, act_changes = sums.tolist()
         self.stop_requested = signals > 0
         grad_norm = grad_sq**0.5
         loss = loss_total / n_tokens
@@ -228,6 +246,7 @@ class Trainer:
         dt = time.perf_counter() - t0
         self.consumed_samples += cfg.train.global_batch_size
         global_tokens = cfg.train.global_batch_size * cfg.model.seq_length
+        tflops = self.flops_per_step / dt / dist.get_world_size() / 1e12
         record = {
             "step": self.step,
             "loss": loss,
@@ -235,34 +254,87 @@ class Trainer:
             "grad_norm": grad_norm,
             "tokens_per_s": global_tokens / dt,
             "step_time_s": dt,
+            "tflops_per_rank": tflops,
+            **({"mfu": tflops / self.peak_tflops} if self.peak_tflops else {}),
             "consumed_samples": self.consumed_samples,
             **({"skipped": True} if skipped else {}),
-            **self._step_memory(),
+            **self._step_memory(act_changes > 0),
             **moe,
             **STATS.summary(),
         }
         self.step += 1
         return record
 
-    def _step_memory(self) -> dict[str, int]:
-        """The step's mem/* figures. The model states are allocated once, so on CPU the report
-        after the first step is kept (no collective per step); on CUDA the allocator's peaks
+    def _step_memory(self, activations_changed: bool) -> dict[str, int]:
+        """The step's mem/* figures. The model states are allocated once and a dense model's
+        saved activations have the same shapes every step, so on CPU the report after the
+        first step is kept (no collective per step) until some rank's activation peak changes
+        (MoE routing; flagged in the step's SUM all-reduce); on CUDA the allocator's peaks
         change, so it is reduced every step."""
-        if self._memory is None or self.device.type == "cuda":
+        if self._memory is None or self.device.type == "cuda" or activations_changed:
             self._memory = self.memory_report()
         return self._memory
 
     def memory_report(self) -> dict[str, int]:
         """mem/<term>: model-state bytes per rank (weights, grads, master, optimizer), the max
-        over ranks; on CUDA also the allocator's peak allocated and reserved bytes."""
+        over ranks; once a step has run, mem/activations_peak (see _measured_forward_backward);
+        on CUDA also the allocator's peak allocated and reserved bytes over the run."""
         mem = self.dp.memory()
         values = [float(mem[k]) for k in TERMS]
+        names = list(TERMS)
+        if self._activations is not None:
+            values.append(float(self._activations))
+            names.append("activations_peak")
+            self._activations_reduced = self._activations
         if self.device.type == "cuda":
-            values += [torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()]
+            peaks = [torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()]
+            self._cuda_peaks = [max(a, b) for a, b in zip(self._cuda_peaks, peaks, strict=True)]
+            values += self._cuda_peaks
+            names += ["allocated_peak", "reserved_peak"]
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
         mappings.all_reduce(t, dist.group.WORLD, op=dist.ReduceOp.MAX, kind="all_reduce_mem")
-        names = [*TERMS, "allocated_peak", "reserved_peak"][: len(values)]
         return {f"mem/{k}": int(v) for k, v in zip(names, t.tolist(), strict=True)}
+
+    def _measured_forward_backward(self, microbatches, loss_scale: float) -> torch.Tensor:
+        """The step's forward and backward, measuring this rank's activation peak: on CPU the
+        bytes saved for backward (SavedTensorMeter, parameters and buffers excluded; per layer
+        in last_activation_report), on CUDA the allocator's peak over the forward and backward
+        minus the model-state bytes."""
+        if self.device.type == "cuda":
+            self._cuda_peaks = [
+                max(self._cuda_peaks[0], torch.cuda.max_memory_allocated()),
+                max(self._cuda_peaks[1], torch.cuda.max_memory_reserved()),
+            ]
+            torch.cuda.reset_peak_memory_stats()
+            loss_sum = self._forward_backward(microbatches, loss_scale)
+            states = sum(self.dp.memory()[k] for k in TERMS)
+            self._activations = max(torch.cuda.max_memory_allocated() - states, 0)
+            return loss_sum
+        buffers = [b for c in self.chunks for b in c.buffers()]  # RoPE tables: not activations
+        with SavedTensorMeter(exclude=[*self.params, *buffers]) as meter:
+            for chunk in self.chunks:
+                meter.attach_labels(chunk)
+            loss_sum = self._forward_backward(microbatches, loss_scale)
+        self._activations = meter.peak_bytes
+        self.last_activation_report = {
+            "peak_bytes": meter.peak_bytes,
+            "by_label": dict(meter.by_label),
+            "recomputed_bytes": meter.recomputed_bytes,
+            "num_microbatches": len(microbatches),
+        }
+        return loss_sum
+
+    def _peak_tflops(self) -> float | None:
+        """The GPU's peak dense bf16 TFLOP/s for mfu; None on CPU or an unknown GPU (said)."""
+        if self.device.type != "cuda":
+            return None
+        name = torch.cuda.get_device_name()
+        try:
+            return peak_tflops(name)
+        except ValueError as e:
+            if dist.get_rank() == 0:
+                print(f"[metrics] no mfu: {e}", flush=True)
+            return None
 
     def _moe_metrics(self) -> dict:
         m, mesh = self.cfg.model, self.mesh
@@ -285,9 +357,14 @@ class Trainer:
         start, gbs = self.consumed_samples, t.global_batch_size  # bound now: the loop moves it
         positions = [start + k * gbs for k in range(t.steps - first)]
         self._prefetch = Prefetcher(self._fetch, positions, depth=2)
+        profiler = StepProfiler(
+            t.profile_steps, t.out_dir, dist.get_rank(), self.device, t.profile_memory_snapshot
+        )
         try:
             while self.step < t.steps:
+                profiler.before_step(self.step)
                 record = self.train_step()
+                profiler.after_step(record["step"])
                 if self._eval_due():
                     record["eval_loss"] = self.evaluate()
                 # saves when due; stops when a rank got a signal (agreed in train_step)
@@ -297,6 +374,7 @@ class Trainer:
                 if stop:
                     break
         finally:
+            profiler.close()
             self._prefetch.close()
             self._prefetch = None
         self.checkpointer.finish()

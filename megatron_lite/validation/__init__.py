@@ -26,6 +26,7 @@ from megatron_lite.validation.parallel import (
     _validate_world_size,
 )
 from megatron_lite.validation.paths import _validate_output_paths
+from megatron_lite.validation.profiling import _validate_profiling
 from megatron_lite.validation.recompute import _validate_recompute
 
 __all__ = ["check_hardware", "validate"]
@@ -58,4 +59,5 @@ def validate(cfg: Config, world_size: int) -> Config:
     _validate_data(r)
     _validate_eval(r)
     _validate_output_paths(r)
+    _validate_profiling(r)
     return r

@@ -10,9 +10,13 @@ from megatron_lite.validation.rules import _choice, _rule
 def check_hardware(cfg: Config) -> None:
     """Rules that depend on the machine the ranks run on (GPU, optional packages); kept out of
     validate() so a login node without GPUs can validate a GPU job."""
+    import torch
+
     from megatron_lite.models.attention import resolve_attention_backend
     from megatron_lite.parallel.te_linear import resolve_linear_backend
+    from megatron_lite.validation.profiling import check_profile_hardware
 
+    check_profile_hardware(cfg, torch.cuda.is_available())
     m = cfg.model
     try:
         resolve_attention_backend(m.attention_backend, cfg.train.precision)
