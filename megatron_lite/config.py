@@ -49,6 +49,12 @@ class ModelConfig:
     moe_z_loss_coeff: float = 0.0
     moe_capacity_factor: float | None = None
     moe_layer_freq: int = 1  # every k-th layer is MoE (1 = all)
+    # activation recomputation (Megatron's names; parallel/recompute.py)
+    recompute_granularity: str | None = None  # None | selective | full
+    recompute_modules: list[str] = field(default_factory=lambda: ["core_attn"])  # selective
+    recompute_method: str | None = None  # full: uniform | block
+    recompute_num_layers: int | None = None  # full: layers per group (uniform) / per stage
+    fp32_residual_connection: bool = False  # bf16: keep the residual stream (and P2P) in fp32
 
 
 @dataclass

@@ -102,6 +102,12 @@ def moe_aux_loss_scale(cfg: Config, dp: int) -> float:
     return 1.0 / (num_microbatches(cfg.train, dp) * dp * n_layers)
 
 
+def recompute_modules(m: ModelConfig) -> tuple[str, ...]:
+    """The modules selective recompute covers: model.recompute_modules under
+    recompute_granularity=selective, none otherwise (full recomputes whole layers)."""
+    return tuple(m.recompute_modules) if m.recompute_granularity == "selective" else ()
+
+
 def resolve(cfg: Config, world_size: int) -> Config:
     """A copy of `cfg` with every null derived field filled in; `cfg` is left as it is."""
     out = copy.deepcopy(cfg)

@@ -4,6 +4,7 @@ and the final norm, output layer and loss on the last."""
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 from torch import nn
@@ -16,6 +17,7 @@ from megatron_lite.parallel.layers import ColumnParallelLinear, VocabParallelEmb
 from megatron_lite.parallel.mesh import ParallelMesh
 from megatron_lite.parallel.params import set_meta
 from megatron_lite.parallel.random import RNGStatesTracker, dropout
+from megatron_lite.parallel.recompute import recompute
 from megatron_lite.parallel.te_linear import fp8_autocast, fp8_recipe
 
 
@@ -26,6 +28,11 @@ class ModelChunk(nn.Module):
     forward(x, labels): x is token ids [b, s] on the first stage, else the hidden state
     [s/cp(/tp), b, h] from the previous stage; returns the per-token loss [s/cp, b] on the last
     stage, else the hidden state for the next one.
+
+    Full recompute (model.recompute_granularity=full) keeps only the input of each recomputed
+    layer group and reruns the group in backward: `uniform` splits this chunk's layers into
+    groups of recompute_num_layers, `block` recomputes its first recompute_num_layers layers one
+    by one and keeps the rest (Megatron's methods, per pipeline (virtual) stage).
     """
 
     def __init__(
@@ -43,6 +50,10 @@ class ModelChunk(nn.Module):
         self.rotary, self.sp, self.tracker = c.spec.rotary, c.sequence_parallel, tracker
         self.tp_group, self.tp_rank = mesh.tp.group, mesh.tp.rank
         self.hidden_dropout = c.hidden_dropout
+        self.fp32_residual = c.fp32_residual_connection
+        self.full_recompute = (c.recompute_method, c.recompute_num_layers)
+        if c.recompute_granularity != "full":
+            self.full_recompute = (None, 0)
         self.padded_vocab, self.vocab_size = c.padded_vocab_size, c.vocab_size
         self.fp8_recipe = None if c.fp8 is None else fp8_recipe(c.fp8, c.fp8_recipe)
         self.fp8_group = mesh.tp_dp_cp.group  # FP8 amax reduction: one pipeline stage
@@ -118,6 +129,8 @@ class ModelChunk(nn.Module):
             if self.sp:
                 start += self.tp_rank * n
             x = x + self.position_embeddings[start : start + n].unsqueeze(1)
+        if self.fp32_residual:  # the residual stream starts in fp32 (bf16 params otherwise)
+            x = x.float()
         return dropout(x, self.hidden_dropout, self.tracker, self.sp)
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
@@ -125,11 +138,25 @@ class ModelChunk(nn.Module):
             x = self.embed(x)
         rope = (self.rope_cos, self.rope_sin) if self.rotary else None
         with self.fp8():
-            for layer in self.layers.values():
-                x = layer(x, rope)
+            x = self.run_layers(x, rope)
         if not self.post_process:
             return x
         return self.loss(self.final_norm(x), labels)
+
+    def run_layers(self, x: torch.Tensor, rope) -> torch.Tensor:
+        """The transformer layers, with full recompute of the groups the method names."""
+        layers = list(self.layers.values())
+        method, n = self.full_recompute
+        if method == "uniform":  # (layers, recomputed) groups
+            groups = [(layers[i : i + n], True) for i in range(0, len(layers), n)]
+        elif method == "block":
+            groups = [([layer], True) for layer in layers[:n]] + [(layers[n:], False)]
+        else:
+            groups = [(layers, False)]
+        for group, recomputed in groups:
+            run = functools.partial(_run_group, group)
+            x = recompute(run, x, rope, tracker=self.tracker) if recomputed else run(x, rope)
+        return x
 
     def output_weight(self) -> torch.Tensor:
         w = self.output_layer.weight
@@ -142,3 +169,9 @@ class ModelChunk(nn.Module):
             logits = logits.masked_fill(self.vocab_pad_mask, float("-inf"))
         labels = labels.t()[self.cp_offset : self.cp_offset + self.s_local]  # [s/cp, b]
         return vocab_parallel_cross_entropy(logits.float(), labels, self.tp_group)
+
+
+def _run_group(layers: list[nn.Module], x: torch.Tensor, rope) -> torch.Tensor:
+    for layer in layers:
+        x = layer(x, rope)
+    return x

@@ -23,6 +23,7 @@ from megatron_lite.parallel import mappings
 from megatron_lite.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron_lite.parallel.mesh import ParallelMesh
 from megatron_lite.parallel.random import RNGStatesTracker, dropout
+from megatron_lite.parallel.recompute import recompute
 
 
 def rope_tables(seq_length: int, head_dim: int, theta: float, offset: int = 0):
@@ -36,12 +37,18 @@ def rope_tables(seq_length: int, head_dim: int, theta: float, offset: int = 0):
 
 class Attention(nn.Module):
     """Self-attention over this rank's n/tp query heads and g/tp KV groups, with Ulysses
-    all-to-all over the CP group when cp > 1: [s(/tp), b, h] -> [s(/tp), b, h]."""
+    all-to-all over the CP group when cp > 1: [s(/tp), b, h] -> [s(/tp), b, h].
+
+    Selective recompute of core_attn recomputes the local attention only (softmax, attention
+    dropout and the weighted sum, after the Ulysses all-to-all): it keeps q, k, v and reruns
+    the attention in backward under the same TP-rank dropout generator; no collective repeats.
+    """
 
     def __init__(self, config: TransformerConfig, mesh: ParallelMesh, tracker: RNGStatesTracker):
         super().__init__()
         c, tp, cp = config, mesh.tp.size, mesh.cp.size
         self.tracker, self.cp_group = tracker, mesh.cp.group
+        self.recompute_core = c.recomputes("core_attn")
         self.dropout_p, self.head_dim = c.attention_dropout, c.head_dim
         self.n_local, self.g_local = c.num_attention_heads // tp, c.num_query_groups // tp
         # under Ulysses each rank attends over 1/cp of its heads (KV heads replicated up to cp)
@@ -78,11 +85,15 @@ class Attention(nn.Module):
 
     def attention_over_cp(self, q, k, v, dropout_p: float) -> torch.Tensor:
         """Local attention, or Ulysses all-to-all attention over the CP group when cp > 1."""
+
+        def core(q_, k_, v_):
+            if self.recompute_core:
+                return recompute(self.core_attention, q_, k_, v_, dropout_p, tracker=self.tracker)
+            return self.core_attention(q_, k_, v_, dropout_p)
+
         if mappings.size(self.cp_group) == 1:
-            return self.core_attention(q, k, v, dropout_p)
-        return ulysses_attention(
-            q, k, v, self.cp_group, lambda q_, k_, v_: self.core_attention(q_, k_, v_, dropout_p)
-        )
+            return core(q, k, v)
+        return ulysses_attention(q, k, v, self.cp_group, core)
 
 
 class MLP(nn.Module):
@@ -138,7 +149,11 @@ def build_mlp(config: TransformerConfig, mesh: ParallelMesh, layer_number: int) 
 
 
 class TransformerLayer(nn.Module):
-    """Pre-norm decoder layer: x + attn(norm(x)), then + mlp(norm(·)); [s(/tp), b, h]."""
+    """Pre-norm decoder layer: x + attn(norm(x)), then + mlp(norm(·)); [s(/tp), b, h].
+
+    Selective recompute of mlp (dense layers) or moe (MoE layers) keeps the MLP's input and
+    reruns the whole MLP in backward (its TP gathers, and the MoE dispatch all-to-alls, too).
+    """
 
     def __init__(
         self,
@@ -154,9 +169,14 @@ class TransformerLayer(nn.Module):
         self.self_attention = Attention(c, mesh, tracker)
         self.pre_mlp_norm = c.spec.norm(c.hidden_size, c.norm_eps, c.sequence_parallel)
         self.mlp = build_mlp(c, mesh, layer_number)
+        self.recompute_mlp = c.recomputes("moe" if c.is_moe_layer(layer_number) else "mlp")
 
     def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
         p, tracker, sp = self.dropout_p, self.tracker, self.sp
         attn = dropout(self.self_attention(self.input_norm(x), rope), p, tracker, sp)
         normed, x = self.pre_mlp_norm(attn, residual=x)  # x <- x + attn
-        return x + dropout(self.mlp(normed), p, tracker, sp)  # [s(/tp), b, h]
+        if self.recompute_mlp:
+            out = recompute(self.mlp, normed, tracker=tracker)
+        else:
+            out = self.mlp(normed)
+        return x + dropout(out, p, tracker, sp)  # [s(/tp), b, h]

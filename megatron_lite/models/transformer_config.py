@@ -53,6 +53,15 @@ class TransformerConfig:
     moe_capacity_factor: float | None = None
     moe_layer_freq: int = 1
     moe_aux_loss_scale: float = 0.0  # 1 / (microbatches · dp · MoE layers), see moe/layer.py
+    recompute_granularity: str | None = None  # None | selective | full
+    recompute_modules: tuple[str, ...] = ()  # selective: core_attn, mlp, moe (else empty)
+    recompute_method: str | None = None  # full: uniform | block
+    recompute_num_layers: int = 0  # full: group size (uniform) / recomputed layers (block)
+    fp32_residual_connection: bool = False  # the embedding output (and so the stream) in fp32
+
+    def recomputes(self, module: str) -> bool:
+        """Whether selective recompute covers `module` (core_attn, mlp, moe)."""
+        return module in self.recompute_modules
 
     @property
     def head_dim(self) -> int:
@@ -103,4 +112,9 @@ class TransformerConfig:
             moe_capacity_factor=m.moe_capacity_factor,
             moe_layer_freq=m.moe_layer_freq,
             moe_aux_loss_scale=resolve.moe_aux_loss_scale(r, p.dp),
+            recompute_granularity=m.recompute_granularity,
+            recompute_modules=resolve.recompute_modules(m),
+            recompute_method=m.recompute_method,
+            recompute_num_layers=m.recompute_num_layers or 0,
+            fp32_residual_connection=m.fp32_residual_connection,
         )

@@ -18,6 +18,7 @@ from megatron_lite.moe.dispatcher import AllToAllTokenDispatcher
 from megatron_lite.moe.experts import LocalExperts
 from megatron_lite.moe.router import MoEAuxLossAutoScaler, TopKRouter
 from megatron_lite.parallel import mappings
+from megatron_lite.parallel.recompute import is_recomputing
 
 
 class MoELayer(nn.Module):
@@ -94,7 +95,8 @@ class MoELayer(nn.Module):
         out = self.dispatcher.combine(expert_out, handle).view(s, b, h)
         if route.objective is not None and out.requires_grad:
             out = MoEAuxLossAutoScaler.apply(out, route.objective, self.aux_scale)
-        self.stats.append(route.stats)
+        if not is_recomputing():  # a backward-time recompute must not count the tokens again
+            self.stats.append(route.stats)
         return out
 
     def pop_stats(self) -> list[torch.Tensor]:

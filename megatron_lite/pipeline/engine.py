@@ -8,12 +8,18 @@ returned; each batch of sends/receives is one `P2PCommunicator.exchange`. pp = 1
 (microbatch, chunk) it keeps the received input (a leaf that requires grad, so its .grad is what
 send_backward ships), the output (hidden state, or the scaled loss on the last virtual stage)
 and the received output grad, and frees them after that backward.
+
+Pipeline memory (as Megatron's `deallocate_output_tensor`): once an output has been sent, its
+data is freed and only its autograd graph stays until its backward (`deallocate_output`), so a
+stage holds the saved tensors of its in-flight microbatches but not their outputs.
+`PipelineStats` reports the most microbatches in flight and the most output bytes held.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,6 +42,33 @@ Key = tuple[int, int]  # (microbatch, chunk)
 ForwardStep = Callable[[torch.nn.Module, Any, "torch.Tensor | None"], torch.Tensor]
 
 
+@dataclass
+class PipelineStats:
+    """What one `forward_backward` held on this rank, filled in as it runs."""
+
+    max_in_flight: int = 0  # most (microbatch, chunk) forwarded and not yet backwarded
+    max_output_bytes: int = 0  # most bytes of those outputs' storages held at once
+    freed_outputs: int = 0  # sent outputs whose data was freed (their graph kept)
+
+
+def _saved_by_own_node(out: torch.Tensor) -> bool:
+    """Whether `out`'s grad_fn saved its own result (a relu, say): then backward reads `out`'s
+    data. Read from the node's attribute names, without unpacking anything."""
+    return any(n.startswith("_saved_result") for n in dir(out.grad_fn))
+
+
+def deallocate_output(out: torch.Tensor) -> bool:
+    """Free the data of a sent output and keep its autograd graph: its data becomes one element
+    expanded to its shape (stride 0), so `torch.autograd.backward(out, grad)` still sees the
+    right shape and only the grad_fn is used. Skipped (False) for views (the base holds the
+    data) and for outputs their own grad_fn saved. As in Megatron, a custom autograd Function
+    that produces the output must not save it (its node's saves are not inspected)."""
+    if out._base is not None or out.grad_fn is None or _saved_by_own_node(out):
+        return False
+    out.data = torch.empty(1, dtype=out.dtype, device=out.device).expand(out.shape)
+    return True
+
+
 class _Run:
     """State of one schedule execution on one rank."""
 
@@ -50,6 +83,7 @@ class _Run:
         self.output_grads: dict[Key, torch.Tensor] = {}  # received d(loss)/d(output)
         self.input_grads: dict[Key, torch.Tensor] = {}  # d(loss)/d(input), to send back
         self.total = torch.zeros((), dtype=torch.float64, device=device)  # unscaled loss sum
+        self.stats = PipelineStats()
         # profiling on CUDA: spans must time the GPU work, not the kernel launches
         self.sync = torch.cuda.synchronize if recorder and device.type == "cuda" else None
 
@@ -68,6 +102,14 @@ class _Run:
                 self.outputs[key] = out * self.loss_scale
         else:  # the wire dtype is fixed; a bf16 output is upcast exactly
             self.outputs[key] = out.to(self.dtype)
+        if not self.forward_only:
+            self.note_held()
+
+    def note_held(self) -> None:
+        st, held = self.stats, self.outputs.values()
+        st.max_in_flight = max(st.max_in_flight, len(self.outputs))
+        nbytes = sum(t.untyped_storage().nbytes() for t in held)
+        st.max_output_bytes = max(st.max_output_bytes, nbytes)
 
     def backward(self, a: Action) -> None:
         key, stage = (a.microbatch, a.chunk), self.stage(a.chunk)
@@ -89,7 +131,14 @@ class _Run:
                 payload[a] = out.detach()
             elif a.kind == "send_backward":
                 payload[a] = self.input_grads.pop(key)
-        for a, t in self.p2p.exchange(batch, payload).items():
+        received = self.p2p.exchange(batch, payload)  # complete: the sent data may be freed
+        if not self.forward_only:
+            for a in batch:
+                if a.kind == "send_forward":
+                    out = self.outputs[(a.microbatch, a.chunk)]
+                    self.stats.freed_outputs += deallocate_output(out)
+        payload.clear()
+        for a, t in received.items():
             key = (a.microbatch, a.chunk)
             if a.kind == "recv_forward":
                 self.inputs[key] = t if self.forward_only else t.requires_grad_()
@@ -138,6 +187,7 @@ def forward_backward(
     timeout_s: float = 300.0,
     recorder: SpanRecorder | None = None,
     forward_only: bool = False,
+    stats: PipelineStats | None = None,
 ) -> torch.Tensor:
     """Forward and backward of every microbatch through this rank's `chunks`; returns the sum of
     the unscaled losses `forward_step` returned (float64, 0-dim; zero unless this rank holds the
@@ -148,7 +198,8 @@ def forward_backward(
     (every microbatch the same, e.g. `activation_shape(...)`); `timeout_s` bounds each
     send/recv batch (errors name rank, step, action and peer). `recorder` collects one span per
     action for a pipeline trace. `forward_only` (evaluation) runs the `forward_only` table under
-    torch.no_grad(): no backward, no activation kept.
+    torch.no_grad(): no backward, no activation kept. `stats`, if given, is filled with what
+    this rank held (`PipelineStats`).
     """
     pp = mappings.size(pp_group)
     pp_rank = dist.get_rank(pp_group) if pp > 1 else 0
@@ -168,4 +219,6 @@ def forward_backward(
         for step in comm_batches(actions):
             run.execute(step)
     run.check_done()
+    if stats is not None:
+        stats.__dict__.update(run.stats.__dict__)
     return run.total

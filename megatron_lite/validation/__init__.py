@@ -26,6 +26,7 @@ from megatron_lite.validation.parallel import (
     _validate_world_size,
 )
 from megatron_lite.validation.paths import _validate_output_paths
+from megatron_lite.validation.recompute import _validate_recompute
 
 __all__ = ["check_hardware", "validate"]
 
@@ -46,6 +47,7 @@ def validate(cfg: Config, world_size: int) -> Config:
     _validate_pipeline_layers(r)
     _validate_batch_sizes(r)
     _validate_moe(r)
+    _validate_recompute(r)
     _validate_ffn_hidden_size(r)
     _validate_data_parallel(r)
     _validate_dropout_and_schedule(r.model, r.train)
