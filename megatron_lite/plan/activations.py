@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from megatron_lite.config import Config
 from megatron_lite.resolve import num_query_groups, padded_vocab_size, resolve, sequence_parallel
 
-SELECTIVE_MODULES = ("core_attn", "mlp", "layernorm")
+SELECTIVE_MODULES = ("core_attn", "mlp", "layernorm", "moe")
 
 
 @dataclass(frozen=True)
@@ -129,7 +129,12 @@ def selective(terms: dict[str, float], modules: list[str] | tuple[str, ...]) -> 
             f"{', '.join(SELECTIVE_MODULES)}"
         )
     out = dict(terms)
-    drop = {"core_attn": ("attn_out",), "mlp": ("act", "fc2_in"), "layernorm": ("qkv_in",)}
+    drop = {
+        "core_attn": ("attn_out",),
+        "mlp": ("act", "fc2_in"),
+        "layernorm": ("qkv_in",),
+        "moe": (),
+    }  # MoE layers' internals are not itemized
     for m in modules:
         for k in drop[m]:
             out[k] = 0.0
