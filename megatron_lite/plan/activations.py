@@ -13,15 +13,16 @@ stream, n heads and g KV groups of width d, f the MLP width. Per layer:
 | qkv_out | v is a view of the qkv output, so attention keeps it (cp = 1) | T·(n+2g)·d/tp·A |
 | attn_in | RoPE'd q, k (cp = 1) | T·(n+g)·d/tp·A |
 | attn_in | Ulysses all-to-all outputs (cp > 1) | T·(n/tp + 2·max(g/tp, cp))·d·A |
-| attn_out | flash/SDPA output and log-sum-exp | T·n·d/tp·A + 4·T·n/tp |
-| proj_in | row-parallel linear's input (a copy of the permuted output) | T·n·d/tp·A |
+| attn_out, attn_stats | flash/SDPA output and fp32 log-sum-exp | T·n·d/tp·A, 4·T·n/tp |
+| proj_in | row-parallel input: a copy of flash's output (CPU SDPA: a view) | T·n·d/tp·A (0) |
 | act | SwiGLU: contiguous gate and up (GeLU: its input) | 2·T·f/tp·A (GeLU T·f/tp·A) |
 | fc2_in | row-parallel linear's input | T·f/tp·A |
 | dropout | two bool masks (hidden_dropout > 0) | 2·T·h·u |
 
 Kernels "torch" (the plain-torch references that run on CPU) save fp32 intermediates instead:
-RMSNorm its fp32 input and the normalized product (8·T·h·u + 4·T·u), RoPE the rotated halves
-(fp32: T·(n+g)·d/tp·4; bf16 also the fp32 copies), SwiGLU three fp32 [T, f/tp] tensors.
+RMSNorm its fp32 input and the normalized product (8·T·h·u + 4·T·u), SwiGLU three fp32
+[T, f/tp] tensors. RoPE saves only the cos/sin tables (2·(s/cp)·d·4 per chunk, on its first
+layer): autograd keeps a product's other factor only for the factor that needs a gradient.
 
 The "paper" architecture (Korthikanti et al. 2022, GPT in fp16 with dropout and the attention
 scores materialized) is the same engine with: A = R = 2, no norm statistics, no RoPE, and the
@@ -32,8 +33,8 @@ recompute, 2·s·b·h with full recompute (tests/unit/test_plan_activations.py).
 
 Recompute (model.recompute_granularity / recompute_modules / recompute_method /
 recompute_num_layers, Megatron's names): selective drops the internals of the listed modules
-(core_attn: attn_out, or the scores; mlp: act and fc2_in; layernorm: the norms' statistics and
-the linears' saved norm outputs) and keeps their inputs; full keeps each recomputed group's
+(core_attn: attn_out and attn_stats, or the scores; mlp: act and fc2_in; layernorm: the
+linears' saved norm outputs) and keeps their inputs; full keeps each recomputed group's
 input (T·h·u·R) and needs one group's full activations during its backward.
 """
 
@@ -91,11 +92,8 @@ def layer_terms(x: LayerShape) -> dict[str, float]:
         out["norms"] = 2 * (T * x.h * u * R + (8 if x.arch == "gpt" else 4) * T * u)
     lin_in = T * x.h * A / (t if x.sp and x.linear_saves_shard else 1)
     out["qkv_in"] = lin_in
-    rope = x.arch == "llama"
-    qkv_view_saved = x.cp == 1 or (torch_k and rope and A == 4)
-    out["qkv_out"] = T * (x.n + 2 * x.g) * d / t * A if qkv_view_saved else 0.0
-    if rope and torch_k:
-        out["rope"] = T * (x.n + x.g) * d / t * 4 * (1 if A == 4 else 2)
+    rope = x.arch == "llama"  # RoPE saves only the shared cos/sin tables (rope_table_bytes)
+    out["qkv_out"] = T * (x.n + 2 * x.g) * d / t * A if x.cp == 1 else 0.0
     if x.cp > 1:
         out["attn_in"] = T * (x.n / t + 2 * max(x.g / t, x.cp)) * d * A
     elif rope:
@@ -103,8 +101,12 @@ def layer_terms(x: LayerShape) -> dict[str, float]:
     if paper:  # softmax output (2), dropout mask (1), dropout output (2) per score
         out["attn_out"] = 5 * x.b * x.s * x.s * x.n / t
     else:
-        out["attn_out"] = T * x.n * d / t * A + 4 * T * x.n / t
-    out["proj_in"] = T * x.n * d / t * A
+        out["attn_out"] = T * x.n * d / t * A
+        out["attn_stats"] = 4 * T * x.n / t  # fp32 log-sum-exp per head and token
+    # flash's [b, s, n, d] output is copied by the reshape to [s, b, n·d]; CPU SDPA's output
+    # reshapes as a view (one storage); Ulysses' all-to-all makes a new tensor
+    copy = x.cp > 1 or x.kernels == "fused" or paper
+    out["proj_in"] = T * x.n * d / t * A if copy else 0.0
     out["fc1_in"] = lin_in
     if x.arch == "llama":
         out["act"] = 3 * T * x.f / t * 4 if torch_k else 2 * T * x.f / t * A
@@ -113,6 +115,12 @@ def layer_terms(x: LayerShape) -> dict[str, float]:
     out["fc2_in"] = T * x.f / t * A
     out["dropout"] = 2 * T * x.h * u if (x.dropout or paper) else 0.0
     return out
+
+
+def rope_table_bytes(x: LayerShape) -> float:
+    """The fp32 cos/sin tables [s/cp, d] RoPE saves: one storage per model chunk, counted on
+    its first layer."""
+    return 2 * x.s / x.cp * (x.h // x.n) * 4 if x.arch == "llama" else 0.0
 
 
 def layer_input_bytes(x: LayerShape) -> float:
@@ -130,11 +138,13 @@ def selective(terms: dict[str, float], modules: list[str] | tuple[str, ...]) -> 
         )
     out = dict(terms)
     drop = {
-        "core_attn": ("attn_out",),
+        "core_attn": ("attn_out", "attn_stats"),
         "mlp": ("act", "fc2_in"),
         "layernorm": ("qkv_in",),
         "moe": (),
     }  # MoE layers' internals are not itemized
+    if "core_attn" in modules and not out["proj_in"]:  # the output doubled as proj's input
+        out["proj_in"] = out["attn_out"]
     for m in modules:
         for k in drop[m]:
             out[k] = 0.0

@@ -15,6 +15,7 @@ from megatron_lite.plan.activations import (
     layer_bytes,
     layer_shape,
     resolved,
+    rope_table_bytes,
 )
 from megatron_lite.resolve import (
     is_moe_layer,
@@ -110,7 +111,7 @@ def rank_memory(cfg: Config, world: int, pp_rank: int, kernels: str = "fused") -
     chunks = rank_layers(r, pp_rank)
     per_chunk = [chunk_bytes(r, shape, count) for _, count in chunks]
     # interleaved: the held pairs spread over the chunks, earlier chunks first
-    layers_act = held / len(chunks) * sum(kept for kept, _ in per_chunk)
+    layers_act = held / len(chunks) * sum(kept + rope_table_bytes(shape) for kept, _ in per_chunk)
     working = max((w for _, w in per_chunk), default=0.0)
     head = head_terms(r, shape)
     terms = model_states(r, pp_rank)
