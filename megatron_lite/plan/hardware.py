@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from megatron_lite.training.flops import peak_tflops
+
 MIB = 2**20
 
 
@@ -24,16 +26,16 @@ MIB = 2**20
 class GPU:
     name: str
     memory_bytes: int  # what the device reports as total memory
-    peak_tflops: float  # dense bf16 tensor-core TFLOP/s
+    peak_tflops: float  # dense bf16 tensor-core TFLOP/s (training/flops.py owns the figures)
     nvlink_gbps: float  # GB/s per GPU per direction inside a node
     ib_gbps: float  # GB/s per GPU per direction between nodes (IB/RoCE NIC)
 
 
 GPUS = {
-    "h100": GPU("H100 SXM 80GB", 81_559 * MIB, 989.0, 450.0, 50.0),
-    "h200": GPU("H200 SXM 141GB", 143_771 * MIB, 989.0, 450.0, 50.0),
-    "a100": GPU("A100 SXM 80GB", 81_920 * MIB, 312.0, 300.0, 25.0),
-    "b200": GPU("B200 180GB", 183_359 * MIB, 2250.0, 900.0, 50.0),
+    "h100": GPU("H100 SXM 80GB", 81_559 * MIB, peak_tflops("h100"), 450.0, 50.0),
+    "h200": GPU("H200 SXM 141GB", 143_771 * MIB, peak_tflops("h200"), 450.0, 50.0),
+    "a100": GPU("A100 SXM 80GB", 81_920 * MIB, peak_tflops("a100"), 300.0, 25.0),
+    "b200": GPU("B200 180GB", 183_359 * MIB, peak_tflops("b200"), 900.0, 50.0),
 }
 
 

@@ -22,14 +22,9 @@ from dataclasses import dataclass
 from megatron_lite.config import Config
 from megatron_lite.plan.activations import layer_shape, recompute_settings, resolved
 from megatron_lite.plan.comm import collective_time, group_links
-from megatron_lite.plan.flops import layer_matmul_params, model_flops_per_token
 from megatron_lite.plan.memory import rank_layers, rank_params
-from megatron_lite.resolve import (
-    is_moe_layer,
-    num_microbatches,
-    padded_vocab_size,
-    stage_layers,
-)
+from megatron_lite.resolve import num_microbatches, stage_layers
+from megatron_lite.training.flops import model_flops_per_token
 
 
 @dataclass
@@ -87,9 +82,13 @@ def step_time(cfg: Config, world: int, gpu, mfu: float, gpus_per_node: int,
     T, A, rate = shape.tokens, shape.act_bytes, gpu.peak_tflops * 1e12 * mfu
     gran, modules, method, num = recompute_settings(r)
 
-    dense_p = layer_matmul_params(r)
-    attn_flops = 2 * m_.seq_length * m_.hidden_size * T / p.tp  # causal QKᵀ and AV
-    t_fwd = (2 * dense_p * T / p.tp + attn_flops) / rate  # one dense layer, one microbatch
+    # training.flops owns the FLOP count: per token 6·N + 6·L·s·q; a layer's share is the total
+    # without the output layer (6·h·V) over L, in forward FLOPs (a third)
+    flops_tok = model_flops_per_token(r)
+    head = 6.0 * m_.hidden_size * m_.vocab_size
+    layer_fwd = (flops_tok - head) / 3 / m_.num_layers  # per token
+    attn_flops = 2 * m_.seq_length * m_.hidden_size * T / p.tp  # causal QKᵀ and AV, forward
+    t_fwd = layer_fwd * T / p.tp / rate  # one layer, one microbatch
     extra = 0.0
     if gran == "full":
         extra = 1.0  # the forward again in backward (block: averaged below over recomputed)
@@ -121,22 +120,12 @@ def step_time(cfg: Config, world: int, gpu, mfu: float, gpus_per_node: int,
     if m_.num_experts is not None and p.ep > 1:
         tokens = T * shape.u * m_.moe_router_topk * m_.hidden_size * A
         ep_l = 4 * collective_time("all_to_all", tokens, p.ep, links["ep"], gpu)
-    p2p = collective_time("p2p", size * shape.u, 2, links["pp"], gpu) if p.pp > 1 else 0.0
+    p2p = collective_time("send", size * shape.u, 2, links["pp"], gpu) if p.pp > 1 else 0.0
 
-    # virtual-stage weights in dense-layer units (MoE layers and the output layer scaled)
-    vocab = padded_vocab_size(m_.vocab_size, m_.make_vocab_size_divisible_by, p.tp)
-    moe_ratio = (layer_matmul_params(r, moe=True) / dense_p) if m_.num_experts else 1.0
+    # virtual-stage weights in mean-layer units, the output layer on the last one
     counts = stage_layers(m_, p)
-    weights, first = [], 0
-    for s, c in enumerate(counts):
-        w = sum(
-            moe_ratio if is_moe_layer(m_.num_experts, m_.moe_layer_freq, i) else 1.0
-            for i in range(first, first + c)
-        )
-        first += c
-        if s == len(counts) - 1:
-            w += m_.hidden_size * vocab / dense_p
-        weights.append(w)
+    weights = [float(c) for c in counts]
+    weights[-1] += head / 3 / layer_fwd
     fwd = t_fwd + tp_f + cp_l + ep_l / 2
     bwd = 2 * t_fwd + extra * t_fwd + tp_b + cp_l + ep_l / 2
     makespan, busy = _bubble(p.pp, p.vpp, m, tuple(weights), fwd, bwd, p2p, simulate)
@@ -155,7 +144,7 @@ def step_time(cfg: Config, world: int, gpu, mfu: float, gpus_per_node: int,
     dp_exp, dp_hidden = _dp_time(r, world, gpu, links, m, t_fwd, layers_busiest)
     total = makespan + dp_exp
     tokens = t_.global_batch_size * m_.seq_length
-    model_flops = model_flops_per_token(r) * tokens
+    model_flops = flops_tok * tokens
     return StepTime(
         compute=compute, tp=tp_exp, cp=cp_exp, ep=ep_exp, pp=pp_exp, dp=dp_exp, bubble=bubble,
         hidden=hidden + dp_hidden, total=total, tokens_per_s=tokens / total,

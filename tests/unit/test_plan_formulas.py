@@ -2,8 +2,6 @@
 layer), the ZeRO paper's example (model states), and the schedule simulator (in-flight
 microbatches)."""
 
-import itertools
-
 import pytest
 
 from megatron_lite.config import load_config
@@ -18,7 +16,6 @@ from megatron_lite.plan.activations import (
     layer_terms,
     selective,
 )
-from megatron_lite.plan.comm import bus_bytes
 from megatron_lite.plan.hardware import get_gpu
 from megatron_lite.plan.search import search
 
@@ -73,15 +70,6 @@ def test_zero_paper_example_through_memory_formulas():
 def test_in_flight_matches_the_schedule_simulator(pp, vpp, m):
     peak = simulate(get_schedule_table(pp, m, vpp)).peak_in_flight
     assert [in_flight(pp, vpp, m, r) for r in range(pp)] == list(peak)
-
-
-def test_bus_bytes_follow_nccl_tests():
-    for n, size in itertools.product((2, 8), (1024, 10**6)):
-        assert bus_bytes("all_gather", size, n) == size * (n - 1) / n
-        assert bus_bytes("reduce_scatter", size, n) == size * (n - 1) / n
-        assert bus_bytes("all_reduce", size, n) == 2 * size * (n - 1) / n
-        assert bus_bytes("all_to_all", size, n) == size * (n - 1) / n
-    assert bus_bytes("all_reduce", 1024, 1) == 0
 
 
 def test_search_finds_a_fitting_70b_layout_on_64_h100():
