@@ -90,11 +90,14 @@ def main(argv=None) -> int:
 def _layout(r, short: bool = False) -> str:
     p = r.parallel
     gran = getattr(r.model, "recompute_granularity", None) or "none"
-    text = (
+    if short:
+        return (
+            f"tp{p.tp}pp{p.pp}v{p.vpp}cp{p.cp}dp{p.dp}z{p.zero_stage}mb{r.train.micro_batch_size}"
+        )
+    return (
         f"tp{p.tp} pp{p.pp} vpp{p.vpp} cp{p.cp} ep{p.ep} dp{p.dp} zero{p.zero_stage} "
-        f"mbs{r.train.micro_batch_size} recompute={gran}"
+        f"mbs{r.train.micro_batch_size} recompute={gran} sp={p.sequence_parallel}"
     )
-    return text.replace(" ", "\n") if short else text + f" sp={p.sequence_parallel}"
 
 
 def _search(args, cfg, world, gpu, budget) -> int:
@@ -104,7 +107,7 @@ def _search(args, cfg, world, gpu, budget) -> int:
         f"{counts['fit']} fit; top {len(best)} by predicted throughput:"
     )
     for i, c in enumerate(best, 1):
-        print(f"{i}. {c.line()}")
+        print(f"{i}. {c.line(cfg)}")
         print(f"   peak {c.peak_bytes / 2**30:.1f} GiB; " + time_table(c.time, world))
     if args.chart and best:
         from megatron_lite.plan.chart import memory_chart

@@ -21,9 +21,9 @@ def memory_chart(layouts: list[tuple[str, list[RankMemory]]], budget: float, pat
     labels, rows = [], []
     for name, ranks in layouts:
         for r in ranks:
-            labels.append(f"{name}\npp{r.pp_rank}")
+            labels.append(f"{name} pp{r.pp_rank}")
             rows.append([r.terms[t] / 2**30 for t in terms])
-    fig, ax = plt.subplots(figsize=(max(6, 0.5 * len(rows) + 2), 5))
+    fig, ax = plt.subplots(figsize=(max(7, 0.35 * len(rows) + 3), 5))
     bottom = [0.0] * len(rows)
     for i, t in enumerate(terms):
         vals = [row[i] for row in rows]
@@ -32,7 +32,7 @@ def memory_chart(layouts: list[tuple[str, list[RankMemory]]], budget: float, pat
     ax.axhline(budget / 2**30, color="k", linestyle="--", label="usable memory")
     ax.set_xticks(range(len(rows)), labels, fontsize=6, rotation=90)
     ax.set_ylabel("GiB per rank")
-    ax.legend(fontsize=7, ncol=2)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

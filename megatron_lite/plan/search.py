@@ -13,6 +13,8 @@ from megatron_lite.plan.step_time import StepTime, step_time
 from megatron_lite.validation import validate
 
 RECOMPUTE = (None, "selective", "full")
+ALWAYS = ("parallel.tp", "parallel.pp", "parallel.vpp", "parallel.cp", "parallel.dp",
+          "parallel.zero_stage", "train.micro_batch_size")  # fmt: skip
 
 
 @dataclass
@@ -22,8 +24,16 @@ class Candidate:
     peak_bytes: float
     time: StepTime
 
-    def line(self) -> str:
-        return " ".join(f"{k}={_yaml(v)}" for k, v in self.overrides.items())
+    def line(self, base: Config | None = None) -> str:
+        """The overrides as `key=value` words: the degrees, ZeRO stage and micro batch always,
+        the other keys where they differ from `base`."""
+        words = []
+        for k, v in self.overrides.items():
+            section, name = k.split(".")
+            same = base is not None and getattr(getattr(base, section), name) == v
+            if k in ALWAYS or not same:
+                words.append(f"{k}={_yaml(v)}")
+        return " ".join(words)
 
 
 def _yaml(v) -> str:
@@ -86,6 +96,9 @@ def layouts(cfg: Config, world: int, gpus_per_node: int):
                                          "train.micro_batch_size": mbs}  # fmt: skip
                                     if has_recompute:
                                         o["model.recompute_granularity"] = rec
+                                        if rec == "full":  # every layer, its input kept
+                                            o["model.recompute_method"] = "uniform"
+                                            o["model.recompute_num_layers"] = 1
                                     yield o
 
 
