@@ -104,7 +104,8 @@ def layouts(cfg: Config, world: int, gpus_per_node: int):
 
 def search(cfg: Config, world: int, gpu, mfu: float, gpus_per_node: int, top: int = 5,
            reserve_fraction: float = 0.05) -> tuple[list[Candidate], dict[str, int]]:  # fmt: skip
-    """The `top` fitting layouts by predicted tokens/s, and counts (tried, valid, fit)."""
+    """The `top` fitting layouts by predicted tokens/s, and counts (tried, valid, fit). All are
+    ranked with the closed-form bubble, the top ones then timed with the schedule simulator."""
     budget = usable_bytes(gpu, reserve_fraction)
     counts = {"tried": 0, "valid": 0, "fit": 0}
     fits: list[Candidate] = []
@@ -123,7 +124,7 @@ def search(cfg: Config, world: int, gpu, mfu: float, gpus_per_node: int, top: in
         t = step_time(r, world, gpu, mfu, gpus_per_node, simulate=False)
         fits.append(Candidate(o, r, peak, t))
     fits.sort(key=lambda c: -c.time.tokens_per_s)
-    best = fits[: max(top * 3, top)]
+    best = fits[:top]
     for c in best:  # the schedule simulator for the finalists
         c.time = step_time(c.cfg, world, gpu, mfu, gpus_per_node, simulate=True)
         c.peak_bytes = max(rank_memory(c.cfg, world, k).total for k in range(c.cfg.parallel.pp))

@@ -45,30 +45,39 @@ class StepTime:
     bubble_fraction: float
 
 
-def _bubble(pp: int, vpp: int, m: int, weights: tuple, fwd: float, bwd: float, comm: float,
-            simulate: bool) -> tuple[float, float]:  # fmt: skip
-    """(makespan, busy time of the busiest rank) of the schedule with these per-layer costs."""
-    if pp == 1:
-        busy = m * sum(weights) * (fwd + bwd)
-        return busy, busy
+def _pipeline(pp: int, vpp: int, m: int, weights: tuple, fwd: float, bwd: float, comm: float,
+              simulate: bool) -> tuple[float, float, float]:  # fmt: skip
+    """(busy time of the busiest rank, bubble, time the p2p adds) of the schedule with these
+    per-layer costs. Bubble: the simulator's makespan minus busy, or the closed form (pp - 1)
+    mean virtual-stage forward+backward of fill and drain. P2P: every send/receive batch on the
+    critical path (an upper bound)."""
     busy = max(m * sum(weights[s] for s in range(r, pp * vpp, pp)) * (fwd + bwd) for r in range(pp))
-    if not simulate:  # 1F1B fill and drain: (pp - 1) mean virtual-stage forward+backward
+    if pp == 1:
+        return busy, 0.0, 0.0
+    if not simulate:
         mean = sum(weights) / len(weights) * (fwd + bwd)
-        return busy + (pp - 1) * (mean + 2 * comm) + 2 * m * vpp * comm, busy
-    return _simulated(pp, vpp, m, weights, fwd, bwd, comm), busy
+        return busy, (pp - 1) * mean, 2 * m * vpp * comm
+    no_comm = _simulated(pp, vpp, m, weights, fwd, bwd, 0.0)
+    return busy, max(0.0, no_comm - busy), 2 * m * vpp * comm
 
 
 @functools.lru_cache(maxsize=256)
 def _simulated(pp, vpp, m, weights, fwd, bwd, comm) -> float:
-    """The simulator's makespan. Fill and drain cost the same for any m >= 2·pp, so a schedule
-    of m' = 2·pp microbatches is simulated and the steady state scaled to m."""
+    """The simulator's makespan for m microbatches. Beyond fill and drain each microbatch adds
+    the same time, so for m > 3·pp the makespan is extrapolated linearly from 2·pp and 3·pp."""
     from megatron_lite.pipeline.schedules import get_schedule_table
     from megatron_lite.pipeline.simulate import simulate
 
-    short = min(m, 2 * pp)
-    res = simulate(get_schedule_table(pp, short, vpp), fwd, bwd, comm, list(weights))
-    per_mb = max(res.busy) / short  # the busiest rank's compute per microbatch
-    return float(res.makespan) + (m - short) * (per_mb + 2 * vpp * comm)
+    def run(n: int) -> float:
+        return float(
+            simulate(get_schedule_table(pp, n, vpp), fwd, bwd, comm, list(weights)).makespan
+        )
+
+    if m <= 3 * pp:
+        return run(m)
+    m1, m2 = 2 * pp, 3 * pp
+    t1, t2 = run(m1), run(m2)
+    return t2 + (m - m2) * (t2 - t1) / (m2 - m1)
 
 
 def step_time(cfg: Config, world: int, gpu, mfu: float, gpus_per_node: int,
@@ -128,7 +137,7 @@ def step_time(cfg: Config, world: int, gpu, mfu: float, gpus_per_node: int,
     weights[-1] += head / 3 / layer_fwd
     fwd = t_fwd + tp_f + cp_l + ep_l / 2
     bwd = 2 * t_fwd + extra * t_fwd + tp_b + cp_l + ep_l / 2
-    makespan, busy = _bubble(p.pp, p.vpp, m, tuple(weights), fwd, bwd, p2p, simulate)
+    busy, bubble, pp_exp = _pipeline(p.pp, p.vpp, m, tuple(weights), fwd, bwd, p2p, simulate)
     compute = (
         max(m * sum(weights[s] for s in range(rk, p.pp * p.vpp, p.pp)) for rk in range(p.pp))
         * t_fwd
@@ -138,11 +147,9 @@ def step_time(cfg: Config, world: int, gpu, mfu: float, gpus_per_node: int,
     tp_exp = m * layers_busiest * (tp_f + tp_b)
     cp_exp = m * layers_busiest * 2 * cp_l
     ep_exp = m * layers_busiest * ep_l
-    pp_exp = 2 * m * p.vpp * p2p if p.pp > 1 else 0.0
-    bubble = max(0.0, makespan - busy - pp_exp)
 
     dp_exp, dp_hidden = _dp_time(r, world, gpu, links, m, t_fwd, layers_busiest)
-    total = makespan + dp_exp
+    total = busy + bubble + pp_exp + dp_exp
     tokens = t_.global_batch_size * m_.seq_length
     model_flops = flops_tok * tokens
     return StepTime(

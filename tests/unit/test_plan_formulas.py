@@ -79,3 +79,13 @@ def test_search_finds_a_fitting_70b_layout_on_64_h100():
     assert counts["fit"] > 0 and best
     assert all(c.peak_bytes <= gpu.memory_bytes for c in best)
     assert best[0].time.tokens_per_s >= best[-1].time.tokens_per_s
+
+
+@pytest.mark.parametrize("pp,vpp,m", [(4, 1, 40), (4, 2, 40), (3, 1, 31), (8, 2, 40)])
+def test_scaled_short_simulation_equals_the_full_one(pp, vpp, m):
+    """step_time simulates 2·pp microbatches and scales the steady state: exact for m >= 2·pp."""
+    from megatron_lite.plan.step_time import _simulated
+
+    weights = tuple(float(w) for w in range(1, pp * vpp + 1))
+    full = simulate(get_schedule_table(pp, m, vpp), 1.0, 2.5, 0.25, list(weights)).makespan
+    assert _simulated(pp, vpp, m, weights, 1.0, 2.5, 0.25) == pytest.approx(float(full))
