@@ -20,7 +20,8 @@ stream, n heads and g KV groups of width d, f the MLP width. Per layer:
 | dropout | two bool masks (hidden_dropout > 0) | 2·T·h·u |
 
 Kernels "torch" (the plain-torch references that run on CPU) save fp32 intermediates instead:
-RMSNorm its fp32 input and the normalized product (8·T·h·u + 4·T·u), SwiGLU three fp32
+RMSNorm its fp32 input and the normalized product (8·T·h·u + 4·T·u; bf16: + the weight's fp32
+copy 4·h), LayerNorm its fp32 input, mean and rstd (bf16: + fp32 weight and bias), SwiGLU three fp32
 [T, f/tp] tensors. RoPE saves only the cos/sin tables (2·(s/cp)·d·4 per chunk, on its first
 layer): autograd keeps a product's other factor only for the factor that needs a gradient.
 
@@ -78,18 +79,26 @@ class LayerShape:
         return 1 / self.tp if self.sp else 1.0
 
 
+def norm_bytes(x: LayerShape) -> float:
+    """One norm's saves: its input and rstd (LayerNorm: + mean); the torch RMSNorm reference
+    keeps its fp32 input and normalized product; the paper counts the input only."""
+    T, u = x.tokens, x.u
+    if x.arch == "paper":
+        return T * x.h * u * x.residual_bytes
+    copies = x.act_bytes != 4  # bf16 references upcast: fp32 input and weight (+ bias) copies
+    if x.kernels == "torch" and x.arch == "llama":
+        return 8 * T * x.h * u + 4 * T * u + (4 * x.h if copies else 0)
+    if x.kernels == "torch":
+        return 4 * T * x.h * u + 8 * T * u + (8 * x.h if copies else 0)
+    return T * x.h * u * x.residual_bytes + (8 if x.arch == "gpt" else 4) * T * u
+
+
 def layer_terms(x: LayerShape) -> dict[str, float]:
     """{term: bytes} one layer saves for backward on one rank, one microbatch, no recompute."""
-    T, u, A, R, t = x.tokens, x.u, x.act_bytes, x.residual_bytes, x.tp
+    T, u, A, t = x.tokens, x.u, x.act_bytes, x.tp
     d = x.h // x.n
     paper, torch_k = x.arch == "paper", x.kernels == "torch"
-    out: dict[str, float] = {}
-    if paper:
-        out["norms"] = 2 * T * x.h * u * R
-    elif torch_k and x.arch == "llama":
-        out["norms"] = 2 * (8 * T * x.h * u + 4 * T * u)
-    else:
-        out["norms"] = 2 * (T * x.h * u * R + (8 if x.arch == "gpt" else 4) * T * u)
+    out: dict[str, float] = {"norms": 2 * norm_bytes(x)}
     lin_in = T * x.h * A / (t if x.sp and x.linear_saves_shard else 1)
     out["qkv_in"] = lin_in
     rope = x.arch == "llama"  # RoPE saves only the shared cos/sin tables (rope_table_bytes)
@@ -223,8 +232,9 @@ def head_terms(cfg: Config, shape: LayerShape) -> dict[str, float]:
     v_local = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, t) / t
     lin_in = T * shape.h * A / (t if shape.sp and shape.linear_saves_shard else 1)
     return {
-        "embedding": 8 * T + (T * shape.h * u if shape.dropout else 0.0),
-        "final_norm": T * shape.h * u * shape.residual_bytes + 4 * T * u,
+        # int64 ids and a bool mask per token (+ the dropout mask)
+        "embedding": 9 * T + (T * shape.h * u if shape.dropout else 0.0),
+        "final_norm": norm_bytes(shape),
         "output_in": lin_in,
         "logits": 4 * T * v_local + 12 * T,  # fp32 logits, lse (4) and int64 targets (8)
         "logits_grad": (4 + (A if A != 4 else 0)) * T * v_local,  # transient in backward
