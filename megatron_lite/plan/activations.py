@@ -270,7 +270,7 @@ def korthikanti(s: int, b: int, h: int, a: int, t: int = 1, mode: str = "none") 
 def megatron_theoretical(s: int, b: int, h: int, f: int, t: int) -> float:
     """Megatron-LM's theoretical_memory_usage.compute_activation_memory per layer (it assumes
     SP and selective recompute): s·b·h·(18 + 4·f/h) / t. Equal to Korthikanti's 34·s·b·h/t
-    for GPT (f = 4h); for Llama it has no GQA term (K, V counted at full width) and one f-wide
-    MLP intermediate where SwiGLU keeps gate and up, and it omits the qkv output attention
-    keeps through v: Llama-3 70B tp8 256 MiB against our 286 MiB (README, Planning a layout)."""
+    for GPT (f = 4h). For Llama it counts three h-wide Q, K, V (GQA keeps the qkv output and
+    RoPE'd q, k: less), one f-wide MLP intermediate less than SwiGLU keeps, and two dropout
+    masks Llama does not have: Llama-3 70B tp8 256 MiB against our 286 MiB."""
     return s * b * h * (18 + 4 * f / h) / t

@@ -89,3 +89,23 @@ def test_scaled_short_simulation_equals_the_full_one(pp, vpp, m):
     weights = tuple(float(w) for w in range(1, pp * vpp + 1))
     full = simulate(get_schedule_table(pp, m, vpp), 1.0, 2.5, 0.25, list(weights)).makespan
     assert _simulated(pp, vpp, m, weights, 1.0, 2.5, 0.25) == pytest.approx(float(full))
+
+
+def test_megatron_theoretical_memory_agrees_for_gpt_and_differs_for_llama_as_documented():
+    """Megatron-LM's per-layer s·b·h·(18 + 4f/h)/t is Korthikanti's 34·s·b·h/t for f = 4h; for
+    Llama-3 70B (tp8+SP, selective, bf16) ours differs by SwiGLU's extra f-wide intermediate
+    (+), GQA (qkv output and RoPE'd q, k instead of three h-wide Q, K, V: −), no dropout masks
+    (−) and the norms' rstd (+)."""
+    from megatron_lite.plan.activations import layer_bytes, layer_shape, megatron_theoretical
+
+    s, b, h, a, t = 2048, 1, 12288, 96, 8
+    assert megatron_theoretical(s, b, h, 4 * h, t) == korthikanti(s, b, h, a, t, "tp_sp_selective")
+    cfg = load_config("configs/llama3_70b.yaml", ["model.recompute_granularity=selective"])
+    ours = sum(layer_bytes(cfg, layer_shape(cfg)).values())
+    theirs = megatron_theoretical(8192, 1, 8192, 28672, 8)
+    sbh_t = 8192 * 8192 / 8
+    swiglu = 2 * 28672 / 8192 * sbh_t  # 2 bytes × f per token more
+    attention = ((64 + 16) * 128 + (64 + 8) * 128) / 8192 * 2 * sbh_t - 6 * sbh_t
+    masks = -2 * sbh_t
+    rstd = 2 * 4 * 8192 / 8
+    assert ours - theirs == pytest.approx(swiglu + attention + masks + rstd, rel=1e-12)
