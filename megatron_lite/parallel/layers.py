@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_lite.parallel import mappings
+from megatron_lite.parallel.linear_async import parallel_linear
 from megatron_lite.parallel.params import set_meta
 
 
@@ -46,6 +47,11 @@ class ColumnParallelLinear(_GemmMode, nn.Module):
     `sequence_parallel`, the input is the sequence shard and is all-gathered first (backward:
     reduce-scatter); otherwise the input is replicated and its gradient is all-reduced.
     `gemm` picks the local matrix multiply: "local" (torch) or "te" (Transformer Engine).
+
+    With "local" the layer runs linear_async.parallel_linear: with SP only the input shard is
+    saved for backward, the backward collectives overlap the GEMMs (`overlap_tp_comm`), the
+    weight gradient goes into `main_grad` when there is one, and with `wgrad_queue` set (see
+    linear_async.defer_wgrad) the wgrad GEMMs are queued instead of run.
     """
 
     def __init__(
@@ -60,6 +66,7 @@ class ColumnParallelLinear(_GemmMode, nn.Module):
         init_std: float = 0.02,
         skip_weight: bool = False,
         gemm: str = "local",
+        overlap_tp_comm: bool = True,
     ):
         super().__init__()
         self.tp_group, self.sequence_parallel, self.gather_output = (
@@ -67,6 +74,8 @@ class ColumnParallelLinear(_GemmMode, nn.Module):
             sequence_parallel,
             gather_output,
         )
+        self.overlap_tp_comm = overlap_tp_comm
+        self.wgrad_queue: list | None = None
         tp, rank = _tp(tp_group)
         segments = list(out_features) if isinstance(out_features, list | tuple) else [out_features]
         for seg in segments:
@@ -90,14 +99,32 @@ class ColumnParallelLinear(_GemmMode, nn.Module):
         self._gemm = _gemm(gemm, self.weight)
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        if self._gemm is F.linear:
+            comm = "gather" if self.sequence_parallel else "all_reduce"
+            y = parallel_linear(
+                x,  # [s/tp, b, h] with SP, else [s, b, h]
+                self.weight if weight is None else weight,
+                self.bias,
+                self.tp_group,
+                input_comm=comm,
+                overlap=self.overlap_tp_comm,
+                wgrad_queue=self.wgrad_queue,
+                # a borrowed (tied) weight also gets the embedding's gradient in this backward:
+                # both are summed in .grad first, as under FSDP2 (the same bf16 arithmetic)
+                accumulate_main_grad=weight is None,
+            )  # [s, b, out/tp]
+        else:
+            y = self._te_forward(x, self.weight if weight is None else weight)
+        if self.gather_output:
+            y = mappings.gather_from_tensor_parallel_region(y, self.tp_group)
+        return y
+
+    def _te_forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
             x = mappings.gather_from_sequence_parallel_region(x, self.tp_group)  # [s/tp]->[s]
         else:
             x = mappings.copy_to_tensor_parallel_region(x, self.tp_group)
-        y = self._gemm(x, self.weight if weight is None else weight, self.bias)  # [s, b, out/tp]
-        if self.gather_output:
-            y = mappings.gather_from_tensor_parallel_region(y, self.tp_group)
-        return y
+        return self._gemm(x, weight, self.bias)  # [s, b, out/tp]
 
 
 class RowParallelLinear(_GemmMode, nn.Module):
@@ -105,7 +132,8 @@ class RowParallelLinear(_GemmMode, nn.Module):
 
     The partial products are all-reduced, or reduce-scattered along the sequence with
     `sequence_parallel`. The bias is replicated and added after the reduction (its gradient is
-    summed over TP when it sees only a sequence shard). `gemm` as in ColumnParallelLinear.
+    summed over TP when it sees only a sequence shard). `gemm` and `wgrad_queue` as in
+    ColumnParallelLinear (its collective follows the GEMM: nothing to overlap inside it).
     """
 
     def __init__(
@@ -121,6 +149,7 @@ class RowParallelLinear(_GemmMode, nn.Module):
     ):
         super().__init__()
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
+        self.wgrad_queue: list | None = None
         tp, rank = _tp(tp_group)
         if in_features % tp:
             raise ValueError(f"input size {in_features} not divisible by tp={tp}")
@@ -143,7 +172,12 @@ class RowParallelLinear(_GemmMode, nn.Module):
         self._gemm = _gemm(gemm, self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._gemm(x, self.weight)  # [s, b, out] partial sums over TP
+        if self._gemm is F.linear:  # main_grad accumulation and deferred wgrad; no input comm
+            y = parallel_linear(
+                x, self.weight, None, self.tp_group, input_comm="none", wgrad_queue=self.wgrad_queue
+            )
+        else:
+            y = self._gemm(x, self.weight)  # [s, b, out] partial sums over TP
         if self.sequence_parallel:
             y = mappings.reduce_scatter_to_sequence_parallel_region(y, self.tp_group)  # [s/tp]
         else:

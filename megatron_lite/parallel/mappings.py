@@ -58,8 +58,9 @@ def _guard(kind: str, group, fn, detail: str = ""):
         ) from e
 
 
-def _run(kind: str, payload: torch.Tensor, group, fn):
-    STATS.record(kind, payload, getattr(group, "group_desc", "world"))
+def _run(kind: str, op: str, payload: torch.Tensor, group, fn):
+    """Record the collective `op` (comm_stats.bus_bytes' names) of `kind`, then run `fn()`."""
+    STATS.record(kind, payload, getattr(group, "group_desc", "world"), op=op, n=size(group))
     return _guard(kind, group, fn, f" of shape {tuple(payload.shape)}")
 
 
@@ -84,7 +85,9 @@ def all_reduce_async(t: torch.Tensor, group, kind: str = "all_reduce") -> AsyncW
     """In-place all-reduce (sum) started now, finished by `.wait()`; reports to comm stats."""
     if size(group) == 1:
         return AsyncWork(kind, group, None, tuple(t.shape))
-    work = _run(kind, t, group, lambda: dist.all_reduce(t, group=group, async_op=True))
+    work = _run(
+        kind, "all_reduce", t, group, lambda: dist.all_reduce(t, group=group, async_op=True)
+    )
     return AsyncWork(kind, group, work, tuple(t.shape))
 
 
@@ -92,7 +95,13 @@ def reduce_scatter_async(out: torch.Tensor, t: torch.Tensor, group, kind: str = 
     """out <- this rank's 1/size chunk of the sum over ranks of t (out may be that chunk of t)."""
     if size(group) == 1:
         return AsyncWork(kind, group, None, tuple(t.shape))
-    work = _run(kind, t, group, lambda: _reduce_scatter_into(out, t, group=group, async_op=True))
+    work = _run(
+        kind,
+        "reduce_scatter",
+        t,
+        group,
+        lambda: _reduce_scatter_into(out, t, group=group, async_op=True),
+    )
     return AsyncWork(kind, group, work, tuple(t.shape))
 
 
@@ -100,7 +109,9 @@ def all_gather_async(out: torch.Tensor, t: torch.Tensor, group, kind: str = "all
     """out <- every rank's t in rank order (t may be this rank's chunk of out)."""
     if size(group) == 1:
         return AsyncWork(kind, group, None, tuple(t.shape))
-    work = _run(kind, t, group, lambda: _all_gather_into(out, t, group=group, async_op=True))
+    work = _run(
+        kind, "all_gather", t, group, lambda: _all_gather_into(out, t, group=group, async_op=True)
+    )
     return AsyncWork(kind, group, work, tuple(t.shape))
 
 
@@ -108,7 +119,7 @@ def all_gather_async(out: torch.Tensor, t: torch.Tensor, group, kind: str = "all
 def all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM, kind: str = "all_reduce"):
     """In-place all-reduce that reports to comm stats; a no-op on a group of one."""
     if size(group) > 1:
-        _run(kind, t, group, lambda: dist.all_reduce(t, op=op, group=group))
+        _run(kind, "all_reduce", t, group, lambda: dist.all_reduce(t, op=op, group=group))
     return t
 
 
@@ -131,7 +142,7 @@ def all_gather_dim0(t: torch.Tensor, group) -> torch.Tensor:
         return t
     t = t.contiguous()
     out = torch.empty((t.shape[0] * world, *t.shape[1:]), dtype=t.dtype, device=t.device)
-    _run("all_gather", t, group, lambda: _all_gather_into(out, t, group=group))
+    _run("all_gather", "all_gather", t, group, lambda: _all_gather_into(out, t, group=group))
     return out
 
 
@@ -144,7 +155,13 @@ def reduce_scatter_dim0(t: torch.Tensor, group) -> torch.Tensor:
         raise ValueError(f"reduce_scatter: dim 0 ({t.shape[0]}) not divisible by {world}")
     t = t.contiguous()
     out = torch.empty((t.shape[0] // world, *t.shape[1:]), dtype=t.dtype, device=t.device)
-    _run("reduce_scatter", t, group, lambda: _reduce_scatter_into(out, t, group=group))
+    _run(
+        "reduce_scatter",
+        "reduce_scatter",
+        t,
+        group,
+        lambda: _reduce_scatter_into(out, t, group=group),
+    )
     return out
 
 
@@ -177,7 +194,13 @@ def _all_to_all(t: torch.Tensor, split_dim: int, concat_dim: int, group) -> torc
         )
     inp = t.movedim(split_dim, 0).contiguous()  # chunk i of dim 0 goes to rank i
     out = torch.empty_like(inp)
-    _run("all_to_all", inp, group, lambda: dist.all_to_all_single(out, inp, group=group))
+    _run(
+        "all_to_all",
+        "all_to_all",
+        inp,
+        group,
+        lambda: dist.all_to_all_single(out, inp, group=group),
+    )
     # out: [world·chunk, ...] where block i came from rank i; concat the blocks along concat_dim
     out = out.movedim(0, split_dim)
     parts = out.chunk(world, dim=split_dim)
@@ -188,6 +211,7 @@ def _all_to_all_uneven(t: torch.Tensor, out_splits: list[int], in_splits: list[i
     out = t.new_empty((sum(out_splits), *t.shape[1:]))
     t = t.contiguous()
     _run(
+        "all_to_all",
         "all_to_all",
         t,
         group,

@@ -110,7 +110,7 @@ class P2PCommunicator:
                 buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
                 received[action] = buf
                 op, kind = dist.irecv, "p2p_recv"
-            STATS.record(kind, buf, "pp")
+            STATS.record(kind, buf, "pp", op="send", n=2)  # one message between two stages
             self._trace_op(action)
             ops.append(dist.P2POp(op, buf, self.peer(action), group=self.group))
         deadline = time.monotonic() + self.timeout_s

@@ -13,12 +13,15 @@ PKG = "megatron_lite"
 # package -> packages (second name component under megatron_lite) it must never import
 FORBIDDEN = {
     "kernels": "*",  # leaf code: nothing of ours but itself
-    "parallel": ("models", "training", "config", "validation"),
-    "pipeline": ("training", "models"),
-    "moe": ("config", "validation", "training"),
-    "context": ("config", "validation", "training"),
-    "models": ("training",),
-    "data": ("models",),
+    "parallel": ("models", "training", "config", "validation", "plan"),
+    "pipeline": ("training", "models", "plan"),
+    "moe": ("config", "validation", "training", "plan"),
+    "context": ("config", "validation", "training", "plan"),
+    "models": ("training", "plan"),
+    "data": ("models", "plan"),
+    # the planner is a top-level consumer (like train.py): nothing below it imports it
+    "training": ("plan",),
+    "validation": ("plan",),
 }
 
 

@@ -153,8 +153,11 @@ class GradBuffer:
             b.ready, b.work, b.reduced = 0, None, False
 
     def _on_grad(self, p: torch.nn.Parameter) -> None:
-        p.main_grad.add_(p.grad)  # accumulate in fp32, whatever the parameter dtype
-        p.grad = None
+        if p.grad is not None:  # None: linear_async added the weight gradient into main_grad
+            p.main_grad.add_(p.grad)  # accumulate in fp32, whatever the parameter dtype
+            p.grad = None
+        if getattr(p, "wgrad_pending", 0):  # its wgrad GEMM is queued: finish() reduces it
+            return
         key = id(p)
         self.counts[key] = self.counts.get(key, 0) + 1
         if self.counts[key] == self.expected:

@@ -28,12 +28,20 @@ if DefaultAllGather is not None:
 
     class CountingAllGather(DefaultAllGather):
         def __call__(self, output_tensor, input_tensor, group, async_op=False):
-            STATS.record("all_gather_fsdp", input_tensor, _group_name(group))
+            STATS.record(
+                "all_gather_fsdp", input_tensor, _group_name(group), op="all_gather", n=group.size()
+            )
             return super().__call__(output_tensor, input_tensor, group, async_op)
 
     class CountingReduceScatter(DefaultReduceScatter):
         def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-            STATS.record("reduce_scatter_fsdp", input_tensor, _group_name(group))
+            STATS.record(
+                "reduce_scatter_fsdp",
+                input_tensor,
+                _group_name(group),
+                op="reduce_scatter",
+                n=group.size(),
+            )
             return super().__call__(output_tensor, input_tensor, group, op, async_op)
 
 

@@ -1,0 +1,173 @@
+"""The tensor-parallel linear as one autograd function, with its communication overlapped with
+the backward GEMMs, the weight gradient accumulated into fp32 `main_grad`, and an optional
+deferred weight-gradient GEMM (the idea of Megatron's linear with gradient accumulation and
+asynchronous communication; our own code).
+
+    forward                            backward (each wait as late as possible)
+    x̂ = AG(x)  (input_comm "gather")   start AG(x) again      ‖ dgrad  g_x̂ = g·W
+    x̂ = x      ("all_reduce", "none")  start RS(g_x̂) / AR(g_x̂) ‖ wgrad  g_W = gᵀ·x̂ (or queued)
+    y = x̂·Wᵀ + b                       wait
+
+With sequence parallelism ("gather") only the local shard x [s/tp, b, h] is saved for backward,
+not x̂ [s, b, h]. "all_reduce" is the column-parallel layer without SP (identity forward,
+all-reduced input gradient); "none" is the row-parallel layer (its collective follows it).
+
+Gradient accumulation fusion: when the weight has `main_grad` (data_parallel/buffers.py), g_W
+is added into it and no weight gradient is returned; the buffer's post-accumulate-grad hook
+still fires once per backward (with `p.grad` None). FSDP2 parameters have no `main_grad`: g_W
+is returned as usual.
+
+Deferred wgrad: with a `wgrad_queue` (a caller-owned list) captured at forward, backward does not
+run the wgrad GEMM but appends a closure that does; `run_wgrads(queue)` runs them later. While
+a weight's closure is queued, `weight.wgrad_pending` > 0 tells the gradient buffer not to count
+the weight as ready, so its bucket is reduced in `finish()`: run the closures before that.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+
+from megatron_lite.parallel import mappings
+
+INPUT_COMMS = ("gather", "all_reduce", "none")
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype F.linear would compute in here: autocast's, else the input's."""
+    dev = x.device.type
+    if torch.is_autocast_enabled(dev) and x.is_floating_point():
+        return torch.get_autocast_dtype(dev)
+    return x.dtype
+
+
+def _weight_grad(weight: torch.Tensor, g2d: torch.Tensor, x2d: torch.Tensor, fuse: bool):
+    """gᵀ·x̂ [out, in]: added into `weight.main_grad` (None returned) when `fuse` and it has one."""
+    main = getattr(weight, "main_grad", None) if fuse else None
+    if main is None:
+        return g2d.t().mm(x2d).to(weight.dtype)
+    if g2d.dtype == main.dtype:
+        main.addmm_(g2d.t(), x2d)  # the GEMM accumulates straight into the fp32 buffer
+    else:  # bf16 GEMM, fp32 accumulation (what the buffer's hook does with p.grad)
+        main.add_(g2d.t().mm(x2d))
+    return None
+
+
+def _queue_wgrad(queue: list, weight, g2d: torch.Tensor, x2d: torch.Tensor, fuse: bool) -> None:
+    weight.wgrad_pending = getattr(weight, "wgrad_pending", 0) + 1
+
+    @torch.no_grad()  # run by the caller, outside backward
+    def wgrad() -> None:
+        grad = _weight_grad(weight, g2d, x2d, fuse)
+        if grad is not None:
+            weight.grad = grad if weight.grad is None else weight.grad + grad
+        weight.wgrad_pending -= 1
+
+    queue.append(wgrad)
+
+
+def _wait_unless_overlap(
+    work: mappings.AsyncWork | None, overlap: bool
+) -> mappings.AsyncWork | None:
+    """Without overlap, wait for `work` at once (the comparison point for the benchmark)."""
+    if work is not None and not overlap:
+        work.wait()
+    return work
+
+
+class _ParallelLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, input_comm, overlap, wgrad_queue, fuse):
+        ctx.in_dtype = x.dtype
+        dtype = _compute_dtype(x)
+        x = x.to(dtype).contiguous()  # [s/tp, b, h] ("gather") or [s, b, h]
+        # cast before the gather: the same values, in the compute dtype's bytes
+        total = mappings.all_gather_dim0(x, group) if input_comm == "gather" else x  # [s, b, h]
+        b = None if bias is None else bias.to(dtype)
+        with torch.autocast(x.device.type, enabled=False):
+            y = F.linear(total, weight.to(dtype), b)  # [s, b, out/tp]
+        ctx.save_for_backward(x, weight)  # the local shard, not `total`
+        ctx.group, ctx.input_comm, ctx.overlap, ctx.queue = group, input_comm, overlap, wgrad_queue
+        ctx.has_bias, ctx.fuse = bias is not None, fuse
+        return y
+
+    @staticmethod
+    def backward(ctx, g):  # g: [s, b, out/tp]
+        x, weight = ctx.saved_tensors
+        group, comm, overlap = ctx.group, ctx.input_comm, ctx.overlap
+        gathering = None
+        total = x
+        if comm == "gather":  # re-gather the input while the dgrad GEMM runs
+            total = x.new_empty((x.shape[0] * mappings.size(group), *x.shape[1:]))  # [s, b, h]
+            gathering = _wait_unless_overlap(
+                mappings.all_gather_async(total, x, group, "all_gather"), overlap
+            )
+        g = g.contiguous()
+        grad_x = g.matmul(weight.to(g.dtype)).to(ctx.in_dtype)  # [s, b, h] partial sums over TP
+        reducing = None
+        if comm == "gather":
+            gathering.wait()
+            shard = grad_x.new_empty(x.shape)  # [s/tp, b, h]
+            reducing = mappings.reduce_scatter_async(shard, grad_x, group, "reduce_scatter")
+            grad_x = shard
+        elif comm == "all_reduce":
+            reducing = mappings.all_reduce_async(grad_x, group, "all_reduce")
+        _wait_unless_overlap(reducing, overlap)
+        g2d, x2d = g.reshape(-1, g.shape[-1]), total.reshape(-1, total.shape[-1])
+        grad_b = g2d.sum(0) if ctx.has_bias else None
+        grad_w = None
+        if ctx.queue is not None:
+            _queue_wgrad(ctx.queue, weight, g2d, x2d, ctx.fuse)
+        else:  # overlaps the reduction of grad_x
+            grad_w = _weight_grad(weight, g2d, x2d, ctx.fuse)
+        if reducing is not None:
+            reducing.wait()
+        return grad_x, grad_w, grad_b, None, None, None, None, None
+
+
+def parallel_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    group,
+    *,
+    input_comm: str,
+    overlap: bool = True,
+    wgrad_queue: list | None = None,
+    accumulate_main_grad: bool = True,
+) -> torch.Tensor:
+    """y = x̂·Wᵀ + b with x̂ = all_gather(x) along dim 0 ("gather"; x [s/tp, b, h]) or x itself
+    ("all_reduce": its gradient is all-reduced over `group`; "none"). See the module docstring;
+    `accumulate_main_grad=False` returns the weight gradient even where `main_grad` exists.
+    """
+    if input_comm not in INPUT_COMMS:
+        raise ValueError(f"input_comm={input_comm!r}: expected one of {INPUT_COMMS}")
+    if mappings.size(group) == 1:
+        input_comm = "none"
+    return _ParallelLinear.apply(
+        x, weight, bias, group, input_comm, overlap, wgrad_queue, accumulate_main_grad
+    )
+
+
+@contextlib.contextmanager
+def defer_wgrad(module: torch.nn.Module, queue: list) -> Iterator[list]:
+    """Forwards run inside queue the wgrad GEMMs of every parallel linear in `module` (layers
+    with a `wgrad_queue` attribute) into `queue` at backward, instead of running them."""
+    layers = [m for m in module.modules() if hasattr(m, "wgrad_queue")]
+    before = [m.wgrad_queue for m in layers]
+    for m in layers:
+        m.wgrad_queue = queue
+    try:
+        yield queue
+    finally:
+        for m, q in zip(layers, before, strict=True):
+            m.wgrad_queue = q
+
+
+def run_wgrads(queue: list[Callable[[], None]]) -> None:
+    """Run the queued wgrad GEMMs in order (they accumulate into main_grad or .grad)."""
+    while queue:
+        queue.pop(0)()

@@ -1,0 +1,122 @@
+"""python -m megatron_lite.plan --config FILE [section.key=value ...] [options]
+
+Prints per-rank memory by term (model states per ZeRO stage and precision, activations by
+schedule and recompute mode, embedding/logits/loss, working sets) and whether it fits, the
+predicted step time split into compute, exposed communication and bubble; `--search` ranks
+every valid layout of `--world` GPUs; `--measure` runs one step here beside the prediction.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from megatron_lite.config import ConfigError, load_config
+from megatron_lite.plan.hardware import GPUS, get_gpu, usable_bytes
+from megatron_lite.plan.memory import plan_memory
+from megatron_lite.plan.report import layer_table, memory_table, time_table
+from megatron_lite.plan.search import search
+from megatron_lite.plan.step_time import step_time
+from megatron_lite.validation import validate
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m megatron_lite.plan", description=__doc__)
+    ap.add_argument("--config", required=True)
+    ap.add_argument("overrides", nargs="*", help="section.key=value")
+    ap.add_argument("--gpu", default="h100", choices=sorted(GPUS))
+    ap.add_argument("--nodes", type=int, default=None)
+    ap.add_argument("--gpus-per-node", type=int, default=8)
+    ap.add_argument("--world", type=int, default=None, help="GPUs (default nodes·gpus-per-node)")
+    ap.add_argument("--nvlink-gbps", type=float, default=None, help="GB/s per GPU per direction")
+    ap.add_argument("--ib-gbps", type=float, default=None, help="GB/s per GPU per direction")
+    ap.add_argument("--mfu", type=float, default=0.45, help="achievable fraction of peak")
+    ap.add_argument("--reserve", type=float, default=0.05, help="fragmentation reserve fraction")
+    ap.add_argument("--kernels", default="fused", choices=("fused", "torch"))
+    ap.add_argument("--search", action="store_true")
+    ap.add_argument("--top", type=int, default=5)
+    ap.add_argument("--chart", default=None, help="PNG of memory per rank by term")
+    ap.add_argument("--measure", action="store_true", help="one step here beside the prediction")
+    return ap.parse_args(argv)
+
+
+def world_size(args, cfg) -> int:
+    if args.world:
+        return args.world
+    if args.nodes:
+        return args.nodes * args.gpus_per_node
+    p = cfg.parallel
+    if p.dp is None:
+        raise ConfigError("give --world, --nodes or parallel.dp: the planner needs a world size")
+    return p.tp * p.pp * p.cp * p.dp
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        world = world_size(args, cfg)
+        gpu = get_gpu(args.gpu, args.nvlink_gbps, args.ib_gbps)
+        budget = usable_bytes(gpu, args.reserve)
+        print(
+            f"{gpu.name}: {gpu.peak_tflops:g} TFLOP/s bf16 dense at mfu {args.mfu:g}, "
+            f"NVLink {gpu.nvlink_gbps:g} GB/s, IB {gpu.ib_gbps:g} GB/s per GPU, "
+            f"{args.gpus_per_node} GPUs/node; usable {budget / 2**30:.1f} of "
+            f"{gpu.memory_bytes / 2**30:.1f} GiB (3 GiB + {args.reserve:.0%} reserve)"
+        )
+        if args.search:
+            return _search(args, cfg, world, gpu, budget)
+        r = validate(cfg, world)
+    except (ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    ranks = plan_memory(r, world, args.kernels)
+    print(f"layout on {world} GPUs: " + _layout(r))
+    print(layer_table(ranks[0].per_layer))
+    print(memory_table(ranks, budget))
+    print(time_table(step_time(r, world, gpu, args.mfu, args.gpus_per_node), world))
+    if args.chart:
+        from megatron_lite.plan.chart import memory_chart
+
+        memory_chart([(_layout(r, short=True), ranks)], budget, args.chart)
+        print(f"chart: {args.chart}")
+    if args.measure:
+        from megatron_lite.plan.measure import measure_report
+
+        print(measure_report(r, world, args.kernels))
+    return 0
+
+
+def _layout(r, short: bool = False) -> str:
+    p = r.parallel
+    gran = getattr(r.model, "recompute_granularity", None) or "none"
+    if short:
+        return (
+            f"tp{p.tp}pp{p.pp}v{p.vpp}cp{p.cp}dp{p.dp}z{p.zero_stage}mb{r.train.micro_batch_size}"
+        )
+    return (
+        f"tp{p.tp} pp{p.pp} vpp{p.vpp} cp{p.cp} ep{p.ep} dp{p.dp} zero{p.zero_stage} "
+        f"mbs{r.train.micro_batch_size} recompute={gran} sp={p.sequence_parallel}"
+    )
+
+
+def _search(args, cfg, world, gpu, budget) -> int:
+    best, counts = search(cfg, world, gpu, args.mfu, args.gpus_per_node, args.top, args.reserve)
+    print(
+        f"searched {counts['tried']} layouts of {world} GPUs: {counts['valid']} valid, "
+        f"{counts['fit']} fit; top {len(best)} by predicted throughput:"
+    )
+    for i, c in enumerate(best, 1):
+        print(f"{i}. {c.line(cfg)}")
+        print(f"   peak {c.peak_bytes / 2**30:.1f} GiB; " + time_table(c.time, world))
+    if args.chart and best:
+        from megatron_lite.plan.chart import memory_chart
+
+        layouts = [(_layout(c.cfg, short=True), plan_memory(c.cfg, world)) for c in best]
+        memory_chart(layouts, budget, args.chart)
+        print(f"chart: {args.chart}")
+    return 0 if best else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

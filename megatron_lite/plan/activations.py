@@ -1,0 +1,276 @@
+"""Activation bytes saved for backward, per transformer layer and per pipeline stage.
+
+Derived from what our layers keep for backward (models/transformer.py, parallel/layers.py,
+kernels/, parallel/cross_entropy.py), per microbatch, on one rank, as unique storages (the
+SavedTensorMeter's unit). Notation: T = (s/cp)·b local tokens, u = 1/tp with sequence
+parallelism (else 1), A = bytes of the compute dtype (bf16 2, fp32 4), R = bytes of the residual
+stream, n heads and g KV groups of width d, f the MLP width. Per layer:
+
+| term | saved by | bytes |
+|---|---|---|
+| norms | 2 norms: input (+ x+attn) and rstd (LayerNorm: + mean) | 2·(T·h·u·R + 4·T·u) (LN 8·T·u) |
+| qkv_in, fc1_in | column-parallel linears' input | T·h·A each (SP, shard saved: /tp) |
+| qkv_out | v is a view of the qkv output, so attention keeps it (cp = 1) | T·(n+2g)·d/tp·A |
+| attn_in | RoPE'd q, k (cp = 1) | T·(n+g)·d/tp·A |
+| attn_in | Ulysses all-to-all outputs (cp > 1) | T·(n/tp + 2·max(g/tp, cp))·d·A |
+| attn_out, attn_stats | flash/SDPA output and fp32 log-sum-exp | T·n·d/tp·A, 4·T·n/tp |
+| proj_in | row-parallel input: a copy of flash's output (CPU SDPA: a view) | T·n·d/tp·A (0) |
+| act | SwiGLU: contiguous gate and up (GeLU: its input) | 2·T·f/tp·A (GeLU T·f/tp·A) |
+| fc2_in | row-parallel linear's input | T·f/tp·A |
+| dropout | two bool masks (hidden_dropout > 0) | 2·T·h·u |
+
+Kernels "torch" (the plain-torch references that run on CPU) save fp32 intermediates instead:
+RMSNorm its fp32 input and the normalized product (8·T·h·u + 4·T·u; bf16: + the weight's fp32
+copy 4·h), LayerNorm its fp32 input, mean and rstd (bf16: + fp32 weight and bias), SwiGLU three fp32
+[T, f/tp] tensors. RoPE saves only the cos/sin tables (2·(s/cp)·d·4 per chunk, on its first
+layer): autograd keeps a product's other factor only for the factor that needs a gradient.
+
+The "paper" architecture (Korthikanti et al. 2022, GPT in fp16 with dropout and the attention
+scores materialized) is the same engine with: A = R = 2, no norm statistics, no RoPE, and the
+attention internals replaced by softmax output (2), dropout mask (1) and dropout output (2)
+bytes per score, b·s²·n/tp scores. It reproduces their Table 2: s·b·h·(34 + 5·n·s/h) without
+parallelism, s·b·h·(10 + 24/t + 5·n·s/(h·t)) with TP, 34·s·b·h/t with TP+SP and selective
+recompute, 2·s·b·h with full recompute (tests/unit/test_plan_activations.py).
+
+Recompute (model.recompute_granularity / recompute_modules / recompute_method /
+recompute_num_layers, Megatron's names): selective drops the internals of the listed modules
+(core_attn: attn_out and attn_stats, or the scores; mlp: act and fc2_in; layernorm: the
+linears' saved norm outputs) and keeps their inputs; full keeps each recomputed group's
+input (T·h·u·R) and needs one group's full activations during its backward.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from megatron_lite.config import Config
+from megatron_lite.resolve import num_query_groups, padded_vocab_size, resolve, sequence_parallel
+
+SELECTIVE_MODULES = ("core_attn", "mlp", "layernorm", "moe")
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """Everything the per-layer formula needs (local sizes derive from these)."""
+
+    arch: str  # llama | gpt | paper
+    s: int  # sequence length (full)
+    b: int  # micro batch
+    h: int
+    n: int  # attention heads
+    g: int  # KV groups
+    f: int  # MLP width
+    tp: int = 1
+    sp: bool = False
+    cp: int = 1
+    act_bytes: int = 2
+    residual_bytes: int = 4
+    dropout: bool = False  # hidden_dropout > 0
+    kernels: str = "fused"  # fused (Triton, GPU) | torch (plain-torch references, CPU)
+    linear_saves_shard: bool = True  # SP: the column-parallel linear keeps its [s/tp] input
+
+    @property
+    def tokens(self) -> float:
+        return self.s / self.cp * self.b
+
+    @property
+    def u(self) -> float:
+        return 1 / self.tp if self.sp else 1.0
+
+
+def norm_bytes(x: LayerShape) -> float:
+    """One norm's saves: its input and rstd (LayerNorm: + mean); the torch RMSNorm reference
+    keeps its fp32 input and normalized product; the paper counts the input only."""
+    T, u = x.tokens, x.u
+    if x.arch == "paper":
+        return T * x.h * u * x.residual_bytes
+    copies = x.act_bytes != 4  # bf16 references upcast: fp32 input and weight (+ bias) copies
+    if x.kernels == "torch" and x.arch == "llama":
+        return 8 * T * x.h * u + 4 * T * u + (4 * x.h if copies else 0)
+    if x.kernels == "torch":
+        return 4 * T * x.h * u + 8 * T * u + (8 * x.h if copies else 0)
+    return T * x.h * u * x.residual_bytes + (8 if x.arch == "gpt" else 4) * T * u
+
+
+def layer_terms(x: LayerShape) -> dict[str, float]:
+    """{term: bytes} one layer saves for backward on one rank, one microbatch, no recompute."""
+    T, u, A, t = x.tokens, x.u, x.act_bytes, x.tp
+    d = x.h // x.n
+    paper, torch_k = x.arch == "paper", x.kernels == "torch"
+    out: dict[str, float] = {"norms": 2 * norm_bytes(x)}
+    lin_in = T * x.h * A / (t if x.sp and x.linear_saves_shard else 1)
+    out["qkv_in"] = lin_in
+    rope = x.arch == "llama"  # RoPE saves only the shared cos/sin tables (rope_table_bytes)
+    out["qkv_out"] = T * (x.n + 2 * x.g) * d / t * A if x.cp == 1 else 0.0
+    if x.cp > 1:
+        out["attn_in"] = T * (x.n / t + 2 * max(x.g / t, x.cp)) * d * A
+    elif rope:
+        out["attn_in"] = T * (x.n + x.g) * d / t * A
+    if paper:  # softmax output (2), dropout mask (1), dropout output (2) per score
+        out["attn_out"] = 5 * x.b * x.s * x.s * x.n / t
+    else:
+        out["attn_out"] = T * x.n * d / t * A
+        out["attn_stats"] = 4 * T * x.n / t  # fp32 log-sum-exp per head and token
+    # flash's [b, s, n, d] output is copied by the reshape to [s, b, n·d]; CPU SDPA's output
+    # reshapes as a view (one storage); Ulysses' all-to-all makes a new tensor
+    copy = x.cp > 1 or x.kernels == "fused" or paper
+    out["proj_in"] = T * x.n * d / t * A if copy else 0.0
+    out["fc1_in"] = lin_in
+    if x.arch == "llama":
+        out["act"] = 3 * T * x.f / t * 4 if torch_k else 2 * T * x.f / t * A
+    else:
+        out["act"] = T * x.f / t * A
+    out["fc2_in"] = T * x.f / t * A
+    out["dropout"] = 2 * T * x.h * u if (x.dropout or paper) else 0.0
+    return out
+
+
+def rope_table_bytes(x: LayerShape) -> float:
+    """The fp32 cos/sin tables [s/cp, d] RoPE saves: one storage per model chunk, counted on
+    its first layer."""
+    return 2 * x.s / x.cp * (x.h // x.n) * 4 if x.arch == "llama" else 0.0
+
+
+def layer_input_bytes(x: LayerShape) -> float:
+    """A layer's input (the residual stream), what full recompute keeps."""
+    return x.tokens * x.h * x.u * x.residual_bytes
+
+
+def selective(terms: dict[str, float], modules: list[str] | tuple[str, ...]) -> dict[str, float]:
+    """Terms left when the listed modules are recomputed in backward (their inputs stay)."""
+    unknown = [m for m in modules if m not in SELECTIVE_MODULES]
+    if unknown:
+        raise ValueError(
+            f"model.recompute_modules: {unknown} not modelled; the planner knows "
+            f"{', '.join(SELECTIVE_MODULES)}"
+        )
+    out = dict(terms)
+    drop = {
+        "core_attn": ("attn_out", "attn_stats"),
+        "mlp": ("act", "fc2_in"),
+        "layernorm": ("qkv_in",),
+        "moe": (),
+    }  # MoE layers' internals are not itemized
+    if "core_attn" in modules and not out["proj_in"]:  # the output doubled as proj's input
+        out["proj_in"] = out["attn_out"]
+    for m in modules:
+        for k in drop[m]:
+            out[k] = 0.0
+    return out
+
+
+# ----------------------------------------------------------------------------- from a config
+def recompute_settings(cfg: Config) -> tuple[str | None, list[str], str, int]:
+    """(granularity, modules, method, num_layers) from model.recompute_* (Megatron's names)."""
+    m = cfg.model
+    gran = getattr(m, "recompute_granularity", None)
+    modules = getattr(m, "recompute_modules", None) or ["core_attn"]
+    method = getattr(m, "recompute_method", None) or "uniform"
+    num = getattr(m, "recompute_num_layers", None) or 1
+    return gran, list(modules), method, int(num)
+
+
+def residual_bytes(cfg: Config) -> int:
+    """The residual stream's bytes: fp32 unless bf16 training without fp32_residual_connection.
+    Without that option (the code before issue #13 item 2) the residual is fp32."""
+    if cfg.train.precision != "bf16":
+        return 4
+    return 4 if getattr(cfg.model, "fp32_residual_connection", True) else 2
+
+
+def resolved(cfg: Config, world: int) -> Config:
+    """`cfg` itself when its derived fields are filled in (validate()'s output), else resolve."""
+    m = cfg.model
+    done = cfg.parallel.dp is not None and m.ffn_hidden_size and m.num_query_groups
+    return cfg if done else resolve(cfg, world)
+
+
+def layer_shape(cfg: Config, kernels: str = "fused", linear_saves_shard: bool = True) -> LayerShape:
+    p = cfg.parallel
+    m = resolved(cfg, p.tp * p.pp * p.cp * (p.dp or 1)).model
+    return LayerShape(
+        arch=m.arch, s=m.seq_length, b=cfg.train.micro_batch_size, h=m.hidden_size,
+        n=m.num_attention_heads, g=num_query_groups(m), f=m.ffn_hidden_size, tp=p.tp,
+        sp=sequence_parallel(p), cp=p.cp, act_bytes=2 if cfg.train.precision == "bf16" else 4,
+        residual_bytes=residual_bytes(cfg), dropout=m.hidden_dropout > 0, kernels=kernels,
+        linear_saves_shard=linear_saves_shard,
+    )  # fmt: skip
+
+
+def layer_bytes(cfg: Config, shape: LayerShape) -> dict[str, float]:
+    """Per-layer terms under the config's recompute mode, and 'full' recompute's input."""
+    gran, modules, _, _ = recompute_settings(cfg)
+    terms = layer_terms(shape)
+    if gran == "selective":
+        return selective(terms, modules)
+    if gran == "full":
+        return {"input": layer_input_bytes(shape)}
+    return terms
+
+
+def chunk_bytes(cfg: Config, shape: LayerShape, layers: int) -> tuple[float, float]:
+    """(bytes kept per microbatch by `layers` layers of one model chunk, the working set one
+    recomputed group needs during its backward)."""
+    gran, _, method, num = recompute_settings(cfg)
+    full = sum(layer_terms(shape).values())
+    if gran != "full":
+        return layers * sum(layer_bytes(cfg, shape).values()), 0.0
+    inp = layer_input_bytes(shape)
+    if method == "block":
+        recomputed = min(num, layers)
+        return recomputed * inp + (layers - recomputed) * full, full if recomputed else 0.0
+    groups = math.ceil(layers / num)
+    return groups * inp, min(num, layers) * full
+
+
+def head_terms(cfg: Config, shape: LayerShape) -> dict[str, float]:
+    """Embedding (first stage) and final norm, output layer input, logits and loss (last stage),
+    per microbatch: {term: bytes}. Logits are saved as fp32 vocab-parallel chunks [T, V/tp]."""
+    m = cfg.model
+    T, u, A, t = shape.tokens, shape.u, shape.act_bytes, shape.tp
+    v_local = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, t) / t
+    lin_in = T * shape.h * A / (t if shape.sp and shape.linear_saves_shard else 1)
+    return {
+        # int64 ids and a bool mask per token (+ the dropout mask)
+        "embedding": 9 * T + (T * shape.h * u if shape.dropout else 0.0),
+        "final_norm": norm_bytes(shape),
+        "output_in": lin_in,
+        "logits": 4 * T * v_local + 12 * T,  # fp32 logits, lse (4) and int64 targets (8)
+        "logits_grad": (4 + (A if A != 4 else 0)) * T * v_local,  # transient in backward
+    }
+
+
+def in_flight(pp: int, vpp: int, num_microbatches: int, rank: int) -> int:
+    """(microbatch, chunk) pairs whose activations pipeline rank `rank` holds at its peak: 1F1B
+    min(pp - rank, m); interleaved Megatron's warmup count + 1, (pp-rank-1)·2 + (vpp-1)·pp + 1,
+    capped at m·vpp (equal to the schedule simulator's peak_in_flight)."""
+    if pp == 1:
+        return 1
+    if vpp == 1:
+        return min(pp - rank, num_microbatches)
+    return min((pp - rank - 1) * 2 + (vpp - 1) * pp + 1, num_microbatches * vpp)
+
+
+# ----------------------------------------------------------------------- published formulas
+def korthikanti(s: int, b: int, h: int, a: int, t: int = 1, mode: str = "none") -> float:
+    """Korthikanti et al. 2022, Table 2 (bytes per layer, fp16): none (t = 1 no parallelism),
+    tp, tp_sp_selective, full."""
+    if mode == "none":
+        return s * b * h * (34 + 5 * a * s / h) if t == 1 else korthikanti(s, b, h, a, t, "tp")
+    if mode == "tp":
+        return s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+    if mode == "tp_sp_selective":
+        return 34 * s * b * h / t
+    if mode == "full":
+        return 2 * s * b * h
+    raise ValueError(mode)
+
+
+def megatron_theoretical(s: int, b: int, h: int, f: int, t: int) -> float:
+    """Megatron-LM's theoretical_memory_usage.compute_activation_memory per layer (it assumes
+    SP and selective recompute): s·b·h·(18 + 4·f/h) / t. Equal to Korthikanti's 34·s·b·h/t
+    for GPT (f = 4h). For Llama it counts three h-wide Q, K, V (GQA keeps the qkv output and
+    RoPE'd q, k: less), one f-wide MLP intermediate less than SwiGLU keeps, and two dropout
+    masks Llama does not have: Llama-3 70B tp8 256 MiB against our 286 MiB."""
+    return s * b * h * (18 + 4 * f / h) / t

@@ -1,0 +1,138 @@
+"""`--measure`: one training step of the layout on local gloo ranks, measured beside predicted.
+
+Each rank builds the real Trainer, runs one step (one microbatch per rank: global batch =
+micro batch · dp) inside a SavedTensorMeter labelled per transformer layer, and reports its
+model states (the trainer's mem/* walk) and the bytes each layer saved for backward. On CPU
+the plain-torch kernel references run, so the prediction uses kernels="torch".
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import os
+import pickle
+import tempfile
+
+from megatron_lite.config import Config
+from megatron_lite.parallel.data_parallel.memory import TERMS
+from megatron_lite.plan.activations import layer_bytes, layer_shape, rope_table_bytes
+from megatron_lite.plan.memory import model_states, rank_memory
+
+
+def async_linear_merged() -> bool:
+    """Whether the column-parallel linear saves its local SP shard (issue #13 item 1)."""
+    return importlib.util.find_spec("megatron_lite.parallel.linear_async") is not None
+
+
+def one_step_config(cfg: Config, out_dir: str) -> Config:
+    """`cfg` (resolved) made to run one step with one microbatch per rank, writing nothing."""
+    c = copy.deepcopy(cfg)
+    c.train.global_batch_size = c.train.micro_batch_size * c.parallel.dp * c.parallel.pp
+    c.train.steps, c.train.save_interval, c.train.eval_interval = 1, 0, 0
+    c.train.out_dir, c.train.resume, c.log.progress = out_dir, "none", False
+    c.data.mock = True
+    return c
+
+
+def measure_on_rank(cfg: Config) -> dict:
+    """Run one step on this rank (process group initialized): {pp_rank, states, layers, peak}."""
+    import torch.distributed as dist
+
+    from megatron_lite.data import build_dataset
+    from megatron_lite.parallel.mesh import ParallelMesh, RankLayout
+    from megatron_lite.training.activation_memory import SavedTensorMeter
+    from megatron_lite.training.trainer import Trainer
+
+    p = cfg.parallel
+    world = dist.get_world_size()
+    mesh = ParallelMesh(RankLayout(world, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, order=p.order))
+    dataset, vocab = build_dataset(cfg)
+    trainer = Trainer(cfg, mesh, dataset, vocab)
+    with SavedTensorMeter(exclude=trainer.params) as meter:
+        for chunk in trainer.chunks:
+            meter.attach_labels(chunk)
+        trainer.train_step()
+    states = {k: int(v) for k, v in trainer.dp.memory().items()}
+    layers = {k: v for k, v in meter.by_label.items() if k.startswith("layer.")}
+    m = cfg.train.global_batch_size // (cfg.train.micro_batch_size * p.dp)
+    return {"pp_rank": mesh.pp.rank, "states": states, "layers": layers, "peak": meter.peak_bytes,
+            "microbatches": m}  # fmt: skip
+
+
+def predicted_layers(cfg: Config, kernels: str, first: bool) -> float:
+    """Predicted bytes of one layer per microbatch; a chunk's first layer also holds RoPE's
+    cos/sin tables."""
+    shape = layer_shape(cfg, kernels, linear_saves_shard=async_linear_merged())
+    return sum(layer_bytes(cfg, shape).values()) + (rope_table_bytes(shape) if first else 0.0)
+
+
+def _child(rank: int, world: int, store_path: str, cfg: Config, queue) -> None:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        store = dist.FileStore(store_path, world)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=300))  # fmt: skip
+        queue.put((rank, pickle.dumps(measure_on_rank(cfg))))
+        dist.destroy_process_group()
+    except BaseException as e:  # the parent prints it
+        queue.put((rank, pickle.dumps(f"{type(e).__name__}: {e}")))
+
+
+def run_local(cfg: Config, world: int) -> list[dict]:
+    """measure_on_rank on `world` forked gloo ranks (from a clean forkserver)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("forkserver")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        run_cfg = one_step_config(cfg, os.path.join(tmp, "run"))
+        args = (world, os.path.join(tmp, "store"), run_cfg, queue)
+        procs = [ctx.Process(target=_child, args=(r, *args), daemon=True) for r in range(world)]
+        for proc in procs:
+            proc.start()
+        results = dict(queue.get(timeout=600) for _ in procs)
+        for proc in procs:
+            proc.join(timeout=30)
+    out = [pickle.loads(results[r]) for r in range(world)]
+    errors = [o for o in out if isinstance(o, str)]
+    if errors:
+        raise RuntimeError(f"--measure failed on a rank: {errors[0]}")
+    return out
+
+
+def measure_report(cfg: Config, world: int, kernels: str) -> str:
+    """Measured beside predicted, per pipeline rank (first rank of each stage)."""
+    import torch
+
+    if kernels == "fused" and not torch.cuda.is_available():
+        kernels = "torch"  # the CPU runs the plain-torch references
+    results = run_local(cfg, world)
+    run_cfg = one_step_config(cfg, "")
+    lines = [f"measured on {world} local gloo ranks, one microbatch per rank (kernels={kernels}, "
+             f"SP saves the shard: {async_linear_merged()}):"]  # fmt: skip
+    seen = set()
+    for res in results:
+        if res["pp_rank"] in seen:
+            continue
+        seen.add(res["pp_rank"])
+        pred = model_states(run_cfg, res["pp_rank"])
+        for k in TERMS:
+            lines.append(_row(f"pp{res['pp_rank']} {k}", res["states"][k], pred[k]))
+        rm = rank_memory(run_cfg, world, res["pp_rank"], kernels)
+        act = sum(rm.terms[k] for k in ("activations", "embedding", "logits_loss"))
+        lines.append(_row(f"pp{res['pp_rank']} saved peak", res["peak"], act))
+        for i, (label, got) in enumerate(sorted(res["layers"].items())):
+            pred = predicted_layers(run_cfg, kernels, first=i == 0)
+            lines.append(_row(f"pp{res['pp_rank']} {label}", got / res["microbatches"], pred))
+    return "\n".join(lines)
+
+
+def _row(name: str, measured: float, predicted: float) -> str:
+    ratio = measured / predicted if predicted else float("nan")
+    return f"  {name:24s} measured {measured:14,.0f}  predicted {predicted:14,.0f}  ×{ratio:.3f}"

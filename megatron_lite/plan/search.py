@@ -1,0 +1,132 @@
+"""Enumerate every valid layout of a world size, keep those that fit, rank by throughput."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass
+
+from megatron_lite.config import Config, ConfigError
+from megatron_lite.plan.hardware import usable_bytes
+from megatron_lite.plan.memory import rank_memory
+from megatron_lite.plan.step_time import StepTime, step_time
+from megatron_lite.validation import validate
+
+RECOMPUTE = (None, "selective", "full")
+ALWAYS = ("parallel.tp", "parallel.pp", "parallel.vpp", "parallel.cp", "parallel.dp",
+          "parallel.zero_stage", "train.micro_batch_size")  # fmt: skip
+
+
+@dataclass
+class Candidate:
+    overrides: dict[str, object]
+    cfg: Config  # resolved
+    peak_bytes: float
+    time: StepTime
+
+    def line(self, base: Config | None = None) -> str:
+        """The overrides as `key=value` words: the degrees, ZeRO stage and micro batch always,
+        the other keys where they differ from `base`."""
+        words = []
+        for k, v in self.overrides.items():
+            section, name = k.split(".")
+            same = base is not None and getattr(getattr(base, section), name) == v
+            if k in ALWAYS or not same:
+                words.append(f"{k}={_yaml(v)}")
+        return " ".join(words)
+
+
+def _yaml(v) -> str:
+    return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
+
+
+def _divisors(n: int, limit: int | None = None) -> list[int]:
+    return [d for d in range(1, (limit or n) + 1) if n % d == 0]
+
+
+def pipeline_split(layers: int, stages: int) -> tuple[int | None, int | None] | None:
+    """(decoder_first, decoder_last) layers for `stages` virtual stages: (None, None) when they
+    divide evenly, else the heaviest equal ends k ≤ the middle stages' share, or None."""
+    if layers % stages == 0:
+        return None, None
+    if stages < 3:
+        return None
+    for k in range(layers // stages, 0, -1):
+        rest = layers - 2 * k
+        if rest > 0 and rest % (stages - 2) == 0 and k <= rest // (stages - 2):
+            return k, k
+    return None
+
+
+def apply(cfg: Config, overrides: dict[str, object]) -> Config:
+    """A copy of `cfg` with `section.key` overrides (sections copied shallowly: fast)."""
+    out = copy.copy(cfg)
+    for section in ("model", "parallel", "train"):
+        setattr(out, section, copy.copy(getattr(cfg, section)))
+    for key, value in overrides.items():
+        section, name = key.split(".")
+        setattr(getattr(out, section), name, value)
+    return out
+
+
+def layouts(cfg: Config, world: int, gpus_per_node: int):
+    """Override dicts of every layout to try (validate() decides which are valid)."""
+    m = cfg.model
+    has_recompute = any(f.name == "recompute_granularity" for f in dataclasses.fields(m))
+    eps = _divisors(m.num_experts) if m.num_experts else [1]
+    for tp in _divisors(world, gpus_per_node):
+        for cp in _divisors(world // tp, 8):
+            for pp in _divisors(world // (tp * cp)):
+                dp = world // (tp * cp * pp)
+                for vpp in range(1, 9) if pp > 1 else [1]:
+                    split = pipeline_split(m.num_layers, pp * vpp)
+                    if split is None:
+                        continue
+                    for ep in eps:
+                        for zero in (0, 1, 2, 3):
+                            for mbs in (1, 2, 4):
+                                for rec in RECOMPUTE if has_recompute else (None,):
+                                    o = {"parallel.tp": tp, "parallel.pp": pp, "parallel.vpp": vpp,
+                                         "parallel.cp": cp, "parallel.ep": ep, "parallel.dp": dp,
+                                         "parallel.sequence_parallel": tp > 1,
+                                         "parallel.pipeline_layers": None,
+                                         "parallel.decoder_first_pipeline_num_layers": split[0],
+                                         "parallel.decoder_last_pipeline_num_layers": split[1],
+                                         "parallel.zero_stage": zero,
+                                         "train.micro_batch_size": mbs}  # fmt: skip
+                                    if has_recompute:
+                                        o["model.recompute_granularity"] = rec
+                                        if rec == "full":  # every layer, its input kept
+                                            o["model.recompute_method"] = "uniform"
+                                            o["model.recompute_num_layers"] = 1
+                                    yield o
+
+
+def search(cfg: Config, world: int, gpu, mfu: float, gpus_per_node: int, top: int = 5,
+           reserve_fraction: float = 0.05) -> tuple[list[Candidate], dict[str, int]]:  # fmt: skip
+    """The `top` fitting layouts by predicted tokens/s, and counts (tried, valid, fit). All are
+    ranked with the closed-form bubble, the top ones then timed with the schedule simulator."""
+    budget = usable_bytes(gpu, reserve_fraction)
+    counts = {"tried": 0, "valid": 0, "fit": 0}
+    fits: list[Candidate] = []
+    for o in layouts(cfg, world, gpus_per_node):
+        counts["tried"] += 1
+        try:
+            r = validate(apply(cfg, o), world)
+        except ConfigError:
+            continue
+        counts["valid"] += 1
+        ranks = {0, min(1, r.parallel.pp - 1), r.parallel.pp - 1}
+        peak = max(rank_memory(r, world, k).total for k in ranks)
+        if peak > budget:
+            continue
+        counts["fit"] += 1
+        t = step_time(r, world, gpu, mfu, gpus_per_node, simulate=False)
+        fits.append(Candidate(o, r, peak, t))
+    fits.sort(key=lambda c: -c.time.tokens_per_s)
+    best = fits[:top]
+    for c in best:  # the schedule simulator for the finalists
+        c.time = step_time(c.cfg, world, gpu, mfu, gpus_per_node, simulate=True)
+        c.peak_bytes = max(rank_memory(c.cfg, world, k).total for k in range(c.cfg.parallel.pp))
+    best.sort(key=lambda c: -c.time.tokens_per_s)
+    return best[:top], counts

@@ -1,0 +1,195 @@
+"""Predicted step time of a layout: compute at a stated fraction of peak, each group's ring
+communication on the slowest link it crosses, what overlap hides, and the pipeline bubble.
+
+Overlap model (what our code overlaps):
+- TP: forward all-gathers / reduce-scatters (all-reduces without SP) are exposed; in backward the
+  async linear re-gathers the input during the input-gradient GEMM and reduce-scatters the input
+  gradient during the weight-gradient GEMM, so each hides up to half the layer's backward GEMMs.
+- CP (Ulysses) and EP (MoE) all-to-alls are exposed.
+- PP: each send/receive batch costs its p2p time on the schedule's critical path (simulator).
+- DP: gradient buckets reduce during the last microbatch's backward, all but the last bucket
+  hidden; the ZeRO-1/2 weight all-gather hides behind the next forward but the first bucket;
+  ZeRO-3 gathers are prefetched behind compute, the first unit exposed. Off when
+  parallel.overlap_grad_reduce=false.
+Compute: hardware FLOPs (model FLOPs plus recompute) / (peak · mfu).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from megatron_lite.config import Config
+from megatron_lite.plan.activations import layer_shape, recompute_settings, resolved
+from megatron_lite.plan.comm import collective_time, group_links
+from megatron_lite.plan.memory import rank_layers, rank_params
+from megatron_lite.resolve import num_microbatches, stage_layers
+from megatron_lite.training.flops import model_flops_per_token
+
+
+@dataclass
+class StepTime:
+    """Seconds per optimizer step by part; `exposed` parts add up to `total`."""
+
+    compute: float  # busiest rank's forward+backward compute (recompute included)
+    tp: float  # exposed
+    cp: float
+    ep: float
+    pp: float
+    dp: float
+    bubble: float
+    hidden: float  # communication overlap hides
+    total: float
+    tokens_per_s: float
+    mfu: float
+    bubble_fraction: float
+
+
+def _pipeline(pp: int, vpp: int, m: int, weights: tuple, fwd: float, bwd: float, comm: float,
+              simulate: bool) -> tuple[float, float, float]:  # fmt: skip
+    """(busy time of the busiest rank, bubble, time the p2p adds) of the schedule with these
+    per-layer costs. Bubble: the simulator's makespan minus busy, or the closed form (pp - 1)
+    mean virtual-stage forward+backward of fill and drain. P2P: every send/receive batch on the
+    critical path (an upper bound)."""
+    busy = max(m * sum(weights[s] for s in range(r, pp * vpp, pp)) * (fwd + bwd) for r in range(pp))
+    if pp == 1:
+        return busy, 0.0, 0.0
+    if not simulate:
+        mean = sum(weights) / len(weights) * (fwd + bwd)
+        return busy, (pp - 1) * mean, 2 * m * vpp * comm
+    no_comm = _simulated(pp, vpp, m, weights, fwd, bwd, 0.0)
+    return busy, max(0.0, no_comm - busy), 2 * m * vpp * comm
+
+
+@functools.lru_cache(maxsize=256)
+def _simulated(pp, vpp, m, weights, fwd, bwd, comm) -> float:
+    """The simulator's makespan for m microbatches. Beyond fill and drain each microbatch adds
+    the same time, so for m > 3·pp the makespan is extrapolated linearly from 2·pp and 3·pp."""
+    from megatron_lite.pipeline.schedules import get_schedule_table
+    from megatron_lite.pipeline.simulate import simulate
+
+    def run(n: int) -> float:
+        return float(
+            simulate(get_schedule_table(pp, n, vpp), fwd, bwd, comm, list(weights)).makespan
+        )
+
+    if m <= 3 * pp:
+        return run(m)
+    m1, m2 = 2 * pp, 3 * pp
+    t1, t2 = run(m1), run(m2)
+    return t2 + (m - m2) * (t2 - t1) / (m2 - m1)
+
+
+def step_time(cfg: Config, world: int, gpu, mfu: float, gpus_per_node: int,
+              simulate: bool = True) -> StepTime:  # fmt: skip
+    """Predicted step time of `cfg` on `world` GPUs of type `gpu`."""
+    r = resolved(cfg, world)
+    m_, p, t_ = r.model, r.parallel, r.train
+    shape = layer_shape(r)
+    links = group_links(world, p.tp, p.pp, p.cp, p.ep, p.order, gpus_per_node)
+    m = num_microbatches(t_, p.dp)
+    T, A, rate = shape.tokens, shape.act_bytes, gpu.peak_tflops * 1e12 * mfu
+    gran, modules, method, num = recompute_settings(r)
+
+    # training.flops owns the FLOP count: per token 6·N + 6·L·s·q; a layer's share is the total
+    # without the output layer (6·h·V) over L, in forward FLOPs (a third)
+    flops_tok = model_flops_per_token(r)
+    head = 6.0 * m_.hidden_size * m_.vocab_size
+    layer_fwd = (flops_tok - head) / 3 / m_.num_layers  # per token
+    attn_flops = 2 * m_.seq_length * m_.hidden_size * T / p.tp  # causal QKᵀ and AV, forward
+    t_fwd = layer_fwd * T / p.tp / rate  # one layer, one microbatch
+    extra = 0.0
+    if gran == "full":
+        extra = 1.0  # the forward again in backward (block: averaged below over recomputed)
+    elif gran == "selective" and "core_attn" in modules:
+        extra = attn_flops / rate / t_fwd
+    if gran == "full" and method == "block":
+        per_chunk = [c for _, c in rank_layers(r, 0)]
+        extra = min(num, per_chunk[0]) / max(per_chunk[0], 1)
+
+    # per layer, per microbatch communication
+    size = T * m_.hidden_size * A  # the full [s/cp, b, h] activation
+    tp_f = tp_b = hidden = 0.0
+    if p.tp > 1:
+        ops = ("all_gather", "reduce_scatter") if shape.sp else ("all_reduce", "all_reduce")
+        one = [collective_time(op, size, p.tp, links["tp"], gpu) for op in ops]
+        tp_f = 2 * sum(one)
+        gathers = 2 * one[0] * (2 if shape.sp else 1) + (tp_f / 2 if gran == "full" else 0)
+        scatters = 2 * one[1]
+        half = t_fwd  # the backward GEMMs cost 2·t_fwd: half dgrad, half wgrad
+        tp_b = max(0.0, gathers - half) + max(0.0, scatters - half)
+        hidden += (gathers + scatters - tp_b) * m * sum(stage_layers(m_, p)) / p.pp
+    cp_l = 0.0
+    if p.cp > 1:
+        d, g = m_.hidden_size // m_.num_attention_heads, m_.num_query_groups
+        qkv = T * (m_.num_attention_heads / p.tp + 2 * max(g / p.tp, p.cp)) * d * A
+        out = T * m_.num_attention_heads / p.tp * d * A
+        cp_l = 2 * sum(collective_time("all_to_all", x, p.cp, links["cp"], gpu) for x in (qkv, out))
+    ep_l = 0.0
+    if m_.num_experts is not None and p.ep > 1:
+        tokens = T * shape.u * m_.moe_router_topk * m_.hidden_size * A
+        ep_l = 4 * collective_time("all_to_all", tokens, p.ep, links["ep"], gpu)
+    p2p = collective_time("send", size * shape.u, 2, links["pp"], gpu) if p.pp > 1 else 0.0
+
+    # virtual-stage weights in mean-layer units, the output layer on the last one
+    counts = stage_layers(m_, p)
+    weights = [float(c) for c in counts]
+    weights[-1] += head / 3 / layer_fwd
+    fwd = t_fwd + tp_f + cp_l + ep_l / 2
+    bwd = 2 * t_fwd + extra * t_fwd + tp_b + cp_l + ep_l / 2
+    busy, bubble, pp_exp = _pipeline(p.pp, p.vpp, m, tuple(weights), fwd, bwd, p2p, simulate)
+    compute = (
+        max(m * sum(weights[s] for s in range(rk, p.pp * p.vpp, p.pp)) for rk in range(p.pp))
+        * t_fwd
+        * (3 + extra)
+    )
+    layers_busiest = max(sum(c for _, c in rank_layers(r, rk)) for rk in range(p.pp))
+    tp_exp = m * layers_busiest * (tp_f + tp_b)
+    cp_exp = m * layers_busiest * 2 * cp_l
+    ep_exp = m * layers_busiest * ep_l
+
+    dp_exp, dp_hidden = _dp_time(r, world, gpu, links, m, t_fwd, layers_busiest)
+    total = busy + bubble + pp_exp + dp_exp
+    tokens = t_.global_batch_size * m_.seq_length
+    model_flops = flops_tok * tokens
+    return StepTime(
+        compute=compute, tp=tp_exp, cp=cp_exp, ep=ep_exp, pp=pp_exp, dp=dp_exp, bubble=bubble,
+        hidden=hidden + dp_hidden, total=total, tokens_per_s=tokens / total,
+        mfu=model_flops / (total * world * gpu.peak_tflops * 1e12),
+        bubble_fraction=bubble / busy if busy else 0.0,
+    )  # fmt: skip
+
+
+def _dp_time(r: Config, world: int, gpu, links, m: int, t_fwd: float, layers: int):
+    """(exposed, hidden) seconds of the data-parallel gradient and weight traffic per step."""
+    p, prec = r.parallel, r.train.precision
+    dense, expert = rank_params(r, 0)
+    w_bytes = 2 if prec == "bf16" else 4
+    g_bytes = 2 if p.grad_reduce_dtype == "bf16" else 4
+    exposed = hidden = 0.0
+    for count, n, link in (
+        (dense, p.dp_shard or p.dp * p.cp, links["dp_cp"]),
+        (expert, p.dp_shard or p.dp * p.cp // p.ep, links["edp"]),
+    ):
+        if not count or n <= 1:
+            continue
+        last = min(1.0, p.ddp_bucket_size / count)  # the last bucket's share
+        if p.zero_stage == 0:
+            reduce = collective_time("all_reduce", g_bytes * count, n, link, gpu)
+            gather = 0.0
+        elif p.zero_stage in (1, 2):
+            reduce = collective_time("reduce_scatter", g_bytes * count, n, link, gpu)
+            gather = collective_time("all_gather", w_bytes * count, n, link, gpu)
+        else:
+            reduce = collective_time("reduce_scatter", g_bytes * count, n, link, gpu)
+            gather = 2 * m * collective_time("all_gather", w_bytes * count, n, link, gpu)
+            last = 1.0 / max(layers, 1)
+        if not p.overlap_grad_reduce:
+            exposed += reduce + gather
+            continue
+        window_b = 2 * t_fwd * layers  # the last microbatch's backward
+        window_f = t_fwd * layers * (m if p.zero_stage == 3 else 1)
+        e = max(reduce * last, reduce - window_b) + max(gather * last, gather - window_f)
+        exposed += e
+        hidden += reduce + gather - e
+    return exposed, hidden

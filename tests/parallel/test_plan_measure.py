@@ -1,0 +1,77 @@
+"""Measured memory (SavedTensorMeter and the trainer's model-state walk, one real training step
+on gloo ranks) against the planner's formulas for our model (kernels="torch": the CPU runs the
+plain-torch references): bytes per layer and the stage's saved peak within 5%, model states
+within 2%, on 11 layouts."""
+
+import functools
+import tempfile
+
+import pytest
+
+from megatron_lite.config import load_config
+from megatron_lite.plan.measure import measure_on_rank, one_step_config, predicted_layers
+from megatron_lite.plan.memory import model_states, rank_memory
+from megatron_lite.validation import validate
+from tests.dist_harness import run_ranks
+
+TINY = [
+    "model.vocab_size=256", "model.num_layers=2", "model.hidden_size=64",
+    "model.num_attention_heads=4", "model.num_query_groups=2", "model.ffn_hidden_size=128",
+    "model.seq_length=32", "data.mock=true", "train.micro_batch_size=2",
+    "train.global_batch_size=2",
+]  # fmt: skip
+TP2 = ["parallel.tp=2", "parallel.sequence_parallel=true"]
+SEL = ["model.recompute_granularity=selective"]
+BF16 = ["train.precision=bf16"]
+GPT = ["model.arch=gpt"]
+CASES = {
+    "tp1-fp32-none": (1, []),
+    "tp1-bf16-selective": (1, BF16 + SEL),
+    "gpt-fp32-none": (1, GPT),
+    "gpt-bf16-selective": (1, GPT + BF16 + SEL),
+    "tp2sp-bf16-none": (2, TP2 + BF16),
+    "tp2sp-fp32-selective": (2, TP2 + SEL),
+    "tp2-nosp-fp32-none": (2, ["parallel.tp=2"]),
+    "cp2-fp32-none": (2, ["parallel.cp=2"]),
+    "cp2-bf16-selective": (2, ["parallel.cp=2"] + BF16 + SEL),
+    "pp2-fp32-none": (2, ["parallel.pp=2", "train.global_batch_size=4"]),
+    "dp2-zero1-bf16-none": (2, ["parallel.zero_stage=1", "train.global_batch_size=4"] + BF16),
+}
+
+
+def _config(world, overrides, out_dir):
+    return one_step_config(validate(load_config(None, TINY + overrides), world), out_dir)
+
+
+def _measure_all(rank, world, cases, out_dir):
+    """Every case of this world size in one launch (a launch costs seconds on 2 cores)."""
+    return {c: measure_on_rank(_config(world, CASES[c][1], f"{out_dir}/{c}")) for c in cases}
+
+
+@functools.cache
+def measured(world: int) -> list[dict]:
+    """{case: result} per rank, every case of this world size in one launch."""
+    cases = tuple(c for c, (w, _) in CASES.items() if w == world)
+    with tempfile.TemporaryDirectory() as tmp:
+        return run_ranks(world, _measure_all, cases, tmp, timeout=120)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_measured_activations_and_states_match_the_formulas(case):
+    """Per layer and microbatch, the stage's saved peak (in-flight microbatches, embedding,
+    logits and loss) and the model states, on every pipeline rank."""
+    world, overrides = CASES[case]
+    cfg = _config(world, overrides, "")
+    for res in (rank[case] for rank in measured(world)):
+        where = f"{case} pp rank {res['pp_rank']}"
+        layers = sorted(res["layers"].items())
+        assert len(layers) == cfg.model.num_layers // cfg.parallel.pp, where
+        for i, (label, got) in enumerate(layers):
+            want = predicted_layers(cfg, "torch", first=i == 0)
+            got = got / res["microbatches"]
+            assert got == pytest.approx(want, rel=0.05), f"{where} {label}: {got} vs {want}"
+        terms = rank_memory(cfg, world, res["pp_rank"], "torch").terms
+        want = terms["activations"] + terms["embedding"] + terms["logits_loss"]
+        assert res["peak"] == pytest.approx(want, rel=0.05), f"{where} saved peak"
+        for k, v in model_states(cfg, res["pp_rank"]).items():
+            assert res["states"][k] == pytest.approx(v, rel=0.02), f"{where} {k}"
