@@ -56,12 +56,13 @@ def _weight_grad(weight: torch.Tensor, g2d: torch.Tensor, x2d: torch.Tensor, fus
     return None
 
 
-def _queue_wgrad(queue: list, weight, g2d: torch.Tensor, x2d: torch.Tensor, fuse: bool) -> None:
+def _queue_wgrad(queue: list, weight, g2d: torch.Tensor, x2d: torch.Tensor) -> None:
     weight.wgrad_pending = getattr(weight, "wgrad_pending", 0) + 1
 
     @torch.no_grad()  # run by the caller, outside backward
     def wgrad() -> None:
-        grad = _weight_grad(weight, g2d, x2d, fuse)
+        # into main_grad whenever there is one: the buffer's hook has run, it would miss .grad
+        grad = _weight_grad(weight, g2d, x2d, fuse=True)
         if grad is not None:
             weight.grad = grad if weight.grad is None else weight.grad + grad
         weight.wgrad_pending -= 1
@@ -120,7 +121,7 @@ class _ParallelLinear(torch.autograd.Function):
         grad_b = g2d.sum(0) if ctx.has_bias else None
         grad_w = None
         if ctx.queue is not None:
-            _queue_wgrad(ctx.queue, weight, g2d, x2d, ctx.fuse)
+            _queue_wgrad(ctx.queue, weight, g2d, x2d)
         else:  # overlaps the reduction of grad_x
             grad_w = _weight_grad(weight, g2d, x2d, ctx.fuse)
         if reducing is not None:
@@ -141,7 +142,8 @@ def parallel_linear(
 ) -> torch.Tensor:
     """y = x̂·Wᵀ + b with x̂ = all_gather(x) along dim 0 ("gather"; x [s/tp, b, h]) or x itself
     ("all_reduce": its gradient is all-reduced over `group`; "none"). See the module docstring;
-    `accumulate_main_grad=False` returns the weight gradient even where `main_grad` exists.
+    `accumulate_main_grad=False` returns the weight gradient even where `main_grad` exists
+    (a queued wgrad goes into `main_grad` all the same: the buffer's hook has run by then).
     """
     if input_comm not in INPUT_COMMS:
         raise ValueError(f"input_comm={input_comm!r}: expected one of {INPUT_COMMS}")
