@@ -1,7 +1,7 @@
 """Tensor-parallel communication that the backward exposes, with and without overlap (tp2 + SP,
 two CPU gloo ranks, one torch thread each).
 
-    python tools/bench_tp_overlap.py [--hidden 1024 --ffn 2048 --seq 2048 --layers 2 --iters 5]
+    python tools/bench_tp_overlap.py [--hidden 1024 --ffn 2048 --seq 2048 --layers 2 --iters 15]
 
 The model is a stack of sequence-parallel MLP blocks (ColumnParallelLinear -> GELU ->
 RowParallelLinear, weights with fp32 `main_grad` as under the gradient buffers). Every
@@ -111,7 +111,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=15)
     ap.add_argument("--warmup", type=int, default=1)
     args = ap.parse_args()
     ctx = mp.get_context("spawn")
