@@ -14,8 +14,9 @@ all-reduced input gradient); "none" is the row-parallel layer (its collective fo
 
 Gradient accumulation fusion: when the weight has `main_grad` (data_parallel/buffers.py), g_W
 is added into it and no weight gradient is returned; the buffer's post-accumulate-grad hook
-still fires once per backward (with `p.grad` None). FSDP2 parameters have no `main_grad`: g_W
-is returned as usual.
+still fires once per backward (with `p.grad` None). FSDP2 parameters have no `main_grad`, and
+a weight with gradient hooks (`register_hook`) must show them its gradient: for both g_W is
+returned as usual.
 
 Deferred wgrad: with a `wgrad_queue` (a caller-owned list) captured at forward, backward does not
 run the wgrad GEMM but appends a closure that does; `run_wgrads(queue)` runs them later. While
@@ -42,6 +43,11 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     if torch.is_autocast_enabled(dev) and x.is_floating_point():
         return torch.get_autocast_dtype(dev)
     return x.dtype
+
+
+def _has_grad_hooks(weight: torch.Tensor) -> bool:
+    """Whether `weight.register_hook` hooks are set (torch keeps them in `_backward_hooks`)."""
+    return bool(getattr(weight, "_backward_hooks", None))
 
 
 def _weight_grad(weight: torch.Tensor, g2d: torch.Tensor, x2d: torch.Tensor, fuse: bool):
@@ -149,9 +155,8 @@ def parallel_linear(
         raise ValueError(f"input_comm={input_comm!r}: expected one of {INPUT_COMMS}")
     if mappings.size(group) == 1:
         input_comm = "none"
-    return _ParallelLinear.apply(
-        x, weight, bias, group, input_comm, overlap, wgrad_queue, accumulate_main_grad
-    )
+    fuse = accumulate_main_grad and not _has_grad_hooks(weight)
+    return _ParallelLinear.apply(x, weight, bias, group, input_comm, overlap, wgrad_queue, fuse)
 
 
 @contextlib.contextmanager

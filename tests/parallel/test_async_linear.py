@@ -104,6 +104,17 @@ def _on_ranks(rank, world, sp):
     dw1, dw2 = (p.main_grad - before[id(p)] for p in (col.weight, row.weight))
     out["main_grad"] = errors(col, row, y, x, dw1, dw2)
 
+    col, row = build(torch.float64)
+    col.weight.main_grad = torch.zeros(col.weight.shape, dtype=torch.float64)
+    seen = []
+    col.weight.register_hook(lambda grad: seen.append(grad.clone()))
+    y, x = step(col, row)
+    out["hooked"] = (
+        _err(seen[0], shard(ref1["dw1"], col.weight.meta)),
+        _err(col.weight.grad, shard(ref1["dw1"], col.weight.meta)),
+        bool(col.weight.main_grad.any()),
+    )
+
     # a GradBuffer over one-rank data-parallel groups (fp32 buffers, the fused addmm_ path)
     single = [dist.new_group([r]) for r in range(world)][rank]
     for defer in (False, True):
@@ -180,6 +191,14 @@ def test_weight_grad_accumulates_into_main_grad(sp):
     for rank, r in enumerate(_results(sp)):
         assert r["main_grad_no_grad"], f"rank {rank}: .grad set although main_grad exists"
         _check(r["main_grad"], "main_grad accumulation", rank)
+
+
+def test_a_weight_with_a_grad_hook_is_not_fused():
+    """register_hook hooks see the real weight gradient, which lands in .grad, not main_grad."""
+    for rank, r in enumerate(_results(True)):
+        hook_err, grad_err, main_grad_touched = r["hooked"]
+        assert hook_err < 1e-12 and grad_err < 1e-12, f"rank {rank}: {hook_err}, {grad_err}"
+        assert not main_grad_touched, f"rank {rank}: main_grad written behind the hook's back"
 
 
 @SP
