@@ -12,6 +12,8 @@ only refills its saved tensors). The recompute repeats the forward bit for bit:
 - the whole function runs again (no early stop), so every collective inside it runs again on
   every rank in the same order.
 `is_recomputing()` is true while a recompute runs, for code with side effects (MoE statistics).
+The inputs the checkpoint keeps are saved for backward through an identity autograd Function
+(`_KeepInput`), so saved-tensor hooks (the activation meter) see the bytes it holds.
 """
 
 from __future__ import annotations
@@ -34,8 +36,25 @@ def is_recomputing() -> bool:
     return _RECOMPUTING.get()
 
 
+class _KeepInput(torch.autograd.Function):
+    """Identity whose backward holds its input: what a non-reentrant checkpoint keeps alive
+    anyway, made visible to saved-tensor hooks (its own hooks hide everything inside)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
 def recompute(fn: Callable, *args, tracker: RNGStatesTracker) -> torch.Tensor:
     """fn(*args), saving only `args` for backward; fn runs again in backward (module doc)."""
+    args = tuple(
+        _KeepInput.apply(a) if isinstance(a, torch.Tensor) and a.requires_grad else a for a in args
+    )
     at_call: dict[str, tuple] = {}
 
     @contextlib.contextmanager

@@ -41,7 +41,6 @@ def measure_on_rank(cfg: Config) -> dict:
 
     from megatron_lite.data import build_dataset
     from megatron_lite.parallel.mesh import ParallelMesh, RankLayout
-    from megatron_lite.training.activation_memory import SavedTensorMeter
     from megatron_lite.training.trainer import Trainer
 
     p = cfg.parallel
@@ -49,14 +48,13 @@ def measure_on_rank(cfg: Config) -> dict:
     mesh = ParallelMesh(RankLayout(world, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, order=p.order))
     dataset, vocab = build_dataset(cfg)
     trainer = Trainer(cfg, mesh, dataset, vocab)
-    with SavedTensorMeter(exclude=trainer.params) as meter:
-        for chunk in trainer.chunks:
-            meter.attach_labels(chunk)
-        trainer.train_step()
+    trainer.train_step()  # on CPU the step runs inside the trainer's SavedTensorMeter
+    report = trainer.last_activation_report
     states = {k: int(v) for k, v in trainer.dp.memory().items()}
-    layers = {k: v for k, v in meter.by_label.items() if k.startswith("layer.")}
+    layers = {k: v for k, v in report["by_label"].items() if k.startswith("layer.")}
     m = cfg.train.global_batch_size // (cfg.train.micro_batch_size * p.dp)
-    return {"pp_rank": mesh.pp.rank, "states": states, "layers": layers, "peak": meter.peak_bytes,
+    peak = report["peak_bytes"]
+    return {"pp_rank": mesh.pp.rank, "states": states, "layers": layers, "peak": peak,
             "microbatches": m}  # fmt: skip
 
 

@@ -2,8 +2,8 @@
 all-gathers and reduce-scatters and the pipeline P2P carry 2-byte elements, exactly half the
 bytes of the same fp32 run. With model.fp32_residual_connection=true the stream (and so the
 P2P and the input-gradient reduce-scatters) is fp32 again while the column-parallel gathers
-(cast to bf16 first) and the row-parallel GEMM outputs stay bf16. The losses follow each other to bf16 rounding. Bytes are the last step's, summed over
-the ranks of both stages."""
+(cast to bf16 first) and the row-parallel GEMM outputs stay bf16. The losses follow each
+other to bf16 rounding. Bytes are the last step's, summed over the ranks of both stages."""
 
 import collections
 import functools
