@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+
+import torch
 
 from megatron_lite.config import Config
 from megatron_lite.models.chunk import ModelChunk
 from megatron_lite.models.transformer_config import SPECS, TransformerConfig
 from megatron_lite.parallel.mesh import ParallelMesh
-from megatron_lite.parallel.params import init_parameters
+from megatron_lite.parallel.params import init_parameters, materialize
 from megatron_lite.parallel.random import RNGStatesTracker
 from megatron_lite.pipeline.schedules import virtual_stage
 from megatron_lite.resolve import stage_layers
@@ -25,10 +28,17 @@ def chunk_layers(stage_layers: list[int], pp: int, pp_rank: int, chunk: int) -> 
 
 
 def build_model(
-    cfg: Config, mesh: ParallelMesh, tracker: RNGStatesTracker, vocab_size: int, init: bool = True
+    cfg: Config,
+    mesh: ParallelMesh,
+    tracker: RNGStatesTracker,
+    vocab_size: int,
+    init: bool = True,
+    device: torch.device | str = "cpu",
 ) -> list[ModelChunk]:
-    """This rank's model chunks (vpp of them), initialized layout-independently from
-    `train.seed` (init=False: left uninitialized, for weights that a checkpoint will fill)."""
+    """This rank's model chunks (vpp of them) on `device`, initialized layout-independently
+    from `train.seed`. init=False: built on the meta device, then given uninitialized storage
+    on `device` (nothing drawn, nothing allocated elsewhere), for weights that a checkpoint or
+    a later init_parameters fills."""
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab_size))
     config = TransformerConfig.from_config(cfg, mesh.layout.world_size)
     pp, vpp = mesh.pp.size, cfg.parallel.vpp
@@ -36,15 +46,20 @@ def build_model(
     chunks = []
     for c in range(vpp):
         stage = virtual_stage(mesh.pp.rank, c, pp)
-        chunk = ModelChunk(
-            config,
-            mesh,
-            tracker,
-            chunk_layers(split, pp, mesh.pp.rank, c),
-            pre_process=stage == 0,
-            post_process=stage == pp * vpp - 1,
-        )
+        with contextlib.nullcontext() if init else torch.device("meta"):
+            chunk = ModelChunk(
+                config,
+                mesh,
+                tracker,
+                chunk_layers(split, pp, mesh.pp.rank, c),
+                pre_process=stage == 0,
+                post_process=stage == pp * vpp - 1,
+            )
         if init:
+            chunk.to(device)
             init_parameters(chunk, cfg.train.seed)
+        else:
+            materialize(chunk, torch.device(device))
+            chunk.init_buffers(torch.device(device))
         chunks.append(chunk)
     return chunks

@@ -77,10 +77,20 @@ class ModelChunk(nn.Module):
             self._build_output(c, mesh, tied_here=c.tie_embeddings and pre_process)
         self.cp_offset = mesh.cp.rank * s_local
         self.s_local = s_local
-        if c.spec.rotary:
-            cos, sin = rope_tables(s_local, c.head_dim, c.rope_theta, offset=self.cp_offset)
-            self.register_buffer("rope_cos", cos, persistent=False)
-            self.register_buffer("rope_sin", sin, persistent=False)
+        self._rope_args = (s_local, c.head_dim, c.rope_theta) if c.spec.rotary else None
+        self.init_buffers()
+
+    def init_buffers(self, device: torch.device | None = None) -> None:
+        """(Re)compute the non-persistent buffers: RoPE's cos/sin tables and the vocabulary
+        padding mask (after a build on the meta device, on `device`)."""
+        if self._rope_args is not None:
+            cos, sin = rope_tables(*self._rope_args, offset=self.cp_offset)
+            self.register_buffer("rope_cos", cos.to(device), persistent=False)
+            self.register_buffer("rope_sin", sin.to(device), persistent=False)
+        if self.post_process:
+            v_local = self.padded_vocab // self._tp_size
+            cols = torch.arange(v_local, device=device) + self.tp_rank * v_local
+            self.register_buffer("vocab_pad_mask", cols >= self.vocab_size, persistent=False)
 
     def _build_output(self, c: TransformerConfig, mesh: ParallelMesh, tied_here: bool) -> None:
         """Final norm and output layer; the output weight is the embedding's when tied here."""
@@ -103,10 +113,9 @@ class ModelChunk(nn.Module):
             )
             if c.tie_embeddings:  # tied copy on the last stage: same init, synced grads
                 meta.tied_copy, meta.init_name = True, "embedding.weight"
-        v_local = c.padded_vocab_size // mesh.tp.size
-        cols = torch.arange(v_local) + mesh.tp.rank * v_local
-        self.register_buffer("vocab_pad_mask", cols >= c.vocab_size, persistent=False)
-        self.has_vocab_pad = bool(self.vocab_pad_mask.any())
+        self._tp_size = mesh.tp.size
+        v_local = c.padded_vocab_size // mesh.tp.size  # padding rows on this rank: a mask
+        self.has_vocab_pad = (mesh.tp.rank + 1) * v_local > c.vocab_size
 
     def fp8(self):
         """Context for the transformer layers: FP8 GEMMs in TE linears when model.fp8 is set

@@ -77,6 +77,18 @@ def set_meta(p: torch.nn.Parameter, **kw) -> torch.nn.Parameter:
     return p
 
 
+def materialize(module: torch.nn.Module, device: torch.device) -> None:
+    """Give `module`'s meta-device parameters uninitialized storage on `device` (nothing is
+    drawn or copied), keeping each Parameter object and its attributes (`meta`, references
+    held elsewhere stay valid)."""
+    for p in module.parameters():
+        if p.is_meta:
+            attrs = dict(p.__dict__)
+            new = torch.nn.Parameter(torch.empty_like(p, device=device), p.requires_grad)
+            torch.utils.swap_tensors(p, new)
+            p.__dict__.update(attrs)
+
+
 def meta_of(p: torch.nn.Parameter) -> ParamMeta:
     """`p.meta`; a parameter without metadata is marked replicated (module-initialized)."""
     if not hasattr(p, "meta"):

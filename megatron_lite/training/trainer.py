@@ -47,13 +47,15 @@ class Trainer:
         self.step = 0
         self.consumed_samples = 0  # the data position (a checkpoint restores it)
         self.checkpointer = Checkpointer(self)  # resumes per train.resume / train.init_from
-        # the weights are built uninitialized (never drawn) and drawn only when no checkpoint
+        # the weights are built on the meta device and given uninitialized storage on this
+        # rank's device (never drawn), then drawn only when no checkpoint
         # will fill them, after the data-parallel wrapper, except under ZeRO-3 from scratch:
         # FSDP2 shards the weights it is given, so they are drawn first
         will_load = self.checkpointer.will_load()
         init_now = cfg.parallel.zero_stage == 3 and not will_load
-        chunks = build_model(cfg, mesh, self.tracker, vocab_size, init=init_now)
-        self.chunks = [c.to(self.device) for c in chunks]
+        self.chunks = build_model(
+            cfg, mesh, self.tracker, vocab_size, init=init_now, device=self.device
+        )
         if cfg.train.precision == "bf16":  # bf16 weights; fp32 masters live in the optimizer
             for c in self.chunks:
                 for p in c.parameters():
