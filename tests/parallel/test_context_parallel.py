@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from tests.dist_harness import run_ranks
-from tests.parallel.parity import max_rel_diff, reference_losses, train_losses
+from tests.parallel.parity import SHORT, max_rel_diff, reference_losses, train_losses
 
 LAYOUTS = {
     "cp2": (2, ["parallel.cp=2"]),
@@ -14,7 +14,7 @@ LAYOUTS = {
     "tp2_cp2_sp": (4, ["parallel.tp=2", "parallel.cp=2", "parallel.sequence_parallel=true"]),
     "cp2_pp2": (4, ["parallel.cp=2", "parallel.pp=2"]),
 }
-MODELS = {"llama": ["model.arch=llama"], "gpt": ["model.arch=gpt"]}
+MODELS = {"llama": ["model.arch=llama", *SHORT], "gpt": ["model.arch=gpt", *SHORT]}
 
 
 @pytest.mark.parametrize("model", MODELS)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.parallel.parity import max_rel_diff, reference_losses, train_losses
+from tests.parallel.parity import SHORT, max_rel_diff, reference_losses, train_losses
 
 LAYOUTS = {
     "tp2": (2, ["parallel.tp=2"]),
@@ -11,9 +11,9 @@ LAYOUTS = {
     "tp2_dp2_sp": (4, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
 }
 MODELS = {
-    "llama": ["model.arch=llama"],
-    "llama_untied": ["model.arch=llama", "model.tie_embeddings=false"],
-    "gpt": ["model.arch=gpt"],
+    "llama": ["model.arch=llama", *SHORT],
+    "llama_untied": ["model.arch=llama", "model.tie_embeddings=false", *SHORT],
+    "gpt": ["model.arch=gpt", *SHORT],
 }
 
 

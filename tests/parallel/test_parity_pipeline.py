@@ -15,7 +15,7 @@ import pytest
 from megatron_lite.config import ConfigError, load_config
 from megatron_lite.validation import validate
 from tests.dist_harness import run_ranks
-from tests.parallel.parity import max_rel_diff, reference_losses, train_losses
+from tests.parallel.parity import SHORT, max_rel_diff, reference_losses, train_losses
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TIED, UNTIED = ("model.arch=llama",), ("model.arch=llama", "model.tie_embeddings=false")
@@ -38,6 +38,7 @@ LAYOUTS = {
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_pipeline_loss_parity(layout, tmp_path):
     world, model, overrides = LAYOUTS[layout]
+    model = (*model, *SHORT)
     ref = reference_losses(model)
     got = train_losses(world, [*model, *overrides], str(tmp_path))
     assert ref[-1] < ref[0] - 0.1, f"reference loss did not fall: {ref}"

@@ -4,7 +4,7 @@ alone, TP+SP replicas, pipeline chunks with tied embeddings, CP, experts."""
 
 import pytest
 
-from tests.parallel.parity import max_rel_diff, reference_losses, train_losses
+from tests.parallel.parity import SHORT, max_rel_diff, reference_losses, train_losses
 
 SMALL_BUCKETS = ["parallel.ddp_bucket_size=20000"]  # several buckets per chunk
 LLAMA = ("model.arch=llama",)
@@ -25,6 +25,7 @@ LAYOUTS = {
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_zero_loss_parity(layout, tmp_path):
     world, model, overrides = LAYOUTS[layout]
+    model = (*model, *SHORT)
     ref = reference_losses(model)
     got = train_losses(world, [*model, *SMALL_BUCKETS, *overrides], str(tmp_path))
     diff = max_rel_diff(got, ref)

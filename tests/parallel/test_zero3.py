@@ -8,7 +8,7 @@ import pytest
 
 from megatron_lite.config import ConfigError
 from tests.dist_harness import run_ranks
-from tests.parallel.parity import TINY, max_rel_diff, reference_losses, train_losses
+from tests.parallel.parity import SHORT, TINY, max_rel_diff, reference_losses, train_losses
 from tests.parallel.test_checkpoint import SAVE, ckpt, losses, train
 
 LLAMA = ("model.arch=llama",)  # tied embeddings
@@ -28,6 +28,7 @@ LAYOUTS = {
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_zero3_loss_parity(layout, tmp_path):
     world, model, overrides = LAYOUTS[layout]
+    model = (*model, *SHORT)
     ref = reference_losses(model)
     got = train_losses(world, [*model, *overrides], str(tmp_path))
     diff = max_rel_diff(got, ref)
