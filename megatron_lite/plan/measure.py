@@ -132,5 +132,5 @@ def measure_report(cfg: Config, world: int, kernels: str) -> str:
 
 
 def _row(name: str, measured: float, predicted: float) -> str:
-    ratio = measured / predicted if predicted else float("nan")
-    return f"  {name:24s} measured {measured:14,.0f}  predicted {predicted:14,.0f}  ×{ratio:.3f}"
+    ratio = f"×{measured / predicted:.3f}" if predicted else ("equal" if not measured else "—")
+    return f"  {name:24s} measured {measured:14,.0f}  predicted {predicted:14,.0f}  {ratio}"
