@@ -2,9 +2,25 @@
 blocks and the pipeline engine, and matches its own single-rank run on tp2+SP × pp2 (vpp2) ×
 dp2 with ep2."""
 
+import os
+import subprocess
+import sys
+
 from tests.dist_harness import run_ranks
 from tests.parallel import custom_model
 from tests.parallel.parity import max_rel_diff
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_building_blocks_need_no_config():
+    """Importing everything the custom model uses does not import megatron_lite.config (a
+    fresh interpreter: the test ranks' fork server has the trainer preloaded)."""
+    check = (
+        "import sys, tests.parallel.custom_model; assert 'megatron_lite.config' not in sys.modules"
+    )
+    r = subprocess.run([sys.executable, "-c", check], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
 
 
 def test_custom_model_matches_single_rank():
