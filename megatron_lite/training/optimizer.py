@@ -14,35 +14,34 @@ def build_data_parallel(chunks, mesh, cfg: Config) -> DataParallel | FullySharde
     """Gradient buffers, bucketed reduction and AdamW for the configured ZeRO stage (stage 3:
     FSDP2). Weight decay on matrices only (not norms, biases or other 1-D parameters)."""
     p, t = cfg.parallel, cfg.train
-    if p.zero_stage == 3:
-        return FullyShardedDataParallel(
-            chunks,
-            mesh,
-            dp_shard=p.dp_shard,
-            reshard_after_forward=p.reshard_after_forward,
-            param_dtype=torch.bfloat16 if t.precision == "bf16" else torch.float32,
-            reduce_dtype=torch.bfloat16 if p.grad_reduce_dtype == "bf16" else torch.float32,
-            tie_embeddings=cfg.model.tie_embeddings,
-            lr=t.lr,
-            betas=(t.adam_beta1, t.adam_beta2),
-            eps=t.adam_eps,
-            weight_decay=t.weight_decay,
-        )
-    return DataParallel(
-        chunks,
-        mesh,
-        zero_stage=p.zero_stage,
+    common = dict(
         dp_shard=p.dp_shard,
-        bucket_size=p.ddp_bucket_size,
-        overlap_grad_reduce=p.overlap_grad_reduce,
-        overlap_param_gather=p.overlap_param_gather,
-        grad_reduce_dtype=torch.bfloat16 if p.grad_reduce_dtype == "bf16" else torch.float32,
         tie_embeddings=cfg.model.tie_embeddings,
         lr=t.lr,
         betas=(t.adam_beta1, t.adam_beta2),
         eps=t.adam_eps,
         weight_decay=t.weight_decay,
+    )
+    reduce_dtype = torch.bfloat16 if p.grad_reduce_dtype == "bf16" else torch.float32
+    if p.zero_stage == 3:
+        return FullyShardedDataParallel(
+            chunks,
+            mesh,
+            reshard_after_forward=p.reshard_after_forward,
+            param_dtype=torch.bfloat16 if t.precision == "bf16" else torch.float32,
+            reduce_dtype=reduce_dtype,
+            **common,
+        )
+    return DataParallel(
+        chunks,
+        mesh,
+        zero_stage=p.zero_stage,
+        bucket_size=p.ddp_bucket_size,
+        overlap_grad_reduce=p.overlap_grad_reduce,
+        overlap_param_gather=p.overlap_param_gather,
+        grad_reduce_dtype=reduce_dtype,
         offload=t.optimizer_offload == "cpu",
+        **common,
     )
 
 

@@ -49,7 +49,8 @@ def structured_dataset() -> str:
     return prefix
 
 
-def _train(rank, world, overrides, out_dir, env=None):
+def _train(rank, world, overrides, out_dir, env=None, keys=None):
+    """Train on this rank; rank 0 returns the losses, or the records' `keys` per step."""
     import os
 
     os.environ.update(env or {})  # before megatron_lite (and triton) are imported here
@@ -63,7 +64,11 @@ def _train(rank, world, overrides, out_dir, env=None):
     p = cfg.parallel
     mesh = ParallelMesh(RankLayout(world, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, order=p.order))
     records = Trainer(cfg, mesh, dataset, vocab).train()
-    return [r["loss"] for r in records] if dist.get_rank() == 0 else None
+    if dist.get_rank() != 0:
+        return None
+    if keys is None:
+        return [r["loss"] for r in records]
+    return [{k: r[k] for k in keys if k in r} for r in records]
 
 
 def train_losses(
@@ -72,6 +77,16 @@ def train_losses(
     """Rank 0's per-step losses; `env` is set in each rank before anything is imported."""
     data = f"data.paths=[{structured_dataset()}]"
     return run_ranks(world, _train, [*TINY, data, *overrides], tmp, env, timeout=timeout)[0]
+
+
+def train_records(world: int, overrides: list[str], keys, timeout: float = 180) -> list[dict]:
+    """Rank 0's per-step records, restricted to `keys` (those a step reports)."""
+    import tempfile
+
+    data = f"data.paths=[{structured_dataset()}]"
+    with tempfile.TemporaryDirectory() as tmp:
+        args = [*TINY, data, *overrides]
+        return run_ranks(world, _train, args, tmp, None, tuple(keys), timeout=timeout)[0]
 
 
 @functools.cache

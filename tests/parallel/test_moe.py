@@ -2,12 +2,11 @@
 reference, and loss parity of expert-parallel layouts against a single rank (20 steps, fp32)."""
 
 import functools
-import tempfile
 
 import pytest
 
 from tests.dist_harness import run_ranks
-from tests.parallel.parity import SHORT, TINY, max_rel_diff, structured_dataset
+from tests.parallel.parity import SHORT, max_rel_diff, train_records
 
 MOE = [
     "model.arch=llama",
@@ -41,24 +40,8 @@ LAYOUTS = {
 METRICS = ("loss", "aux_loss", "tokens_per_expert_min", "tokens_per_expert_max", "dropped_tokens")
 
 
-def _train(rank, world, overrides, out_dir):
-    import torch.distributed as dist
-
-    from megatron_lite.parallel.mesh import ParallelMesh, RankLayout
-    from megatron_lite.train import prepare
-    from megatron_lite.training.trainer import Trainer
-
-    cfg, dataset, vocab = prepare(["train.out_dir=" + out_dir, *overrides], world_size=world)
-    p = cfg.parallel
-    mesh = ParallelMesh(RankLayout(world, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, order=p.order))
-    records = Trainer(cfg, mesh, dataset, vocab).train()
-    return [{k: r[k] for k in METRICS} for r in records] if dist.get_rank() == 0 else None
-
-
 def moe_records(world: int, overrides: list[str]) -> list[dict]:
-    with tempfile.TemporaryDirectory() as tmp:
-        data = f"data.paths=[{structured_dataset()}]"
-        return run_ranks(world, _train, [*TINY, data, *overrides], tmp, timeout=180)[0]
+    return train_records(world, overrides, METRICS)
 
 
 @functools.cache

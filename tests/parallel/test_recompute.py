@@ -11,7 +11,7 @@ import tempfile
 import pytest
 
 from tests.dist_harness import run_ranks
-from tests.parallel.parity import TINY, structured_dataset
+from tests.parallel.parity import TINY, structured_dataset, train_records
 
 DROPOUT = ["model.hidden_dropout=0.1", "model.attention_dropout=0.1", "train.steps=3"]
 MOE = ["model.num_experts=4", "model.moe_aux_loss_coeff=0.01", "model.moe_ffn_hidden_size=64"]
@@ -42,28 +42,9 @@ CASES = {
 EXACT = ("loss", "grad_norm", "aux_loss", "tokens_per_expert_min", "tokens_per_expert_max")
 
 
-def _train(rank, world, overrides, out_dir):
-    import torch.distributed as dist
-
-    from megatron_lite.parallel.mesh import ParallelMesh, RankLayout
-    from megatron_lite.train import prepare
-    from megatron_lite.training.trainer import Trainer
-
-    cfg, dataset, vocab = prepare(["train.out_dir=" + out_dir, *overrides], world_size=world)
-    p = cfg.parallel
-    mesh = ParallelMesh(RankLayout(world, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, order=p.order))
-    records = Trainer(cfg, mesh, dataset, vocab).train()
-    if dist.get_rank() != 0:
-        return None
-    return [{k: r[k] for k in EXACT if k in r} for r in records]
-
-
 def run(layout: str, extra: tuple[str, ...]) -> list[dict]:
     world, overrides = LAYOUTS[layout]
-    data = f"data.paths=[{structured_dataset()}]"
-    with tempfile.TemporaryDirectory() as tmp:
-        args = [*TINY, data, *DROPOUT, *overrides, *extra]
-        return run_ranks(world, _train, args, tmp, timeout=120)[0]
+    return train_records(world, [*DROPOUT, *overrides, *extra], EXACT, timeout=120)
 
 
 @functools.cache
