@@ -52,6 +52,8 @@ class ParallelRead:
         for is_expert in (False, True):
             group = mesh.edp if is_expert else mesh.dp_cp
             mine = [p for p in params if p.is_expert == is_expert]
+            if not mine:
+                continue
             if group.size == 1:
                 self.mine.update(k for p in mine for k in p.keys)
                 continue
