@@ -89,7 +89,7 @@ def main(argv=None) -> int:
 
 def _layout(r, short: bool = False) -> str:
     p = r.parallel
-    gran = getattr(r.model, "recompute_granularity", None) or "none"
+    gran = r.model.recompute_granularity or "none"
     if short:
         return (
             f"tp{p.tp}pp{p.pp}v{p.vpp}cp{p.cp}dp{p.dp}z{p.zero_stage}mb{r.train.micro_batch_size}"

@@ -34,8 +34,8 @@ recompute, 2·s·b·h with full recompute (tests/unit/test_plan_activations.py).
 
 Recompute (model.recompute_granularity / recompute_modules / recompute_method /
 recompute_num_layers, Megatron's names): selective drops the internals of the listed modules
-(core_attn: attn_out and attn_stats, or the scores; mlp: act and fc2_in; layernorm: the
-linears' saved norm outputs) and keeps their inputs; full keeps each recomputed group's
+(core_attn: attn_out and attn_stats, or the scores; mlp: act and fc2_in) and keeps their
+inputs; full keeps each recomputed group's
 input (T·h·u·R) and needs one group's full activations during its backward.
 """
 
@@ -45,9 +45,16 @@ import math
 from dataclasses import dataclass
 
 from megatron_lite.config import Config
-from megatron_lite.resolve import num_query_groups, padded_vocab_size, resolve, sequence_parallel
+from megatron_lite.resolve import (
+    num_query_groups,
+    padded_vocab_size,
+    recompute_modules,
+    resolve,
+    sequence_parallel,
+)
+from megatron_lite.validation.recompute import RECOMPUTE_MODULES
 
-SELECTIVE_MODULES = ("core_attn", "mlp", "layernorm", "moe")
+SELECTIVE_MODULES = RECOMPUTE_MODULES  # what the model can recompute (validation's list)
 
 
 @dataclass(frozen=True)
@@ -68,7 +75,6 @@ class LayerShape:
     residual_bytes: int = 4
     dropout: bool = False  # hidden_dropout > 0
     kernels: str = "fused"  # fused (Triton, GPU) | torch (plain-torch references, CPU)
-    linear_saves_shard: bool = True  # SP: the column-parallel linear keeps its [s/tp] input
 
     @property
     def tokens(self) -> float:
@@ -99,7 +105,7 @@ def layer_terms(x: LayerShape) -> dict[str, float]:
     d = x.h // x.n
     paper, torch_k = x.arch == "paper", x.kernels == "torch"
     out: dict[str, float] = {"norms": 2 * norm_bytes(x)}
-    lin_in = T * x.h * A / (t if x.sp and x.linear_saves_shard else 1)
+    lin_in = T * x.h * A / (t if x.sp else 1)  # SP: the linears keep their [s/tp] input
     out["qkv_in"] = lin_in
     rope = x.arch == "llama"  # RoPE saves only the shared cos/sin tables (rope_table_bytes)
     out["qkv_out"] = T * (x.n + 2 * x.g) * d / t * A if x.cp == 1 else 0.0
@@ -149,7 +155,6 @@ def selective(terms: dict[str, float], modules: list[str] | tuple[str, ...]) -> 
     drop = {
         "core_attn": ("attn_out", "attn_stats"),
         "mlp": ("act", "fc2_in"),
-        "layernorm": ("qkv_in",),
         "moe": (),
     }  # MoE layers' internals are not itemized
     if "core_attn" in modules and not out["proj_in"]:  # the output doubled as proj's input
@@ -164,19 +169,16 @@ def selective(terms: dict[str, float], modules: list[str] | tuple[str, ...]) -> 
 def recompute_settings(cfg: Config) -> tuple[str | None, list[str], str, int]:
     """(granularity, modules, method, num_layers) from model.recompute_* (Megatron's names)."""
     m = cfg.model
-    gran = getattr(m, "recompute_granularity", None)
-    modules = getattr(m, "recompute_modules", None) or ["core_attn"]
-    method = getattr(m, "recompute_method", None) or "uniform"
-    num = getattr(m, "recompute_num_layers", None) or 1
-    return gran, list(modules), method, int(num)
+    modules = recompute_modules(m)  # () unless selective
+    method = m.recompute_method or "uniform"  # unvalidated configs (the search) may leave it
+    return m.recompute_granularity, list(modules), method, int(m.recompute_num_layers or 1)
 
 
 def residual_bytes(cfg: Config) -> int:
-    """The residual stream's bytes: fp32 unless bf16 training without fp32_residual_connection.
-    Without that option (the code before issue #13 item 2) the residual is fp32."""
+    """The residual stream's bytes: fp32 unless bf16 training without fp32_residual_connection."""
     if cfg.train.precision != "bf16":
         return 4
-    return 4 if getattr(cfg.model, "fp32_residual_connection", True) else 2
+    return 4 if cfg.model.fp32_residual_connection else 2
 
 
 def resolved(cfg: Config, world: int) -> Config:
@@ -186,7 +188,7 @@ def resolved(cfg: Config, world: int) -> Config:
     return cfg if done else resolve(cfg, world)
 
 
-def layer_shape(cfg: Config, kernels: str = "fused", linear_saves_shard: bool = True) -> LayerShape:
+def layer_shape(cfg: Config, kernels: str = "fused") -> LayerShape:
     p = cfg.parallel
     m = resolved(cfg, p.tp * p.pp * p.cp * (p.dp or 1)).model
     return LayerShape(
@@ -194,7 +196,6 @@ def layer_shape(cfg: Config, kernels: str = "fused", linear_saves_shard: bool = 
         n=m.num_attention_heads, g=num_query_groups(m), f=m.ffn_hidden_size, tp=p.tp,
         sp=sequence_parallel(p), cp=p.cp, act_bytes=2 if cfg.train.precision == "bf16" else 4,
         residual_bytes=residual_bytes(cfg), dropout=m.hidden_dropout > 0, kernels=kernels,
-        linear_saves_shard=linear_saves_shard,
     )  # fmt: skip
 
 
@@ -230,7 +231,7 @@ def head_terms(cfg: Config, shape: LayerShape) -> dict[str, float]:
     m = cfg.model
     T, u, A, t = shape.tokens, shape.u, shape.act_bytes, shape.tp
     v_local = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, t) / t
-    lin_in = T * shape.h * A / (t if shape.sp and shape.linear_saves_shard else 1)
+    lin_in = T * shape.h * A / (t if shape.sp else 1)
     return {
         # int64 ids and a bool mask per token (+ the dropout mask)
         "embedding": 9 * T + (T * shape.h * u if shape.dropout else 0.0),

@@ -9,7 +9,6 @@ the plain-torch kernel references run, so the prediction uses kernels="torch".
 from __future__ import annotations
 
 import copy
-import importlib.util
 import os
 import pickle
 import tempfile
@@ -18,11 +17,6 @@ from megatron_lite.config import Config
 from megatron_lite.parallel.data_parallel.memory import TERMS
 from megatron_lite.plan.activations import layer_bytes, layer_shape, rope_table_bytes
 from megatron_lite.plan.memory import model_states, rank_memory
-
-
-def async_linear_merged() -> bool:
-    """Whether the column-parallel linear saves its local SP shard (issue #13 item 1)."""
-    return importlib.util.find_spec("megatron_lite.parallel.linear_async") is not None
 
 
 def one_step_config(cfg: Config, out_dir: str) -> Config:
@@ -61,7 +55,7 @@ def measure_on_rank(cfg: Config) -> dict:
 def predicted_layers(cfg: Config, kernels: str, first: bool) -> float:
     """Predicted bytes of one layer per microbatch; a chunk's first layer also holds RoPE's
     cos/sin tables."""
-    shape = layer_shape(cfg, kernels, linear_saves_shard=async_linear_merged())
+    shape = layer_shape(cfg, kernels)
     return sum(layer_bytes(cfg, shape).values()) + (rope_table_bytes(shape) if first else 0.0)
 
 
@@ -112,8 +106,7 @@ def measure_report(cfg: Config, world: int, kernels: str) -> str:
         kernels = "torch"  # the CPU runs the plain-torch references
     results = run_local(cfg, world)
     run_cfg = one_step_config(cfg, "")
-    lines = [f"measured on {world} local gloo ranks, one microbatch per rank (kernels={kernels}, "
-             f"SP saves the shard: {async_linear_merged()}):"]  # fmt: skip
+    lines = [f"measured on {world} local gloo ranks, one microbatch per rank (kernels={kernels}):"]
     seen = set()
     for res in results:
         if res["pp_rank"] in seen:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import dataclasses
 from dataclasses import dataclass
 
 from megatron_lite.config import Config, ConfigError
@@ -72,7 +71,6 @@ def apply(cfg: Config, overrides: dict[str, object]) -> Config:
 def layouts(cfg: Config, world: int, gpus_per_node: int):
     """Override dicts of every layout to try (validate() decides which are valid)."""
     m = cfg.model
-    has_recompute = any(f.name == "recompute_granularity" for f in dataclasses.fields(m))
     eps = _divisors(m.num_experts) if m.num_experts else [1]
     for tp in _divisors(world, gpus_per_node):
         for cp in _divisors(world // tp, 8):
@@ -85,7 +83,7 @@ def layouts(cfg: Config, world: int, gpus_per_node: int):
                     for ep in eps:
                         for zero in (0, 1, 2, 3):
                             for mbs in (1, 2, 4):
-                                for rec in RECOMPUTE if has_recompute else (None,):
+                                for rec in RECOMPUTE:
                                     o = {"parallel.tp": tp, "parallel.pp": pp, "parallel.vpp": vpp,
                                          "parallel.cp": cp, "parallel.ep": ep, "parallel.dp": dp,
                                          "parallel.sequence_parallel": tp > 1,
@@ -94,11 +92,10 @@ def layouts(cfg: Config, world: int, gpus_per_node: int):
                                          "parallel.decoder_last_pipeline_num_layers": split[1],
                                          "parallel.zero_stage": zero,
                                          "train.micro_batch_size": mbs}  # fmt: skip
-                                    if has_recompute:
-                                        o["model.recompute_granularity"] = rec
-                                        if rec == "full":  # every layer, its input kept
-                                            o["model.recompute_method"] = "uniform"
-                                            o["model.recompute_num_layers"] = 1
+                                    o["model.recompute_granularity"] = rec
+                                    if rec == "full":  # every layer, its input kept
+                                        o["model.recompute_method"] = "uniform"
+                                        o["model.recompute_num_layers"] = 1
                                     yield o
 
 

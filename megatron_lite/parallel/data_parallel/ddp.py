@@ -47,6 +47,16 @@ def hybrid_groups(mesh: ParallelMesh, name: str, dp_shard: int):
     return mine
 
 
+def tied_params(chunks) -> list[torch.nn.Parameter]:
+    """The input embedding and its last-stage copy (summed over the embedding group)."""
+    out = []
+    for c in chunks:
+        for name, p in c.named_parameters():
+            if meta_of(p).tied_copy or name == "embedding.weight":
+                out.append(p)
+    return out
+
+
 class DataParallel:
     def __init__(
         self,
@@ -81,7 +91,7 @@ class DataParallel:
                 self.groups[name] = (full.group, full.group, None)
             else:
                 self.groups[name] = (full.group, *hybrid_groups(mesh, name, n))
-        self.tied = [] if mesh.pp.size == 1 or not tie_embeddings else self._tied_params(chunks)
+        self.tied = [] if mesh.pp.size == 1 or not tie_embeddings else tied_params(chunks)
         self.buffers: list[GradBuffer] = []
         for chunk in chunks:
             params = [p for p in chunk.parameters() if p.requires_grad]
@@ -106,16 +116,6 @@ class DataParallel:
         self.pieces = make_pieces(self.buffers, offload)
         self.optimizer = ShardedAdamW(self.pieces, lr, betas, eps, weight_decay, offload)
         self._gather_hooks = [self._register_gather_waits(c) for c in chunks] if zero_stage else []
-
-    @staticmethod
-    def _tied_params(chunks) -> list[torch.nn.Parameter]:
-        """The input embedding and its last-stage copy (summed over the embedding group)."""
-        out = []
-        for c in chunks:
-            for name, p in c.named_parameters():
-                if meta_of(p).tied_copy or name == "embedding.weight":
-                    out.append(p)
-        return out
 
     def _register_gather_waits(self, chunk: torch.nn.Module):
         """Before a module's forward, wait for the all-gather of the buckets holding its

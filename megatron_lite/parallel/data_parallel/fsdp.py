@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from megatron_lite.parallel import mappings
-from megatron_lite.parallel.data_parallel.ddp import hybrid_groups
+from megatron_lite.parallel.data_parallel.ddp import hybrid_groups, tied_params
 from megatron_lite.parallel.data_parallel.fsdp_comm import count_collectives
 from megatron_lite.parallel.data_parallel.fsdp_optimizer import FSDPAdamW
 from megatron_lite.parallel.data_parallel.memory import model_state_bytes
@@ -145,12 +145,7 @@ class FullyShardedDataParallel:
         for chunk in chunks:
             _shard_chunk(chunk, list(layers_of(chunk)), dense, experts, kw)
         self.params = [p for c in chunks for p in c.parameters() if p.requires_grad]
-        self.tied = []
-        if mesh.pp.size > 1 and tie_embeddings:
-            for c in chunks:
-                for n, p in c.named_parameters():
-                    if p.meta.tied_copy or n == "embedding.weight":
-                        self.tied.append(p)
+        self.tied = tied_params(chunks) if mesh.pp.size > 1 and tie_embeddings else []
         self.optimizer = FSDPAdamW(self.params, lr, betas, eps, weight_decay, param_dtype)
         self.expected, self.backwards = 1, [0] * len(chunks)
         for i, chunk in enumerate(chunks):

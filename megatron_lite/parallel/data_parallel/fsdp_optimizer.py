@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-MOMENTS = ("exp_avg", "exp_avg_sq")
+from megatron_lite.parallel.data_parallel.optimizer import MOMENTS, adamw
 
 
 def _shard_of(full: torch.Tensor, p: torch.nn.Parameter) -> torch.Tensor:
@@ -42,18 +42,8 @@ class FSDPAdamW:
 
     def __init__(self, params, lr, betas, eps, weight_decay, param_dtype: torch.dtype):
         self.params, self.param_dtype = params, param_dtype
-        on_cuda = bool(params) and params[0].is_cuda
-        self.inner = torch.optim.AdamW(
-            [
-                {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-                {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-            ],
-            lr=lr,
-            betas=betas,
-            eps=eps,
-            foreach=False,
-            fused=on_cuda or None,
-        )
+        decay, no_decay = [p for p in params if p.dim() >= 2], [p for p in params if p.dim() < 2]
+        self.inner = adamw(decay, no_decay, lr, betas, eps, weight_decay)
 
     @property
     def param_groups(self):

@@ -65,6 +65,22 @@ def make_pieces(buffers: list[GradBuffer], offload: bool) -> list[Piece]:
     return pieces
 
 
+def adamw(decay, no_decay, lr, betas, eps, weight_decay) -> torch.optim.AdamW:
+    """torch AdamW with weight decay on `decay` only (per tensor on CPU, fused on CUDA)."""
+    on_cuda = any(p.is_cuda for p in [*decay, *no_decay])
+    return torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=lr,
+        betas=betas,
+        eps=eps,
+        foreach=False,
+        fused=on_cuda or None,
+    )
+
+
 class ShardedAdamW:
     """AdamW over `pieces` (weight decay on pieces of parameters with dim >= 2)."""
 
@@ -73,17 +89,7 @@ class ShardedAdamW:
         decay = [pc.master for pc in pieces if pc.param.dim() >= 2]
         no_decay = [pc.master for pc in pieces if pc.param.dim() < 2]
         on_cuda = bool(pieces) and pieces[0].master.is_cuda
-        self.inner = torch.optim.AdamW(
-            [
-                {"params": decay, "weight_decay": weight_decay},
-                {"params": no_decay, "weight_decay": 0.0},
-            ],
-            lr=lr,
-            betas=betas,
-            eps=eps,
-            foreach=False,
-            fused=on_cuda or None,
-        )
+        self.inner = adamw(decay, no_decay, lr, betas, eps, weight_decay)
         for pc in pieces:  # states exist from the start, so memory is measured before step 1
             step = torch.zeros((), device=pc.master.device if on_cuda else "cpu")
             zeros = [
@@ -100,6 +106,8 @@ class ShardedAdamW:
         for pc in self.pieces:
             g = pc.grad
             pc.master.grad = g.to(pc.master.device, non_blocking=True) if self.offload else g
+        if self.offload and torch.cuda.is_available():  # the host copies must have landed
+            torch.cuda.current_stream().synchronize()
         self.inner.step()
         for pc in self.pieces:
             if not pc.aliased:
