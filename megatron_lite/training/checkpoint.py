@@ -74,7 +74,7 @@ from megatron_lite.training.dcp_metadata import (
     storage_ranges,
 )
 from megatron_lite.training.rank_agreement import RankAgreement, describe_error
-from megatron_lite.training.run_dir import claim_run_dir
+from megatron_lite.training.run_dir import ckpt_dir_of, claim_run_dir
 
 __all__ = ["Checkpointer", "CheckpointError", "layout_of"]
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)  # SIGINT (Ctrl-C) as SIGTERM
@@ -108,6 +108,7 @@ class _LoadJob:
     apply: object
     parallel: ParallelRead
     with_optim: bool
+    same_layout: bool
 
 
 def _async_save(state, writer, planner, group):
@@ -129,7 +130,7 @@ class Checkpointer:
     def __init__(self, trainer):
         self.trainer, self.cfg = trainer, trainer.cfg
         t = self.cfg.train
-        self.dir = t.ckpt_dir or os.path.join(t.out_dir, "checkpoints")
+        self.dir = ckpt_dir_of(self.cfg)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         timeout = timedelta(seconds=self.cfg.parallel.timeout_s)
         # DCP's collectives run on a writer thread: they get groups of their own
@@ -145,6 +146,7 @@ class Checkpointer:
         self._hasher = ThreadPoolExecutor(1)  # each rank hashes what it wrote, off the step
         self.pending = None  # Future of an async save (rank 0: including the commit)
         self._job: _LoadJob | None = None  # the checkpoint _verify accepted, for load()
+        self._candidates: list[str] | None = None  # resume=auto's, listed by will_load()
         self.read_bytes = self.loaded_bytes = 0  # at the last load: read here, and in all
         self.signal_received = None
         self._old_handlers: dict = {}
@@ -162,9 +164,9 @@ class Checkpointer:
         """Apply train.resume / train.init_from (collective); True when weights were loaded."""
         t = self.cfg.train
         try:
-            path, model_only = self._choose(t.resume, t.init_from)
+            path = self._choose(t.resume, t.init_from)
             if path is not None:
-                self.load(path, model_only=model_only)
+                self.load(self._job)  # prepared and verified by _choose
             return path is not None
         except BaseException:
             if self.run_lock is not None:  # nothing is being saved yet
@@ -176,28 +178,32 @@ class Checkpointer:
         train.resume / train.init_from names one (collective). Lets the model skip its
         random init when a checkpoint will fill it."""
         t = self.cfg.train
-        if t.resume == "auto" and self.ranks.from_rank0(lambda: files.auto_candidates(self.dir)):
-            return True
+        if t.resume == "auto":
+            self._candidates = self.ranks.from_rank0(lambda: files.auto_candidates(self.dir))
+            if self._candidates:
+                return True
         return t.resume not in ("auto", "none") or t.init_from is not None
 
-    def _choose(self, resume: str, init_from: str | None):
-        """(path, model_only) of a checkpoint whose checksums verify (collective)."""
+    def _choose(self, resume: str, init_from: str | None) -> str | None:
+        """The checkpoint to load, verified and prepared in self._job (collective)."""
         if resume == "auto":
-            candidates = self.ranks.from_rank0(lambda: files.auto_candidates(self.dir))
+            candidates = self._candidates
+            if candidates is None:  # will_load() did not list them
+                candidates = self.ranks.from_rank0(lambda: files.auto_candidates(self.dir))
             path, notes = files.select_auto(self.dir, candidates, check=self._verify)
             for note in notes:
                 self._say(note)
             if path is not None:
-                return path, False
+                return path
         elif resume != "none":
             path = self.ranks.from_rank0(lambda: files.resolve(resume))
             self._verify(path)
-            return path, False
+            return path
         if init_from is not None:
             path = self.ranks.from_rank0(lambda: files.resolve(init_from))
             self._verify(path, model_only=True)
-            return path, True
-        return None, False
+            return path
+        return None
 
     def _verify(self, path: str, model_only: bool = False) -> None:
         """Prepare the load of `path` and check, on every rank, the size of every file and the
@@ -215,7 +221,8 @@ class Checkpointer:
             }
             planner = ShardLoadPlanner({k: job.pieces[k] for k in ok})
             planner.set_up_planner({k: job.buffers[k] for k in ok}, job.metadata)
-            files.verify_reads(path, planned_reads(job.metadata, planner.create_local_plan()))
+            reads = planned_reads(job.metadata, planner.create_local_plan())
+            files.verify_reads(path, reads, job.meta)
 
         self.ranks.on_every_rank(check, "checksum check")
         self._job = job
@@ -239,21 +246,19 @@ class Checkpointer:
         if same_layout:
             add_rng_targets(buffers, pieces, stored, self.rank)
         parallel = ParallelRead(buffers, per_param, tr.mesh)
-        return _LoadJob(path, meta, reader, metadata, buffers, pieces, apply, parallel, with_optim)
+        return _LoadJob(
+            path, meta, reader, metadata, buffers, pieces, apply, parallel, with_optim, same_layout
+        )
 
-    def load(self, path: str, model_only: bool = False) -> None:
-        """Load a verified checkpoint into the trainer (collective): see the module doc. Each
-        rank reads its share of its replica group's tensors and receives the rest."""
-        tr = self.trainer
-        job = self._job
-        if job is None or job.path != path:
-            self._verify(path, model_only)
-            job = self._job
+    def load(self, job: _LoadJob) -> None:
+        """Load a checkpoint that _verify prepared into the trainer (collective): see the
+        module doc. Each rank reads its share of its replica group's tensors and receives the
+        rest."""
+        tr, path = self.trainer, job.path
         self._job = None
         meta, buffers, pieces = job.meta, job.buffers, job.pieces
         self._check_model_config(path, meta["config"].get("model", {}))
-        with_optim = job.with_optim
-        same_layout = with_optim and meta["layout"] == layout_of(self.cfg)
+        with_optim, same_layout = job.with_optim, job.same_layout
         self._check_keys(path, buffers, pieces, job.metadata.state_dict_metadata)
         mine = sorted(job.parallel.mine)
         try:
@@ -390,9 +395,9 @@ class Checkpointer:
     def _checksums(self, tmp: str) -> dict[str, dict]:
         """sha256 of the written files, each rank hashing its share (collective)."""
         self.ranks.barrier()  # dcp.save may return on a rank before the others' files are done
-        names = self.ranks.from_rank0(lambda: listing_with_dcp_files(tmp), io="write")
+        names, ranges = self.ranks.from_rank0(lambda: listing_with_dcp_files(tmp), io="write")
         parts = self.ranks.on_every_rank(
-            lambda: files.file_table(tmp, (self.rank, self.world), names, storage_ranges(tmp)),
+            lambda: files.file_table(tmp, (self.rank, self.world), names, ranges),
             f"checksumming {tmp}",
             gather=True,
             io="write",
@@ -450,14 +455,11 @@ class Checkpointer:
     def _on_signal(self, signum, frame) -> None:
         self.signal_received = signal.Signals(signum).name
 
-    def after_step(self, record: dict, stop_requested: bool | None = None) -> bool:
+    def after_step(self, record: dict, stop: bool) -> bool:
         """Save when due (adds ckpt_blocked_s to the record); True = stop training now.
-        `stop_requested`: whether any rank got a stop signal, already agreed by the caller
-        (the trainer folds the flag into its one per-step world all-reduce); None: agree here."""
+        `stop`: whether any rank got a stop signal, already agreed by the caller (the trainer
+        folds the flag into its one per-step world all-reduce)."""
         t, step = self.cfg.train, self.trainer.step
-        stop = stop_requested
-        if stop is None:
-            stop = self.ranks.any(self.signal_received is not None)
         due = t.save_interval > 0 and (step % t.save_interval == 0 or step == t.steps)
         if due or (stop and t.save_interval > 0):
             record["ckpt_blocked_s"] = self.save()

@@ -234,11 +234,7 @@ def quick_check(path: str) -> str | None:
     """Why checkpoint `path` is not intact by its metadata.json (missing, unreadable, a listed
     file missing or of the wrong size), or None: stat calls only, no hashing."""
     try:
-        meta = read_metadata(path)
-        for name, want in meta["files"].items():
-            file = os.path.join(path, name)
-            if not os.path.isfile(file) or os.path.getsize(file) != want["bytes"]:
-                return f"{file} is missing or has the wrong size"
+        _check_sizes(path, read_metadata(path))
     except (CheckpointError, OSError, KeyError, TypeError, AttributeError) as e:
         return f"{type(e).__name__}: {e}"
     return None
@@ -319,11 +315,14 @@ def _check_file(path: str, name: str, want: dict, ranges=None) -> None:
         return
     items = want["items"]
     wanted = [(int(o), n) for o, (n, _) in items.items()] if ranges is None else ranges
-    for offset, length in sorted(set(wanted)):
+    wanted = sorted(set(wanted))
+    for offset, length in wanted:
         row = items.get(str(offset))
         if row is None or row[0] != length:
             raise _damaged(file, f"has no checksummed item of {length} bytes at {offset}")
-        if range_hashes(file, [(offset, length)])[str(offset)][1] != row[1]:
+    got = range_hashes(file, wanted)  # one open of the file for all of them
+    for offset, _ in wanted:
+        if got[str(offset)][1] != items[str(offset)][1]:
             raise _damaged(file, f"is damaged: sha256 mismatch in the item at byte {offset}")
 
 
@@ -338,12 +337,15 @@ def verify(path: str, part: tuple[int, int] = (0, 1)) -> dict:
     return meta
 
 
-def verify_reads(path: str, reads: dict[str, list[tuple[int, int]]]) -> dict:
+def verify_reads(
+    path: str, reads: dict[str, list[tuple[int, int]]], meta: dict | None = None
+) -> dict:
     """What resume checks on each rank: every listed file's size (stat only), and the sha256
     of exactly the bytes this rank reads, `reads` = {file: [(offset, length)]} (a whole file
     when it was checksummed whole, e.g. DCP's `.metadata`). Returns the metadata or raises
-    CheckpointError naming the first damaged, truncated or missing file."""
-    meta = read_metadata(path)
+    CheckpointError naming the first damaged, truncated or missing file. `meta`: the
+    metadata.json already read."""
+    meta = read_metadata(path) if meta is None else meta
     _check_sizes(path, meta)
     for name in sorted(reads):
         want = meta["files"].get(name)

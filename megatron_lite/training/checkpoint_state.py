@@ -170,11 +170,12 @@ def has_master_copies(chunks) -> bool:
     return any(p.dtype != torch.float32 for c in chunks for p in c.parameters())
 
 
-def whole_weights(optimizer) -> dict[int, torch.Tensor]:
+def whole_weights(optimizer, gather: bool = True) -> dict[int, torch.Tensor]:
     """id(param) -> the whole local tensor of each parameter, from an optimizer whose parameters
-    are themselves sharded (ZeRO-3: `full_weights`, collective); empty when they are whole."""
+    are themselves sharded (ZeRO-3: `full_weights`, collective); empty when they are whole.
+    gather=False: tensors of those shapes to load into (nothing gathered)."""
     full = getattr(optimizer, "full_weights", None)
-    return full() if full is not None else {}
+    return full(gather=gather) if full is not None else {}
 
 
 def save_state(chunks, optimizer, mesh, tracker, rank: int):
@@ -218,7 +219,7 @@ def load_targets(chunks, optimizer, with_optimizer: bool, with_master: bool = Fa
     start from the loaded parameters)."""
     buffers, pieces, plan, per_param = {}, {}, [], []
     optim_kinds = (*MOMENTS, "master") if with_master else MOMENTS
-    weights = whole_weights(optimizer)
+    weights = whole_weights(optimizer, gather=False)  # destinations: every element loaded
     for name, p in named_parameters(chunks):
         w = weights.get(id(p), p)  # what the checkpoint holds: the whole local tensor
         entries, new_keys = [], []

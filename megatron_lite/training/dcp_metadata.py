@@ -148,19 +148,18 @@ class SafeFileSystemReader(dcp.FileSystemReader):
         return self._metadata
 
 
-def listing_with_dcp_files(tmp: str) -> list[str]:
-    """The files of a written checkpoint `tmp` (to checksum), after checking that every file
-    DCP's index names is visible here."""
-    names = data_files(tmp)
-    index = (SafeFileSystemReader(tmp).read_metadata().storage_data or {}).values()
-    wanted = {".metadata"} | {getattr(v, "relative_path", ".metadata") for v in index}
+def listing_with_dcp_files(tmp: str) -> tuple[list[str], dict[str, list[tuple[int, int]]]]:
+    """The files of a written checkpoint `tmp` (to checksum) and the items DCP stored in each
+    (`storage_ranges`), after checking that every file DCP's index names is visible here."""
+    names, ranges = data_files(tmp), storage_ranges(tmp)
+    wanted = {DCP_METADATA} | set(ranges)
     missing = sorted(wanted - set(names))
     if missing:
         raise CheckpointError(
             f"{tmp}: DCP wrote {missing} but rank 0 cannot see them. Fix: checkpoints need a "
             "file system that every rank shares (train.ckpt_dir)"
         )
-    return names
+    return names, ranges
 
 
 def storage_ranges(path: str) -> dict[str, list[tuple[int, int]]]:

@@ -20,7 +20,7 @@ from megatron_lite.parallel.data_parallel.memory import TERMS
 from megatron_lite.parallel.mesh import ParallelMesh
 from megatron_lite.parallel.params import init_parameters, unique_owner
 from megatron_lite.parallel.random import model_parallel_seed
-from megatron_lite.pipeline.engine import PipelineStats, forward_backward
+from megatron_lite.pipeline.engine import forward_backward
 from megatron_lite.pipeline.p2p import activation_shape, pipeline_dtype
 from megatron_lite.pipeline.trace import SpanRecorder, write_trace
 from megatron_lite.training.activation_memory import SavedTensorMeter
@@ -74,7 +74,6 @@ class Trainer:
         self._cuda_peaks = [0, 0]  # allocated, reserved: the run's peaks (reset every step)
         # the step's saved-tensor report (CPU): peak_bytes, by_label, recomputed_bytes
         self.last_activation_report: dict | None = None
-        self.pipeline_stats = PipelineStats()  # what the last step's schedule held
         self.flops_per_step = model_flops_per_token(cfg, vocab_size) * (
             cfg.train.global_batch_size * cfg.model.seq_length
         )
@@ -159,7 +158,6 @@ class Trainer:
             timeout_s=cfg.parallel.timeout_s,
             recorder=recorder,
             forward_only=forward_only,
-            stats=None if forward_only else self.pipeline_stats,
         )
         if recorder is not None:
             meta = {

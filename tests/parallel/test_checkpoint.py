@@ -55,7 +55,7 @@ def _train(rank, world, overrides, out_dir, mode):
         checkpoint_files.commit = crash
     if mode == "ioerror" and rank == 1:
 
-        def unreadable(path, reads):
+        def unreadable(path, *_):
             raise PermissionError(13, "Permission denied", path)
 
         checkpoint_files.verify_reads = unreadable

@@ -60,8 +60,11 @@ class FSDPAdamW:
 
     # ------------------------------------------------------------ checkpoints
     @torch.no_grad()
-    def full_weights(self) -> dict[int, torch.Tensor]:
-        """id(param) -> the whole local tensor in the compute dtype (collective)."""
+    def full_weights(self, gather: bool = True) -> dict[int, torch.Tensor]:
+        """id(param) -> the whole local tensor in the compute dtype (collective); with
+        gather=False uninitialized tensors of that shape, for a load to fill."""
+        if not gather:
+            return {id(p): torch.empty(p.shape, dtype=self.param_dtype) for p in self.params}
         return {id(p): p.full_tensor().to(self.param_dtype) for p in self.params}
 
     @torch.no_grad()
