@@ -113,12 +113,6 @@ def model_state_bytes(params, optimizer, roots=()) -> dict:
     return out
 
 
-def formula_bytes_per_param(stage: int, n: int) -> float:
-    """ZeRO model states per parameter, fp32 (masters are the weights): 4 + 4 + 8 bytes, the
-    AdamW states divided by N from stage 1, the grads from stage 2, the weights at stage 3."""
-    return 4 / (n if stage >= 3 else 1) + 4 / (n if stage >= 2 else 1) + 8 / (n if stage else 1)
-
-
 # ------------------------------------------------------------------ the configurations
 def ours_overrides(shape: Shape, world: int, stage: int, overlap: bool, bucket: int) -> list:
     s, flag = shape, str(overlap).lower()

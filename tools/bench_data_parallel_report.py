@@ -10,7 +10,8 @@ import math
 import os
 import statistics
 
-from tools.bench_data_parallel import KINDS, formula_bytes_per_param
+from megatron_lite.parallel.data_parallel.memory import formula_bytes
+from tools.bench_data_parallel import KINDS
 
 MB = 1 << 20
 
@@ -33,7 +34,7 @@ def rows(cases: list[dict], measured: dict, world: int, num_params: int) -> list
     for case in cases:
         row = {k: case[k] for k in ("name", "family", "stage", "overlap", "note")}
         m = measured.get(case["name"])
-        formula = formula_bytes_per_param(case["stage"], world) * num_params
+        formula = sum(formula_bytes(num_params, "fp32", case["stage"], world).values())
         row["formula_MB"] = formula / MB
         if m is not None:
             q1, q3 = _quartiles(m["step_s"])

@@ -17,6 +17,7 @@ from megatron_lite.config import Config
 from megatron_lite.parallel.data_parallel.memory import TERMS
 from megatron_lite.plan.activations import layer_bytes, layer_shape, rope_table_bytes
 from megatron_lite.plan.memory import model_states, rank_memory
+from megatron_lite.resolve import num_microbatches
 
 
 def one_step_config(cfg: Config, out_dir: str) -> Config:
@@ -46,7 +47,7 @@ def measure_on_rank(cfg: Config) -> dict:
     report = trainer.last_activation_report
     states = {k: int(v) for k, v in trainer.dp.memory().items()}
     layers = {k: v for k, v in report["by_label"].items() if k.startswith("layer.")}
-    m = cfg.train.global_batch_size // (cfg.train.micro_batch_size * p.dp)
+    m = num_microbatches(cfg.train, p.dp)
     peak = report["peak_bytes"]
     return {"pp_rank": mesh.pp.rank, "states": states, "layers": layers, "peak": peak,
             "microbatches": m}  # fmt: skip

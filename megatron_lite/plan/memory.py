@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from megatron_lite.config import Config
 from megatron_lite.parallel.data_parallel.memory import TERMS, formula_bytes
+from megatron_lite.pipeline.schedules import virtual_stage
 from megatron_lite.plan.activations import (
     chunk_bytes,
     head_terms,
@@ -47,10 +48,9 @@ def layer_params(cfg: Config, moe: bool) -> tuple[int, int]:
 
 def rank_layers(cfg: Config, pp_rank: int) -> list[tuple[int, int]]:
     """(first layer index, layer count) of each model chunk on pipeline rank `pp_rank`."""
-    counts = stage_layers(cfg.model, cfg.parallel)
-    starts = [sum(counts[:i]) for i in range(len(counts))]
-    pp = cfg.parallel.pp
-    return [(starts[s], counts[s]) for s in range(pp_rank, len(counts), pp)]
+    counts, p = stage_layers(cfg.model, cfg.parallel), cfg.parallel
+    stages = (virtual_stage(pp_rank, c, p.pp) for c in range(p.vpp))
+    return [(sum(counts[:s]), counts[s]) for s in stages]
 
 
 def rank_params(cfg: Config, pp_rank: int) -> tuple[int, int]:

@@ -115,7 +115,9 @@ class DataParallel:
                 self.buffers.append(buf)
         self.pieces = make_pieces(self.buffers, offload)
         self.optimizer = ShardedAdamW(self.pieces, lr, betas, eps, weight_decay, offload)
-        self._gather_hooks = [self._register_gather_waits(c) for c in chunks] if zero_stage else []
+        # the next forward waits for the weights only when their all-gather overlaps it
+        waits = zero_stage and overlap_param_gather
+        self._gather_hooks = [self._register_gather_waits(c) for c in chunks] if waits else []
 
     def _register_gather_waits(self, chunk: torch.nn.Module):
         """Before a module's forward, wait for the all-gather of the buckets holding its
