@@ -4,7 +4,8 @@
 
 `fn` must be a module-level function (it is pickled by reference). Each child initializes a gloo
 process group over a FileStore, runs `fn`, and sends back its return value (keep it small: floats,
-lists, CPU tensors). If any rank raises, the first error (with its traceback) is raised here; if
+lists, CPU tensors). If any rank raises, the first error (with its traceback) is raised here, once
+the other ranks have ended too (or `settle` seconds passed, then they are killed); if
 the ranks don't finish within `timeout` seconds they are killed and the test fails with the
 ranks that were still running, so a hang fails fast instead of stalling CI.
 """
@@ -62,7 +63,22 @@ def _child(rank, world_size, store_path, fn, args, queue, timeout):
         queue.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
 
 
-def run_ranks(world_size: int, fn, *args, timeout: float = 120.0) -> list:
+def _settle(procs, queue, reported: int, world_size: int, settle: float) -> None:
+    """After one rank's error, let the others end for up to `settle` seconds (an agreed error
+    reaches every rank: they release what they hold, e.g. the run directory lock, so the test
+    sees the files a real run leaves behind), then kill whatever is left (a hang)."""
+    deadline = time.monotonic() + settle
+    while reported < world_size:
+        try:
+            queue.get(timeout=max(deadline - time.monotonic(), 0.01))
+            reported += 1
+        except queue_module.Empty:
+            break
+    for p in procs:
+        p.kill()
+
+
+def run_ranks(world_size: int, fn, *args, timeout: float = 120.0, settle: float = 3.0) -> list:
     ctx = _context()
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -90,8 +106,7 @@ def run_ranks(world_size: int, fn, *args, timeout: float = 120.0) -> list:
                     f"ranks {missing} of {world_size} did not finish within {timeout:.0f}s (hang?)"
                 ) from None
             if status == "error":
-                for p in procs:
-                    p.kill()
+                _settle(procs, queue, len(results) + 1, world_size, settle)
                 raise RuntimeError(f"rank {rank} failed: {value}")
             results[rank] = pickle.loads(value)
         for p in procs:
