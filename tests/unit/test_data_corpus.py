@@ -80,9 +80,14 @@ def test_prepare_corpus_builds_one_document_per_play(cache, capsys):
         assert json.load(f)["tokens"] == ds.num_tokens
     assert "[data] training a 300-token BPE tokenizer on 2 plays" in capsys.readouterr().out
 
-    start = time.perf_counter()
-    assert prepare_corpus("shakespeare", cache, VOCAB) == (prefix, model)
-    assert time.perf_counter() - start < 0.05 and capsys.readouterr().out == ""
+    def no_work(*_args, **_kwargs):
+        raise AssertionError("a prepared corpus must be returned without preparing anything")
+
+    with pytest.MonkeyPatch.context() as mp:  # a second call neither locks nor trains
+        for step in ("exclusive", "_shakespeare_texts", "train_tokenizer", "preprocess"):
+            mp.setattr(corpus_mod, step, no_work)
+        assert prepare_corpus("shakespeare", cache, VOCAB) == (prefix, model)
+    assert capsys.readouterr().out == ""
 
 
 def test_build_dataset_from_corpus(cache):
