@@ -135,6 +135,13 @@ def _validate_pipeline_layers(cfg: Config) -> None:
         _validate_layer_list(p.pipeline_layers, stages, m.num_layers)
     elif ends != [None, None]:
         given = [n for n in ends if n is not None]
+        _rule(
+            stages >= 2,
+            "parallel.pp",
+            p.pp,
+            "the first/last stage's layers need at least two stages (pp·vpp >= 2)",
+            "set parallel.pp >= 2, or leave decoder_first/last_pipeline_num_layers unset",
+        )
         for key, n in zip(("first", "last"), ends, strict=True):
             _rule(
                 n is None or 1 <= n < m.num_layers,
@@ -144,14 +151,24 @@ def _validate_pipeline_layers(cfg: Config) -> None:
                 "give the layers of that stage",
             )
         middle, rest = stages - len(given), m.num_layers - sum(given)
-        _rule(
-            stages > len(given) and rest > 0 and rest % middle == 0 and rest // middle >= 1,
-            "model.num_layers",
-            m.num_layers,
-            f"leaves {rest} layers for the other {middle} of pp·vpp = {stages} stages, which "
-            "must split them evenly (at least one each)",
-            "change the first/last stage's layers, or give parallel.pipeline_layers",
-        )
+        if middle == 0:  # pp·vpp = 2 with both ends given: they are the whole split
+            _rule(
+                rest == 0,
+                "model.num_layers",
+                m.num_layers,
+                f"must equal decoder_first + decoder_last = {sum(given)}: pp·vpp = 2 stages "
+                "have no others",
+                "make the two stages' layers add up to model.num_layers",
+            )
+        else:
+            _rule(
+                rest > 0 and rest % middle == 0,
+                "model.num_layers",
+                m.num_layers,
+                f"leaves {rest} layers for the other {middle} of pp·vpp = {stages} stages, "
+                "which must split them evenly (at least one each)",
+                "change the first/last stage's layers, or give parallel.pipeline_layers",
+            )
     else:
         _rule(
             m.num_layers % stages == 0,

@@ -9,10 +9,13 @@ import pytest
 from megatron_lite.config import ConfigError, load_config
 from megatron_lite.pipeline.schedules import get_schedule_table
 from megatron_lite.pipeline.simulate import simulate
+from megatron_lite.resolve import stage_layers
 from megatron_lite.validation import validate
 from tests.parallel.parity import max_rel_diff, reference_losses, train_losses
 
 LLAMA = ("model.arch=llama",)  # TINY: 4 layers
+BOTH_ENDS_1_2 = ("parallel.decoder_first_pipeline_num_layers=1",
+                 "parallel.decoder_last_pipeline_num_layers=2")  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -50,12 +53,27 @@ def test_simulator_weighs_stages_by_their_layers():
         (["parallel.pp=2", "parallel.pipeline_layers=[0,4]"], "at least one layer"),
         (["parallel.pp=3", "parallel.decoder_last_pipeline_num_layers=1"], "split them evenly"),
         (["parallel.pp=3"], "parallel.pipeline_layers or"),
+        (["parallel.pp=2", *BOTH_ENDS_1_2], r"\+ decoder_last = 3"),
+        (["parallel.pp=1", "parallel.decoder_first_pipeline_num_layers=2"], "at least two stages"),
     ],
 )
 def test_bad_splits_are_config_errors(overrides, needle):
-    cfg = load_config(None, ["data.mock=true", "model.vocab_size=64", "model.num_layers=4",
-                             "train.global_batch_size=12", *overrides])  # fmt: skip
-    world = 2 if "parallel.pp=2" in overrides else 3
+    cfg = _config(overrides)
+    world = {"parallel.pp=1": 1, "parallel.pp=2": 2}.get(overrides[0], 3)
     with pytest.raises(ConfigError, match=needle) as e:
         validate(cfg, world)
     assert "Fix:" in str(e.value)
+
+
+def _config(overrides):
+    return load_config(None, ["data.mock=true", "model.vocab_size=64", "model.num_layers=4",
+                              "train.global_batch_size=12", *overrides])  # fmt: skip
+
+
+def test_both_ends_given_on_two_stages_are_the_whole_split():
+    """pp=2 with decoder_first and decoder_last set: the two numbers are the split (Megatron
+    accepts it; validation must not ask for middle stages that do not exist)."""
+    cfg = _config(["parallel.pp=2", "parallel.decoder_first_pipeline_num_layers=1",
+                   "parallel.decoder_last_pipeline_num_layers=3"])  # fmt: skip
+    validate(cfg, 2)
+    assert stage_layers(cfg.model, cfg.parallel) == [1, 3]
