@@ -4,7 +4,13 @@ alone, TP+SP replicas, pipeline chunks with tied embeddings, CP, experts."""
 
 import pytest
 
-from tests.parallel.parity import SHORT, max_rel_diff, reference_losses, train_losses
+from tests.parallel.parity import (
+    SHORT,
+    max_rel_diff,
+    reference_losses,
+    train_losses,
+    train_records,
+)
 
 SMALL_BUCKETS = ["parallel.ddp_bucket_size=20000"]  # several buckets per chunk
 LLAMA = ("model.arch=llama",)
@@ -63,3 +69,26 @@ def test_resume_across_stages_and_dp_sizes(tmp_path):
     diff = max_rel_diff(got, ref)
     print(f"ZERO resume 1/dp2 -> 2/dp4 -> 1/dp2: max rel diff {diff:.2e}")
     assert diff < 1e-5, f"resume across stages: {diff:.2e}\n{got}\n{ref}"
+
+
+def test_bf16_gradient_reduction_halves_the_bytes_and_tracks_fp32(tmp_path):
+    """parallel.grad_reduce_dtype=bf16 with fp32 weights: every stage sends its gradients in
+    bf16 (half the bytes of an fp32 reduction, counted in the run) and follows the fp32 single
+    rank more closely than a bf16-weights run does (only the reduction is rounded)."""
+    fp32 = reference_losses(LLAMA)  # 20 steps, shared with test_bf16_stages_track_...
+    band = max_rel_diff(reference_losses((*LLAMA, "train.precision=bf16")), fp32)
+    keys = ("loss", "comm_bytes/all_reduce_dp", "comm_bytes/reduce_scatter_dp",
+            "comm_bytes/reduce_scatter_fsdp")  # fmt: skip
+    for stage in (0, 1, 2, 3):
+        over = [*LLAMA, f"parallel.zero_stage={stage}", "parallel.ddp_bucket_size=100000000"]
+        records = train_records(2, [*over, "parallel.grad_reduce_dtype=bf16"], keys)
+        got = [r["loss"] for r in records]
+        diff = max_rel_diff(got, fp32)
+        print(f"BF16 REDUCE zero{stage} dp2 vs fp32 one rank: {diff:.2e} (bf16 weights {band:.2e})")
+        assert diff < band, f"zero{stage}: {diff:.2e} not tighter than bf16 weights {band:.2e}"
+        fp32_step = train_records(2, [*over, "train.steps=1"], keys)[0]
+        sent = {k: v for k, v in records[0].items() if k != "loss"}
+        assert sent and sent.keys() == fp32_step.keys() - {"loss"}, (sent, fp32_step)
+        for k, v in sent.items():
+            assert 2 * v == fp32_step[k], f"zero{stage} {k}: bf16 {v} vs fp32 {fp32_step[k]}"
+        print(f"BF16 REDUCE zero{stage} bytes per step: {sent} (fp32: {fp32_step})")

@@ -180,11 +180,12 @@ class GradBuffer:
     def _complete(self, b: Bucket) -> None:
         payload, work = b.work
         work.wait()
-        grad = self.grad_data[b.start : b.end]
-        if payload is not grad:  # reduced in bf16: back into the fp32 buffer (this rank's part)
-            grad.copy_(payload)
-        if self.shard_size > 1 and mappings.size(self.replica_group) > 1:  # hybrid: over replicas
+        a, e = b.start, b.end  # what the reduction filled: the bucket, or this rank's shard
+        if self.shard_size > 1:
             a, e = b.shard_range(self.shard_rank, self.shard_size)
+        if payload.dtype != self.grad_data.dtype:  # reduced in bf16: back into fp32
+            self.grad_data[a:e].copy_(payload[a - b.start : e - b.start])
+        if self.shard_size > 1 and mappings.size(self.replica_group) > 1:  # hybrid: over replicas
             mappings.all_reduce(self.grad_data[a:e], self.replica_group, kind="all_reduce_dp")
         b.reduced, b.work = True, None
 
