@@ -177,7 +177,9 @@ class GradBuffer:
             kind = "reduce_scatter_dp"
             b.work = (payload, mappings.reduce_scatter_async(out, payload, self.shard_group, kind))
 
-    def _complete(self, b: Bucket) -> None:
+    def _complete(self, b: Bucket):
+        """Wait for a bucket's reduction; with hybrid sharding, start the all-reduce of this
+        rank's shard across replicas and return its handle (None otherwise)."""
         payload, work = b.work
         work.wait()
         a, e = b.start, b.end  # what the reduction filled: the bucket, or this rank's shard
@@ -185,18 +187,21 @@ class GradBuffer:
             a, e = b.shard_range(self.shard_rank, self.shard_size)
         if payload.dtype != self.grad_data.dtype:  # reduced in bf16: back into fp32
             self.grad_data[a:e].copy_(payload[a - b.start : e - b.start])
-        if self.shard_size > 1 and mappings.size(self.replica_group) > 1:  # hybrid: over replicas
-            mappings.all_reduce(self.grad_data[a:e], self.replica_group, kind="all_reduce_dp")
         b.reduced, b.work = True, None
+        if self.shard_size > 1 and mappings.size(self.replica_group) > 1:  # hybrid: over replicas
+            shard = self.grad_data[a:e]
+            return mappings.all_reduce_async(shard, self.replica_group, "all_reduce_dp")
+        return None
 
     def finish(self) -> None:
         """After the last backward of the step: every bucket reduced (launch what is left)."""
         for b in self.buckets:
             if b.work is None and not b.reduced:
                 self._launch(b)
-        for b in self.buckets:
-            if not b.reduced:
-                self._complete(b)
+        across_replicas = [self._complete(b) for b in self.buckets if not b.reduced]
+        for work in across_replicas:  # all in flight together, not one bucket at a time
+            if work is not None:
+                work.wait()
         if not self.keep_full_grads and self.shard_size > 1:  # ZeRO-2: keep only the shard
             for _, (a, e), (c, d) in self.shard_slices():
                 self.grad_shard[c:d].copy_(self.grad_data[a:e])
