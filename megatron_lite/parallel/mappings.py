@@ -81,38 +81,28 @@ class AsyncWork:
             _guard(self.kind, self.group, work.wait, f" of shape {self.shape}")
 
 
+def _start(kind: str, op: str, payload: torch.Tensor, group, launch) -> AsyncWork:
+    """Record and start a collective (`launch()` with async_op=True); nothing on a group of one."""
+    work = _run(kind, op, payload, group, launch) if size(group) > 1 else None
+    return AsyncWork(kind, group, work, tuple(payload.shape))
+
+
 def all_reduce_async(t: torch.Tensor, group, kind: str = "all_reduce") -> AsyncWork:
     """In-place all-reduce (sum) started now, finished by `.wait()`; reports to comm stats."""
-    if size(group) == 1:
-        return AsyncWork(kind, group, None, tuple(t.shape))
-    work = _run(
-        kind, "all_reduce", t, group, lambda: dist.all_reduce(t, group=group, async_op=True)
-    )
-    return AsyncWork(kind, group, work, tuple(t.shape))
+    launch = lambda: dist.all_reduce(t, group=group, async_op=True)  # noqa: E731
+    return _start(kind, "all_reduce", t, group, launch)
 
 
 def reduce_scatter_async(out: torch.Tensor, t: torch.Tensor, group, kind: str = "reduce_scatter"):
     """out <- this rank's 1/size chunk of the sum over ranks of t (out may be that chunk of t)."""
-    if size(group) == 1:
-        return AsyncWork(kind, group, None, tuple(t.shape))
-    work = _run(
-        kind,
-        "reduce_scatter",
-        t,
-        group,
-        lambda: _reduce_scatter_into(out, t, group=group, async_op=True),
-    )
-    return AsyncWork(kind, group, work, tuple(t.shape))
+    launch = lambda: _reduce_scatter_into(out, t, group=group, async_op=True)  # noqa: E731
+    return _start(kind, "reduce_scatter", t, group, launch)
 
 
 def all_gather_async(out: torch.Tensor, t: torch.Tensor, group, kind: str = "all_gather_dp"):
     """out <- every rank's t in rank order (t may be this rank's chunk of out)."""
-    if size(group) == 1:
-        return AsyncWork(kind, group, None, tuple(t.shape))
-    work = _run(
-        kind, "all_gather", t, group, lambda: _all_gather_into(out, t, group=group, async_op=True)
-    )
-    return AsyncWork(kind, group, work, tuple(t.shape))
+    launch = lambda: _all_gather_into(out, t, group=group, async_op=True)  # noqa: E731
+    return _start(kind, "all_gather", t, group, launch)
 
 
 # ---------------------------------------------------------------- raw (non-autograd) collectives
