@@ -12,10 +12,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
 import time
+
+# Run from a checkout without installing: make the repository root importable (here and in the
+# child processes, which run this file).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def metas(tp: int, layers: int, hidden: int, ffn: int, vocab: int):
@@ -59,7 +64,7 @@ def measure(tp: int, layers: int, hidden: int, full: bool) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tp", default="1,2,4,8")
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--hidden", type=int, default=768)
