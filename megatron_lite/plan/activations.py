@@ -22,8 +22,9 @@ stream, n heads and g KV groups of width d, f the MLP width. Per layer:
 Kernels "torch" (the plain-torch references that run on CPU) save fp32 intermediates instead:
 RMSNorm its fp32 input and the normalized product (8·T·h·u + 4·T·u; bf16: + the weight's fp32
 copy 4·h), LayerNorm its fp32 input, mean and rstd (bf16: + fp32 weight and bias), SwiGLU three fp32
-[T, f/tp] tensors. RoPE saves only the cos/sin tables (2·(s/cp)·d·4 per chunk, on its first
-layer): autograd keeps a product's other factor only for the factor that needs a gradient.
+[T, f/tp] tensors. RoPE saves nothing of its own: autograd keeps a product's other factor only
+for the factor that needs a gradient, and those factors are the chunk's cos/sin buffers
+(`rope_table_bytes`, one pair per chunk whatever the microbatches in flight: not activations).
 
 The "paper" architecture (Korthikanti et al. 2022, GPT in fp16 with dropout and the attention
 scores materialized) is the same engine with: A = R = 2, no norm statistics, no RoPE, and the
@@ -107,7 +108,7 @@ def layer_terms(x: LayerShape) -> dict[str, float]:
     out: dict[str, float] = {"norms": 2 * norm_bytes(x)}
     lin_in = T * x.h * A / (t if x.sp else 1)  # SP: the linears keep their [s/tp] input
     out["qkv_in"] = lin_in
-    rope = x.arch == "llama"  # RoPE saves only the shared cos/sin tables (rope_table_bytes)
+    rope = x.arch == "llama"  # RoPE keeps only the chunk's cos/sin buffers (rope_table_bytes)
     out["qkv_out"] = T * (x.n + 2 * x.g) * d / t * A if x.cp == 1 else 0.0
     if x.cp > 1:
         out["attn_in"] = T * (x.n / t + 2 * max(x.g / t, x.cp)) * d * A
@@ -133,8 +134,7 @@ def layer_terms(x: LayerShape) -> dict[str, float]:
 
 
 def rope_table_bytes(x: LayerShape) -> float:
-    """The fp32 cos/sin tables [s/cp, d] RoPE saves: one storage per model chunk, counted on
-    its first layer."""
+    """RoPE's fp32 cos/sin tables [s/cp, d]: buffers, one pair per model chunk."""
     return 2 * x.s / x.cp * (x.h // x.n) * 4 if x.arch == "llama" else 0.0
 
 

@@ -15,7 +15,7 @@ import tempfile
 
 from megatron_lite.config import Config
 from megatron_lite.parallel.data_parallel.memory import TERMS
-from megatron_lite.plan.activations import layer_bytes, layer_shape, rope_table_bytes
+from megatron_lite.plan.activations import layer_bytes, layer_shape
 from megatron_lite.plan.memory import model_states, rank_memory
 from megatron_lite.resolve import num_microbatches
 
@@ -53,11 +53,9 @@ def measure_on_rank(cfg: Config) -> dict:
             "microbatches": m}  # fmt: skip
 
 
-def predicted_layers(cfg: Config, kernels: str, first: bool) -> float:
-    """Predicted bytes of one layer per microbatch; a chunk's first layer also holds RoPE's
-    cos/sin tables."""
-    shape = layer_shape(cfg, kernels)
-    return sum(layer_bytes(cfg, shape).values()) + (rope_table_bytes(shape) if first else 0.0)
+def predicted_layer(cfg: Config, kernels: str) -> float:
+    """Predicted bytes one layer saves per microbatch."""
+    return sum(layer_bytes(cfg, layer_shape(cfg, kernels)).values())
 
 
 def _child(rank: int, world: int, store_path: str, cfg: Config, queue) -> None:
@@ -119,8 +117,8 @@ def measure_report(cfg: Config, world: int, kernels: str) -> str:
         rm = rank_memory(run_cfg, world, res["pp_rank"], kernels)
         act = sum(rm.terms[k] for k in ("activations", "embedding", "logits_loss"))
         lines.append(_row(f"pp{res['pp_rank']} saved peak", res["peak"], act))
-        for i, (label, got) in enumerate(sorted(res["layers"].items())):
-            pred = predicted_layers(run_cfg, kernels, first=i == 0)
+        pred = predicted_layer(run_cfg, kernels)
+        for label, got in sorted(res["layers"].items()):
             lines.append(_row(f"pp{res['pp_rank']} {label}", got / res["microbatches"], pred))
     return "\n".join(lines)
 

@@ -15,7 +15,6 @@ from megatron_lite.plan.activations import (
     in_flight,
     layer_bytes,
     layer_shape,
-    recompute_settings,
     resolved,
     rope_table_bytes,
 )
@@ -112,14 +111,11 @@ def rank_memory(cfg: Config, world: int, pp_rank: int, kernels: str = "fused") -
     chunks = rank_layers(r, pp_rank)
     per_chunk = [chunk_bytes(r, shape, count) for _, count in chunks]
     # interleaved: the held pairs spread over the chunks, earlier chunks first
-    # RoPE's tables are saved once per chunk by the layers that are not recomputed whole
-    ropes = [rope_table_bytes(shape) * saves_outside_recompute(r, n) for _, n in chunks]
-    layers_act = (
-        held / len(chunks) * sum(k + rope for (k, _), rope in zip(per_chunk, ropes, strict=True))
-    )
+    layers_act = held / len(chunks) * sum(k for k, _ in per_chunk)
     working = max((w for _, w in per_chunk), default=0.0)
     head = head_terms(r, shape)
     terms = model_states(r, pp_rank)
+    terms["buffers"] = len(chunks) * rope_table_bytes(shape)  # RoPE's tables, per chunk
     terms["activations"] = layers_act
     embed_held = -(-held // p.vpp) if pp_rank == 0 else 0
     terms["embedding"] = embed_held * head["embedding"]
@@ -138,12 +134,3 @@ def rank_memory(cfg: Config, world: int, pp_rank: int, kernels: str = "fused") -
 def plan_memory(cfg: Config, world: int, kernels: str = "fused") -> list[RankMemory]:
     """Every pipeline rank's memory (index = pp rank)."""
     return [rank_memory(cfg, world, r, kernels) for r in range(cfg.parallel.pp)]
-
-
-def saves_outside_recompute(cfg: Config, layers: int) -> bool:
-    """Whether some of a chunk's `layers` layers save their activations in the forward (not
-    full recompute of all of them)."""
-    gran, _, method, num = recompute_settings(cfg)
-    if gran != "full":
-        return True
-    return method == "block" and layers > num
