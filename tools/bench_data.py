@@ -115,13 +115,38 @@ def phase(args) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dir", default="/tmp/megatron_lite_bench_data")
-    parser.add_argument("--docs", type=int, default=50_000_000)
-    parser.add_argument("--datasets", type=int, default=10)
-    parser.add_argument("--max-doc-tokens", type=int, default=2000)
-    parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--resume-at", type=int, default=10**9)
+    parser.add_argument(
+        "--dir",
+        default="/tmp/megatron_lite_bench_data",
+        help="where the corpus and its index cache are written (%(default)s)",
+    )
+    parser.add_argument(
+        "--docs", type=int, default=50_000_000, help="documents in all (%(default)s)"
+    )
+    parser.add_argument(
+        "--datasets",
+        type=int,
+        default=10,
+        help="blended datasets they are split into (%(default)s)",
+    )
+    parser.add_argument(
+        "--max-doc-tokens",
+        type=int,
+        default=2000,
+        help="document lengths are uniform in [1, this) (%(default)s)",
+    )
+    parser.add_argument(
+        "--seq", type=int, default=2048, help="sequence length of a sample (%(default)s)"
+    )
+    parser.add_argument(
+        "--seed", type=int, default=1234, help="corpus and shuffle seed (%(default)s)"
+    )
+    parser.add_argument(
+        "--resume-at",
+        type=int,
+        default=10**9,
+        help="sample index the resume reads from (%(default)s)",
+    )
     parser.add_argument("--batch", type=int, default=256, help="samples read at the resume")
     parser.add_argument("--phase", help=argparse.SUPPRESS)
     parser.add_argument("--prefixes", nargs="*", help=argparse.SUPPRESS)
