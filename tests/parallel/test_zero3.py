@@ -157,3 +157,30 @@ def test_zero3_validation(overrides, key):
     with pytest.raises(ConfigError) as e:
         validate(cfg, 2)
     assert key in str(e.value) and "zero_stage" in str(e.value) and "Fix:" in str(e.value)
+
+
+def _group_after_hybrid_experts(rank, world, overrides, out_dir):
+    """Build a ZeRO-3 HSDP trainer, then create one more group on every rank and use it: that
+    works only if every rank created the same groups before (else group names diverge)."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_lite.parallel.mesh import ParallelMesh, RankLayout
+    from megatron_lite.train import prepare
+    from megatron_lite.training.trainer import Trainer
+
+    cfg, dataset, vocab = prepare(["train.out_dir=" + out_dir, *overrides], world_size=world)
+    p = cfg.parallel
+    Trainer(cfg, ParallelMesh(RankLayout(world, tp=p.tp, pp=p.pp)), dataset, vocab)
+    t = torch.ones(1)
+    dist.all_reduce(t, group=dist.new_group(list(range(world))))
+    return t.item()
+
+
+def test_hybrid_zero3_creates_the_same_groups_on_stages_without_experts(tmp_path):
+    """MoE only in layer 0 (pipeline stage 1 has no expert) under ZeRO-3 with dp_shard: the
+    expert groups are created on every rank, so groups created later still match."""
+    overrides = [*TINY, "data.mock=true", *MOE, "model.moe_layer_freq=4", Z3, "parallel.pp=2",
+                 "parallel.dp_shard=1", "train.global_batch_size=8"]  # fmt: skip
+    got = run_ranks(4, _group_after_hybrid_experts, overrides, str(tmp_path), timeout=60)
+    assert got == [4.0] * 4

@@ -126,9 +126,9 @@ class FullyShardedDataParallel:
         layers_of = layers_of or (lambda c: c.layers.values())
         device = next(chunks[0].parameters()).device
         dense = sharding_mesh(mesh, "dp_cp", dp_shard, device.type)
-        experts = None
-        if any(meta_of(p).is_expert for c in chunks for p in c.parameters()):
-            experts = sharding_mesh(mesh, "edp", dp_shard, device.type)
+        # built on every rank, also where this stage has no expert: hybrid sharding creates
+        # process groups, which every rank must create in the same order
+        experts = sharding_mesh(mesh, "edp", dp_shard, device.type)
         self.replicas = {False: 1, True: 1}  # HSDP: identical shards on the replicate dim
         for is_expert, m in ((False, dense), (True, experts)):
             if m is not None and m.ndim == 2:
