@@ -88,7 +88,7 @@ def main(argv=None) -> int:
     if args.measure:
         from megatron_lite.plan.measure import measure_report
 
-        print(measure_report(r, world, args.kernels))
+        print(measure_report(r, world))
     return 0
 
 
