@@ -177,6 +177,8 @@ class Trainer:
         mappings.all_reduce(
             torch.zeros(1, device=self.device), dist.group.WORLD, kind="profile_sync"
         )
+        if self.device.type == "cuda":  # NCCL returns once queued: wait until every rank is in
+            torch.cuda.synchronize()
         return SpanRecorder()
 
     def _fetch(self, consumed_samples: int) -> list[torch.Tensor]:
