@@ -250,7 +250,8 @@ def load_targets(chunks, optimizer, with_optimizer: bool, with_master: bool = Fa
         for p, w, entries, step_key in plan:
             dest = {"model": w.data}
             if with_optimizer:
-                state = {k: torch.zeros_like(w, dtype=torch.float32) for k in optim_kinds}
+                # on the host: the optimizer moves each shard to the device (load_full_states)
+                state = {k: torch.zeros(w.shape, dtype=torch.float32) for k in optim_kinds}
                 dest.update({f"optim/{k}": t for k, t in state.items()})
                 state["step"] = buffers[step_key].clone()
                 states[id(p)] = state

@@ -19,14 +19,15 @@ from megatron_lite.parallel.data_parallel.optimizer import MOMENTS, adamw
 def _shard_of(full: torch.Tensor, p: torch.nn.Parameter) -> torch.Tensor:
     """This rank's shard of `full` (a whole local tensor) for the DTensor parameter `p`, cut
     as FSDP2 cuts it (torch.chunk along each Shard dim; trailing ranks may hold nothing), with
-    no communication."""
-    t = full.to(p.device, torch.float32)
+    no communication. Cut where `full` lives (the host, after a load): only the shard moves to
+    the parameter's device."""
+    t = full
     for dim, placement in enumerate(p.placements):
         if isinstance(placement, Shard):
             n, r = p.device_mesh.size(dim), p.device_mesh.get_local_rank(dim)
             pieces = torch.chunk(t, n, dim=placement.dim)
             t = pieces[r] if r < len(pieces) else t.narrow(placement.dim, 0, 0)
-    return t
+    return t.to(p.device, torch.float32)
 
 
 def _like(p: torch.nn.Parameter, local: torch.Tensor) -> DTensor:
@@ -65,7 +66,8 @@ class FSDPAdamW:
         gather=False uninitialized tensors of that shape, for a load to fill."""
         if not gather:
             return {id(p): torch.empty(p.shape, dtype=self.param_dtype) for p in self.params}
-        return {id(p): p.full_tensor().to(self.param_dtype) for p in self.params}
+        # to the host one parameter at a time: the whole model never sits on the device
+        return {id(p): p.full_tensor().to("cpu", self.param_dtype) for p in self.params}
 
     @torch.no_grad()
     def load_full_weights(self, weights: dict[int, torch.Tensor]) -> None:
@@ -80,14 +82,14 @@ class FSDPAdamW:
         gathered from the shards (collective). The fp32 master is included when asked or when
         the weights compute in bf16 (the parameters the caller sees are the fp32 shards)."""
         out = {}
-        for p in self.params:
+        for p in self.params:  # gathered one parameter at a time, kept on the host
             state = self.inner.state.get(p, {})
             mine = {
-                k: state[k].full_tensor() if k in state else torch.zeros(p.shape, device=p.device)
+                k: state[k].full_tensor().cpu() if k in state else torch.zeros(p.shape)
                 for k in MOMENTS
             }
             if with_master or self.keeps_masters:
-                mine["master"] = p.full_tensor()
+                mine["master"] = p.full_tensor().cpu()
             if "step" in state:
                 mine["step"] = state["step"].detach().clone()
             out[id(p)] = mine

@@ -142,6 +142,7 @@ class ShardedAdamW:
             if buf.shard_size > 1:  # each element is held by one rank of the shard group
                 for k in kinds:
                     mappings.all_reduce(full[k], buf.shard_group, kind="all_reduce_ckpt")
+            full = {k: t.cpu() for k, t in full.items()}  # one buffer on the device at a time
             for r in buf.ranges.values():
                 n = r.param.numel()
                 out[id(r.param)] = {
