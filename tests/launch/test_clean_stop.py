@@ -27,11 +27,13 @@ def _launch(out_dir, steps):
 
 
 def _steps(out_dir) -> list[int]:
+    """Steps logged so far. Polled while rank 0 appends: a read can end inside the record
+    being written (its last line has no newline yet), so only whole lines count."""
     path = os.path.join(out_dir, "metrics.jsonl")
     if not os.path.exists(path):
         return []
     with open(path) as f:
-        return [json.loads(line)["step"] for line in f if line.strip()]
+        return [json.loads(line)["step"] for line in f if line.endswith("\n") and line.strip()]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

@@ -92,12 +92,14 @@ def alive(pid: int) -> bool:
 
 
 def metric_records(out_dir) -> list[dict]:
-    """metrics.jsonl in order; a restarted run appends, so redone steps appear twice."""
+    """metrics.jsonl in order; a restarted run appends, so redone steps appear twice. Polled
+    while rank 0 appends: a read can end inside the record being written (no newline yet), so
+    only whole lines count."""
     path = os.path.join(out_dir, "metrics.jsonl")
     if not os.path.exists(path):
         return []
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        return [json.loads(line) for line in f if line.endswith("\n") and line.strip()]
 
 
 def read_metrics(out_dir) -> dict[int, dict]:

@@ -32,11 +32,13 @@ JOB_TIMEOUT = 180
 
 
 def records(out_dir) -> list[dict]:
+    """metrics.jsonl's whole lines: polled while rank 0 appends, a read can end inside the
+    record being written (no newline yet)."""
     path = os.path.join(out_dir, "metrics.jsonl")
     if not os.path.exists(path):
         return []
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        return [json.loads(line) for line in f if line.endswith("\n") and line.strip()]
 
 
 def job_logs(log_root, name: str, job: int, tail: int = 4000) -> str:
