@@ -47,8 +47,12 @@ def ensure_installed() -> float:
         ["apt-get", "update", "-qq"],
         ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *PACKAGES],
     ):
-        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-        if r.returncode != 0:
+        for attempt in range(3):  # a mirror's transient failure is retried
+            r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+            if r.returncode == 0:
+                break
+            time.sleep(5 * (attempt + 1))
+        else:
             raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stderr[-3000:]}")
     missing = [b for b in BINARIES if not shutil.which(b)]
     if missing:
