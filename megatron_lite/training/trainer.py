@@ -309,7 +309,7 @@ class Trainer:
             ]
             torch.cuda.reset_peak_memory_stats()
             loss_sum = self._forward_backward(microbatches, loss_scale)
-            states = sum(self.dp.memory()[k] for k in TERMS)
+            states = sum(self.dp.memory("cuda").values())  # not the offloaded host states
             self._activations = max(torch.cuda.max_memory_allocated() - states, 0)
             return loss_sum
         buffers = [b for c in self.chunks for b in c.buffers()]  # RoPE tables: not activations

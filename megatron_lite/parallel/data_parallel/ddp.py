@@ -174,9 +174,10 @@ class DataParallel:
         for buf in self.buffers:
             buf.gather_params(wait=not self.overlap_param_gather)
 
-    def memory(self) -> dict[str, int]:
-        """This rank's model-state bytes by term (see memory.py)."""
-        return model_state_bytes(self)
+    def memory(self, device_type: str | None = None) -> dict[str, int]:
+        """This rank's model-state bytes by term (see memory.py), optionally only those on
+        devices of `device_type`."""
+        return model_state_bytes(self, device_type)
 
     def wait_params(self) -> None:
         for buf in self.buffers:

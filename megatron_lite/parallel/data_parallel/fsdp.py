@@ -201,9 +201,10 @@ class FullyShardedDataParallel:
         """AdamW on the shards; FSDP2 gathers them again in the next forward."""
         self.optimizer.step()
 
-    def memory(self) -> dict[str, int]:
-        """This rank's model-state bytes by term (see memory.py)."""
-        return model_state_bytes(self)
+    def memory(self, device_type: str | None = None) -> dict[str, int]:
+        """This rank's model-state bytes by term (see memory.py), optionally only those on
+        devices of `device_type`."""
+        return model_state_bytes(self, device_type)
 
     def wait_params(self) -> None:
         """Nothing in flight between steps: FSDP2 all-gathers per unit in the forward."""

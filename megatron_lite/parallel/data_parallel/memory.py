@@ -23,9 +23,11 @@ from __future__ import annotations
 TERMS = ("weights", "grads", "master", "optimizer")
 
 
-def _bytes(tensors, seen: set[int]) -> int:
+def _bytes(tensors, seen: set[int], device_type: str | None = None) -> int:
     total = 0
     for t in tensors:
+        if device_type is not None and t.device.type != device_type:
+            continue  # e.g. the offloaded masters and moments when counting the GPU's bytes
         storage = t.untyped_storage()
         key = storage.data_ptr()
         if storage.nbytes() and key not in seen:
@@ -38,31 +40,32 @@ def _local(t):
     return t.to_local() if hasattr(t, "to_local") else t  # a DTensor counts its shard
 
 
-def sharded_state_bytes(fsdp) -> dict[str, int]:
+def sharded_state_bytes(fsdp, device_type: str | None = None) -> dict[str, int]:
     """ZeRO-3 (FSDP2): the local shards of the parameters (fp32: also the master weights),
     their gradients and the AdamW states."""
     seen: set[int] = set()
     params = fsdp.params
-    out = {"weights": _bytes([_local(p) for p in params], seen)}
-    out["grads"] = _bytes([_local(p.grad) for p in params if p.grad is not None], seen)
+    out = {"weights": _bytes([_local(p) for p in params], seen, device_type)}
+    grads = [_local(p.grad) for p in params if p.grad is not None]
+    out["grads"] = _bytes(grads, seen, device_type)
     out["master"] = 0
     states = [_local(t) for s in fsdp.optimizer.inner.state.values() for t in s.values()]
-    out["optimizer"] = _bytes([t for t in states if t.dim() > 0], seen)
+    out["optimizer"] = _bytes([t for t in states if t.dim() > 0], seen, device_type)
     return out
 
 
-def model_state_bytes(dp) -> dict[str, int]:
-    """{term: bytes} of a DataParallel's model states on this rank (unique storages)."""
+def model_state_bytes(dp, device_type: str | None = None) -> dict[str, int]:
+    """{term: bytes} of a DataParallel's model states on this rank (unique storages), all of
+    them or only those on devices of `device_type`."""
     if not hasattr(dp, "buffers"):
-        return sharded_state_bytes(dp)
+        return sharded_state_bytes(dp, device_type)
     seen: set[int] = set()
-    out = {"weights": _bytes([b.param_data for b in dp.buffers], seen)}
-    out["grads"] = _bytes(
-        [b.grad_data for b in dp.buffers] + [b.grad_shard for b in dp.buffers], seen
-    )
-    out["master"] = _bytes([pc.master for pc in dp.pieces], seen)
+    out = {"weights": _bytes([b.param_data for b in dp.buffers], seen, device_type)}
+    grads = [b.grad_data for b in dp.buffers] + [b.grad_shard for b in dp.buffers]
+    out["grads"] = _bytes(grads, seen, device_type)
+    out["master"] = _bytes([pc.master for pc in dp.pieces], seen, device_type)
     states = [t for s in dp.optimizer.inner.state.values() for t in s.values() if t.dim() > 0]
-    out["optimizer"] = _bytes(states, seen)
+    out["optimizer"] = _bytes(states, seen, device_type)
     return out
 
 
