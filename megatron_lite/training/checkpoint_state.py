@@ -160,9 +160,14 @@ def set_rng_states(tracker, states: dict[str, torch.Tensor]) -> None:
     torch.set_rng_state(states["cpu"])
     if torch.cuda.is_available() and "cuda" in states:
         torch.cuda.set_rng_state(states["cuda"])
-    for name in tracker.states:
-        cuda = states.get(f"tracker/{name}/cuda")
-        tracker.states[name] = (states[f"tracker/{name}/cpu"], cuda)
+    for name, (_, cuda_now) in tracker.states.items():
+        # a CUDA state is restored only where there is CUDA; a checkpoint without one (saved
+        # on CPU) keeps the freshly seeded state, so fork() still switches the CUDA generator
+        cuda = states.get(f"tracker/{name}/cuda") if torch.cuda.is_available() else None
+        tracker.states[name] = (
+            states[f"tracker/{name}/cpu"],
+            cuda if cuda is not None else cuda_now,
+        )
 
 
 def has_master_copies(chunks) -> bool:
