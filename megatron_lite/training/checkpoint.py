@@ -357,6 +357,7 @@ class Checkpointer:
             os.makedirs(tmp)
 
         self.ranks.from_rank0(fresh_dir, io="write")  # every rank waits for the directory
+        tr.dp.wait_params()  # the last step's weight all-gathers (overlap_param_gather) are done
         state, pieces = save_state(tr.chunks, tr.optimizer, tr.mesh, tr.tracker, self.rank)
         meta = {
             "kind": "train",
