@@ -68,10 +68,25 @@ def user_error(e: Exception) -> None:
     sys.exit(2)
 
 
+def local_device(local_rank: int, visible: int | None = None) -> int:
+    """The CUDA device of this rank: its local rank when it sees all of the node's GPUs,
+    device 0 when the launcher binds one GPU per rank (Slurm --gpus-per-task=1)."""
+    visible = torch.cuda.device_count() if visible is None else visible
+    if visible == 1:
+        return 0
+    if local_rank >= visible:
+        raise ConfigError(
+            f"local rank {local_rank} sees {visible} GPUs (CUDA_VISIBLE_DEVICES="
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): more ranks than GPUs on "
+            "this node. Fix: start one rank per GPU (nproc_per_node = GPUs per node)"
+        )
+    return local_rank
+
+
 def init_distributed(cfg: Config) -> None:
     timeout = datetime.timedelta(seconds=cfg.parallel.timeout_s)
     if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(local_device(int(os.environ.get("LOCAL_RANK", "0"))))
         backend = "nccl"
     else:
         backend = "gloo"
@@ -123,7 +138,10 @@ def _main(argv) -> None:
         cfg, dataset, vocab_size = prepare(argv)
     except (ConfigError, DataFileError) as e:
         user_error(e)
-    init_distributed(cfg)
+    try:
+        init_distributed(cfg)
+    except ConfigError as e:  # more ranks than GPUs: before any process group exists
+        user_error(e)
     from megatron_lite.training.run_dir import RunDirError, claim_run_dir
 
     try:  # one run per directory, before anything is written into it (see run_dir.py)

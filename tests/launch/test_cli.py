@@ -150,3 +150,22 @@ def test_wandb_offline_logging_needs_no_network(tmp_path):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and any(runs[0].glob("*.wandb")), list((tmp_path / "wandb").iterdir())
+
+
+@pytest.mark.parametrize(
+    "local_rank, visible, device", [(3, 8, 3), (3, 1, 0), (0, 1, 0), (7, 8, 7)]
+)
+def test_each_rank_picks_its_gpu(local_rank, visible, device):
+    """All of the node's GPUs visible: the local rank's; one GPU bound per rank (Slurm
+    --gpus-per-task=1): device 0, not the local rank (which does not exist there)."""
+    from megatron_lite.train import local_device
+
+    assert local_device(local_rank, visible) == device
+
+
+def test_more_ranks_than_gpus_is_an_error_naming_the_fix():
+    from megatron_lite.config import ConfigError
+    from megatron_lite.train import local_device
+
+    with pytest.raises(ConfigError, match="local rank 4 sees 4 GPUs.*Fix: start one rank per GPU"):
+        local_device(4, 4)
