@@ -18,6 +18,8 @@ dead peer) into a `CollectiveError` naming rank, step, op and group.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
@@ -89,19 +91,19 @@ def _start(kind: str, op: str, payload: torch.Tensor, group, launch) -> AsyncWor
 
 def all_reduce_async(t: torch.Tensor, group, kind: str = "all_reduce") -> AsyncWork:
     """In-place all-reduce (sum) started now, finished by `.wait()`; reports to comm stats."""
-    launch = lambda: dist.all_reduce(t, group=group, async_op=True)  # noqa: E731
+    launch = functools.partial(dist.all_reduce, t, group=group, async_op=True)
     return _start(kind, "all_reduce", t, group, launch)
 
 
 def reduce_scatter_async(out: torch.Tensor, t: torch.Tensor, group, kind: str = "reduce_scatter"):
     """out <- this rank's 1/size chunk of the sum over ranks of t (out may be that chunk of t)."""
-    launch = lambda: _reduce_scatter_into(out, t, group=group, async_op=True)  # noqa: E731
+    launch = functools.partial(_reduce_scatter_into, out, t, group=group, async_op=True)
     return _start(kind, "reduce_scatter", t, group, launch)
 
 
 def all_gather_async(out: torch.Tensor, t: torch.Tensor, group, kind: str = "all_gather_dp"):
     """out <- every rank's t in rank order (t may be this rank's chunk of out)."""
-    launch = lambda: _all_gather_into(out, t, group=group, async_op=True)  # noqa: E731
+    launch = functools.partial(_all_gather_into, out, t, group=group, async_op=True)
     return _start(kind, "all_gather", t, group, launch)
 
 

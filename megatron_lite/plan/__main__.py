@@ -27,12 +27,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--gpu", default="h100", choices=sorted(GPUS))
     ap.add_argument("--nodes", type=int, default=None)
     ap.add_argument("--gpus-per-node", type=int, default=8)
-    ap.add_argument(
-        "--world",
-        type=int,
-        default=None,
-        help="GPUs (default: --nodes × --gpus-per-node, else the config's tp·pp·cp·dp)",
-    )
+    world_help = "GPUs (default: --nodes × --gpus-per-node, else the config's tp·pp·cp·dp)"
+    ap.add_argument("--world", type=int, default=None, help=world_help)
     ap.add_argument("--nvlink-gbps", type=float, default=None, help="GB/s per GPU per direction")
     ap.add_argument("--ib-gbps", type=float, default=None, help="GB/s per GPU per direction")
     ap.add_argument("--mfu", type=float, default=0.45, help="achievable fraction of peak")
