@@ -41,6 +41,13 @@ def _fmt_time(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
 
+def reports_at(step: int, cfg: Config) -> bool:
+    """Whether (0-based) `step` ends a progress interval: every log.interval steps and the
+    last step of the run."""
+    done = step + 1
+    return done % cfg.log.interval == 0 or done == cfg.train.steps
+
+
 class MetricsLogger:
     """Writes `<out_dir>/metrics.jsonl` (every step) and prints a progress line every
     `log.interval` steps with means over the interval; only active on rank 0."""
@@ -93,9 +100,8 @@ class MetricsLogger:
         if self.wandb is not None:
             self.wandb.log(record, step=record["step"])
         self.window.append(record)
-        step, total = record["step"] + 1, self.cfg.train.steps
-        if self.cfg.log.progress and (step % self.cfg.log.interval == 0 or step == total):
-            self._print(step, total, first_step)
+        if self.cfg.log.progress and reports_at(record["step"], self.cfg):
+            self._print(record["step"] + 1, self.cfg.train.steps, first_step)
             self.window = []
 
     def _print(self, step: int, total: int, first_step: int) -> None:

@@ -27,7 +27,7 @@ from megatron_lite.training.activation_memory import SavedTensorMeter
 from megatron_lite.training.checkpoint import Checkpointer
 from megatron_lite.training.flops import model_flops_per_token, peak_tflops
 from megatron_lite.training.lm_step import lm_forward_step
-from megatron_lite.training.logging import MetricsLogger
+from megatron_lite.training.logging import MetricsLogger, reports_at
 from megatron_lite.training.nonfinite import NonFiniteGuard
 from megatron_lite.training.optimizer import build_data_parallel, lr_at, set_lr
 from megatron_lite.training.profiling import StepProfiler
@@ -300,8 +300,9 @@ class Trainer:
     def _measured_forward_backward(self, microbatches, loss_scale: float) -> torch.Tensor:
         """The step's forward and backward, measuring this rank's activation peak: on CPU the
         bytes saved for backward (SavedTensorMeter, parameters and buffers excluded; per layer
-        in last_activation_report), on CUDA the allocator's peak over the forward and backward
-        minus the model-state bytes."""
+        in last_activation_report) on the run's first step and each step that ends a progress
+        interval (log.interval), on CUDA the allocator's peak over the forward and backward
+        minus the model-state bytes, every step."""
         if self.device.type == "cuda":
             self._cuda_peaks = [
                 max(self._cuda_peaks[0], torch.cuda.max_memory_allocated()),
@@ -312,6 +313,10 @@ class Trainer:
             states = sum(self.dp.memory("cuda").values())  # not the offloaded host states
             self._activations = max(torch.cuda.max_memory_allocated() - states, 0)
             return loss_sum
+        if self._activations is not None and not reports_at(self.step, self.cfg):
+            # the meter's hooks cost ~5 ms a step: measure the run's first step and the steps
+            # that end a progress interval; the others keep the last measurement
+            return self._forward_backward(microbatches, loss_scale)
         buffers = [b for c in self.chunks for b in c.buffers()]  # RoPE tables: not activations
         with SavedTensorMeter(exclude=[*self.params, *buffers]) as meter:
             for chunk in self.chunks:

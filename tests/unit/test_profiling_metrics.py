@@ -1,6 +1,7 @@
 """A 1-rank run: profile_steps writes a Chrome trace that parses, metrics.jsonl carries
 mem/activations_peak (equal to the step's saved-tensor report) and tflops_per_rank (the FLOPs
-formula over the step time), and profile_steps is validated."""
+formula over the step time), the saved-tensor meter runs only on the steps that report, and
+profile_steps is validated."""
 
 import json
 import os
@@ -47,6 +48,34 @@ def test_profile_trace_and_step_metrics(tmp_path):
     labels = report["by_label"]
     assert set(labels) == {"embedding", "layer.0", "layer.1", "output/loss"}, labels
     assert labels["layer.0"] == labels["layer.1"], "identical layers save the same bytes"
+
+
+def _metered_steps(rank, world, overrides, out_dir):
+    from megatron_lite.parallel.mesh import ParallelMesh, RankLayout
+    from megatron_lite.train import prepare
+    from megatron_lite.training import activation_memory, trainer
+
+    cfg, dataset, vocab = prepare(["train.out_dir=" + out_dir, *overrides], world_size=world)
+    t = trainer.Trainer(cfg, ParallelMesh(RankLayout(world)), dataset, vocab)
+    metered = []
+
+    class CountingMeter(activation_memory.SavedTensorMeter):
+        def __enter__(self):
+            metered.append(t.step)
+            return super().__enter__()
+
+    trainer.SavedTensorMeter = CountingMeter
+    records = t.train()
+    return metered, [r["mem/activations_peak"] for r in records]
+
+
+def test_meter_runs_on_the_first_step_and_the_reporting_steps(tmp_path):
+    """log.interval=3 over 7 steps: metered on step 0 (the first), 2 and 5 (ends of intervals)
+    and 6 (the last); every record still carries the (same, dense) activation peak."""
+    overrides = [*TINY, "train.steps=7", "log.interval=3"]
+    metered, peaks = run_ranks(1, _metered_steps, overrides, str(tmp_path), timeout=90)[0]
+    assert metered == [0, 2, 5, 6], metered
+    assert len(peaks) == 7 and len(set(peaks)) == 1 and peaks[0] > 0, peaks
 
 
 @pytest.mark.parametrize(
