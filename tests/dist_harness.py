@@ -23,8 +23,9 @@ import traceback
 _CTX = None
 # imported once in the fork server instead of in every rank (~0.7 s each on 2 cores); nothing
 # in them reads the environment at import time except triton's TRITON_INTERPRET, which the
-# root conftest sets before the server starts
-_PRELOAD = ["megatron_lite.train", "megatron_lite.training.trainer"]
+# root conftest sets before the server starts. torch._dynamo is what the first torch.optim
+# optimizer (and a meta-device arange) imports: ~1 s per rank otherwise
+_PRELOAD = ["megatron_lite.train", "megatron_lite.training.trainer", "torch._dynamo"]
 
 
 def _context():
