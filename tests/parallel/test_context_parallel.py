@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from tests.dist_harness import run_ranks
-from tests.parallel.parity import SHORT, max_rel_diff, reference_losses, train_losses
+from tests.parallel.parity import SHORT, assert_parity, reference_losses, train_losses
 
 LAYOUTS = {
     "cp2": (2, ["parallel.cp=2"]),
@@ -17,15 +17,14 @@ LAYOUTS = {
 MODELS = {"llama": ["model.arch=llama", *SHORT], "gpt": ["model.arch=gpt", *SHORT]}
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_cp_loss_parity(layout, model, tmp_path):
     world, overrides = LAYOUTS[layout]
     ref = reference_losses(tuple(MODELS[model]))
     got = train_losses(world, MODELS[model] + overrides, str(tmp_path))
-    diff = max_rel_diff(got, ref)
-    print(f"PARITY {layout} {model}: max rel diff {diff:.2e}")
-    assert diff < 1e-4, f"{layout}/{model}: max relative loss difference {diff:.2e}"
+    assert_parity(got, ref, f"{layout} {model}")
 
 
 def _ulysses_vs_local(rank, world, n, g):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.parallel.parity import SHORT, max_rel_diff, reference_losses, train_losses
+from tests.parallel.parity import SHORT, assert_parity, max_rel_diff, reference_losses, train_losses
 
 LAYOUTS = {
     "tp2": (2, ["parallel.tp=2"]),
@@ -30,15 +30,14 @@ CASES = [
 ]
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("layout,model", CASES)
 def test_loss_parity(layout, model, tmp_path):
     world, overrides = LAYOUTS[layout]
     ref = reference_losses(tuple(MODELS[model]))
     got = train_losses(world, MODELS[model] + overrides, str(tmp_path))
     assert ref[-1] < ref[0] - 0.1, f"reference loss did not fall: {ref}"
-    diff = max_rel_diff(got, ref)
-    print(f"PARITY {layout} {model}: max rel diff {diff:.2e}")
-    assert diff < 1e-4, f"{layout}/{model}: max relative loss difference {diff:.2e}\n{got}\n{ref}"
+    assert_parity(got, ref, f"{layout} {model}")
 
 
 @pytest.mark.parametrize("model", ["llama", "gpt"])

@@ -15,7 +15,7 @@ import pytest
 from megatron_lite.config import ConfigError, load_config
 from megatron_lite.validation import validate
 from tests.dist_harness import run_ranks
-from tests.parallel.parity import SHORT, max_rel_diff, reference_losses, train_losses
+from tests.parallel.parity import SHORT, assert_parity, reference_losses, train_losses
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TIED, UNTIED = ("model.arch=llama",), ("model.arch=llama", "model.tie_embeddings=false")
@@ -35,6 +35,7 @@ LAYOUTS = {
 }  # pp4_vpp2: m=8; tp2_sp_pp2_vpp2_dp2: m=4 (both reach the interleaved steady state)
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_pipeline_loss_parity(layout, tmp_path):
     world, model, overrides = LAYOUTS[layout]
@@ -42,9 +43,7 @@ def test_pipeline_loss_parity(layout, tmp_path):
     ref = reference_losses(model)
     got = train_losses(world, [*model, *overrides], str(tmp_path))
     assert ref[-1] < ref[0] - 0.1, f"reference loss did not fall: {ref}"
-    diff = max_rel_diff(got, ref)
-    print(f"PARITY {layout}: max rel diff {diff:.2e}")
-    assert diff < 1e-4, f"{layout}: max relative loss difference {diff:.2e}\n{got}\n{ref}"
+    assert_parity(got, ref, layout)
 
 
 # world = pp (dp=1), micro batch 2, global batch 6: 3 microbatches per step

@@ -11,13 +11,14 @@ from megatron_lite.pipeline.schedules import get_schedule_table
 from megatron_lite.pipeline.simulate import simulate
 from megatron_lite.resolve import stage_layers
 from megatron_lite.validation import validate
-from tests.parallel.parity import max_rel_diff, reference_losses, train_losses
+from tests.parallel.parity import assert_parity, reference_losses, train_losses
 
 LLAMA = ("model.arch=llama",)  # TINY: 4 layers
 BOTH_ENDS_1_2 = ("parallel.decoder_first_pipeline_num_layers=1",
                  "parallel.decoder_last_pipeline_num_layers=2")  # fmt: skip
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize(
     "world, split",
     [
@@ -28,9 +29,7 @@ BOTH_ENDS_1_2 = ("parallel.decoder_first_pipeline_num_layers=1",
 def test_uneven_split_matches_one_rank(world, split, tmp_path):
     ref = reference_losses(LLAMA)
     got = train_losses(world, [*LLAMA, *split], str(tmp_path))
-    diff = max_rel_diff(got, ref)
-    print(f"UNEVEN {split}: max rel diff {diff:.2e}")
-    assert diff < 1e-5, f"{split}: {diff:.2e}\n{got}\n{ref}"
+    assert_parity(got, ref, f"uneven {split}")
 
 
 def test_simulator_weighs_stages_by_their_layers():

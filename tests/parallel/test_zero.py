@@ -6,6 +6,7 @@ import pytest
 
 from tests.parallel.parity import (
     SHORT,
+    assert_parity,
     max_rel_diff,
     reference_losses,
     train_losses,
@@ -28,15 +29,14 @@ LAYOUTS = {
 }  # fmt: skip
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_zero_loss_parity(layout, tmp_path):
     world, model, overrides = LAYOUTS[layout]
     model = (*model, *SHORT)
     ref = reference_losses(model)
     got = train_losses(world, [*model, *SMALL_BUCKETS, *overrides], str(tmp_path))
-    diff = max_rel_diff(got, ref)
-    print(f"ZERO {layout}: max rel diff {diff:.2e}")
-    assert diff < 1e-5, f"{layout}: max relative loss difference {diff:.2e}\n{got}\n{ref}"
+    assert_parity(got, ref, layout)
 
 
 def test_bf16_stages_track_the_bf16_single_rank(tmp_path):

@@ -8,7 +8,14 @@ import pytest
 
 from megatron_lite.config import ConfigError
 from tests.dist_harness import run_ranks
-from tests.parallel.parity import SHORT, TINY, max_rel_diff, reference_losses, train_losses
+from tests.parallel.parity import (
+    SHORT,
+    TINY,
+    assert_parity,
+    max_rel_diff,
+    reference_losses,
+    train_losses,
+)
 from tests.parallel.test_checkpoint import SAVE, ckpt, losses, train
 
 LLAMA = ("model.arch=llama",)  # tied embeddings
@@ -25,15 +32,14 @@ LAYOUTS = {
 }  # fmt: skip
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_zero3_loss_parity(layout, tmp_path):
     world, model, overrides = LAYOUTS[layout]
     model = (*model, *SHORT)
     ref = reference_losses(model)
     got = train_losses(world, [*model, *overrides], str(tmp_path))
-    diff = max_rel_diff(got, ref)
-    print(f"ZERO3 {layout}: max rel diff {diff:.2e}")
-    assert diff < 1e-5, f"{layout}: max relative loss difference {diff:.2e}\n{got}\n{ref}"
+    assert_parity(got, ref, layout)
 
 
 def test_zero3_bf16_tracks_the_bf16_single_rank(tmp_path):
