@@ -142,15 +142,15 @@ def _main(argv) -> None:
         init_distributed(cfg)
     except ConfigError as e:  # more ranks than GPUs: before any process group exists
         user_error(e)
-    from megatron_lite.training.run_dir import RunDirError, claim_run_dir
+    from megatron_lite.checkpoint.run_dir import RunDirError, claim_run_dir
 
     try:  # one run per directory, before anything is written into it (see run_dir.py)
         run_lock = claim_run_dir(cfg, dist.get_rank(), dist.get_world_size())
     except RunDirError as e:  # rank 0's verdict, broadcast: every rank is here
         exit_together(2, e)
+    from megatron_lite.checkpoint import CheckpointError, CheckpointReadError
     from megatron_lite.parallel.mappings import CollectiveError
     from megatron_lite.parallel.mesh import ParallelMesh, RankLayout
-    from megatron_lite.training.checkpoint import CheckpointError, CheckpointReadError
     from megatron_lite.training.hang_dump import exit_on_collective_error
     from megatron_lite.training.nonfinite import NonFiniteError
     from megatron_lite.training.trainer import Trainer

@@ -8,6 +8,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from megatron_lite.checkpoint import Checkpointer
 from megatron_lite.config import Config
 from megatron_lite.data import build_valid_dataset
 from megatron_lite.data.prefetch import Prefetcher
@@ -24,7 +25,6 @@ from megatron_lite.pipeline.engine import forward_backward
 from megatron_lite.pipeline.p2p import activation_shape, pipeline_dtype
 from megatron_lite.pipeline.trace import SpanRecorder, write_trace
 from megatron_lite.training.activation_memory import SavedTensorMeter
-from megatron_lite.training.checkpoint import Checkpointer
 from megatron_lite.training.flops import model_flops_per_token, peak_tflops
 from megatron_lite.training.lm_step import lm_forward_step
 from megatron_lite.training.logging import MetricsLogger

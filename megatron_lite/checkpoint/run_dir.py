@@ -40,9 +40,9 @@ import time
 
 import torch.distributed as dist
 
+from megatron_lite.checkpoint import files
+from megatron_lite.checkpoint.files import CheckpointError
 from megatron_lite.parallel.mappings import guarded
-from megatron_lite.training import checkpoint_files as files
-from megatron_lite.training.checkpoint_files import CheckpointError
 
 LOCK = "run.lock"
 TAKEOVER = "run.lock.takeover"  # a directory: exists while one run replaces a stale lock

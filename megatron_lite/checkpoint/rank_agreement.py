@@ -20,13 +20,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_lite.parallel.mappings import guarded
-from megatron_lite.training.checkpoint_files import (
+from megatron_lite.checkpoint.files import (
     CheckpointError,
     CheckpointReadError,
     CheckpointWriteError,
     UnsafeCheckpointError,
 )
+from megatron_lite.parallel.mappings import guarded
 
 __all__ = ["RankAgreement", "describe_error"]
 

@@ -37,8 +37,8 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from megatron_lite.checkpoint.exchange import ParamKeys
 from megatron_lite.parallel.params import ParamMeta
-from megatron_lite.training.checkpoint_exchange import ParamKeys
 
 SEGMENT_NAMES = {"linear_qkv": ("q", "k", "v"), "linear_fc1": ("gate", "up")}
 MOMENTS = ("exp_avg", "exp_avg_sq")

@@ -25,7 +25,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from megatron_lite.training.checkpoint_files import (
+from megatron_lite.checkpoint.files import (
     CheckpointError,
     UnsafeCheckpointError,
     data_files,

@@ -49,16 +49,22 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_lite.parallel.mappings import CollectiveError, guarded
-from megatron_lite.resolve import stage_layers
-from megatron_lite.training import checkpoint_files as files
-from megatron_lite.training.checkpoint_exchange import ParallelRead
-from megatron_lite.training.checkpoint_files import (
+from megatron_lite.checkpoint import files
+from megatron_lite.checkpoint.dcp_metadata import (
+    SafeFileSystemReader,
+    listing_with_dcp_files,
+    planned_reads,
+    storage_ranges,
+)
+from megatron_lite.checkpoint.exchange import ParallelRead
+from megatron_lite.checkpoint.files import (
     CheckpointError,
     CheckpointReadError,
     CheckpointWriteError,
 )
-from megatron_lite.training.checkpoint_state import (
+from megatron_lite.checkpoint.rank_agreement import RankAgreement, describe_error
+from megatron_lite.checkpoint.run_dir import ckpt_dir_of, claim_run_dir
+from megatron_lite.checkpoint.state import (
     ShardLoadPlanner,
     ShardSavePlanner,
     add_rng_targets,
@@ -67,14 +73,8 @@ from megatron_lite.training.checkpoint_state import (
     save_state,
     set_rng_states,
 )
-from megatron_lite.training.dcp_metadata import (
-    SafeFileSystemReader,
-    listing_with_dcp_files,
-    planned_reads,
-    storage_ranges,
-)
-from megatron_lite.training.rank_agreement import RankAgreement, describe_error
-from megatron_lite.training.run_dir import ckpt_dir_of, claim_run_dir
+from megatron_lite.parallel.mappings import CollectiveError, guarded
+from megatron_lite.resolve import stage_layers
 
 __all__ = ["Checkpointer", "CheckpointError", "layout_of"]
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)  # SIGINT (Ctrl-C) as SIGTERM
