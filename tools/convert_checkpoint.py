@@ -37,7 +37,7 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 
 from megatron_lite.checkpoint import files  # noqa: E402
 from megatron_lite.checkpoint.dcp_metadata import SafeFileSystemReader  # noqa: E402
-from megatron_lite.checkpoint.files import CheckpointError  # noqa: E402
+from megatron_lite.checkpoint.errors import CheckpointError  # noqa: E402
 from megatron_lite.checkpoint.state import (  # noqa: E402
     Piece,
     ShardLoadPlanner,

@@ -56,12 +56,12 @@ from megatron_lite.checkpoint.dcp_metadata import (
     planned_reads,
     storage_ranges,
 )
-from megatron_lite.checkpoint.exchange import ParallelRead
-from megatron_lite.checkpoint.files import (
+from megatron_lite.checkpoint.errors import (
     CheckpointError,
     CheckpointReadError,
     CheckpointWriteError,
 )
+from megatron_lite.checkpoint.exchange import ParallelRead
 from megatron_lite.checkpoint.rank_agreement import RankAgreement, describe_error
 from megatron_lite.checkpoint.run_dir import ckpt_dir_of, claim_run_dir
 from megatron_lite.checkpoint.state import (

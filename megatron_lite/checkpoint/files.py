@@ -27,29 +27,16 @@ import shutil
 import time
 
 from megatron_lite.atomic import write_atomic
+from megatron_lite.checkpoint.errors import (
+    CheckpointError,
+    CheckpointWriteError,
+    UnsafeCheckpointError,
+)
 
 METADATA = "metadata.json"
 LATEST = "latest"
 FORMAT = "megatron_lite.dcp/1"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be used; the message names the file and says what to do."""
-
-
-class UnsafeCheckpointError(CheckpointError):
-    """A checkpoint file would run code when loaded (see dcp_metadata.py): never skipped
-    over, always reported."""
-
-
-class CheckpointWriteError(CheckpointError):
-    """Writing a checkpoint failed (disk full, permissions, I/O); the previous one is intact."""
-
-
-class CheckpointReadError(RuntimeError):
-    """Reading checkpoints failed for another reason than damage (I/O, permissions): resume
-    stops here rather than fall back to an older checkpoint or to a fresh start."""
 
 
 def step_dir(ckpt_dir: str, step: int) -> str:

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_lite.checkpoint.files import (
+from megatron_lite.checkpoint.errors import (
     CheckpointError,
     CheckpointReadError,
     CheckpointWriteError,

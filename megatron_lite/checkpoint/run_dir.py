@@ -41,7 +41,7 @@ import time
 import torch.distributed as dist
 
 from megatron_lite.checkpoint import files
-from megatron_lite.checkpoint.files import CheckpointError
+from megatron_lite.checkpoint.errors import CheckpointError
 from megatron_lite.parallel.mappings import guarded
 
 LOCK = "run.lock"

@@ -24,7 +24,7 @@ def _train(rank, world, overrides, out_dir, fail_save_at):
     `fail_save_at`: the last rank's writes into that step's save fail (EIO from fsync)."""
     import errno
 
-    from megatron_lite.checkpoint.files import CheckpointError
+    from megatron_lite.checkpoint.errors import CheckpointError
     from megatron_lite.parallel.mesh import ParallelMesh, RankLayout
     from megatron_lite.train import prepare
     from megatron_lite.training.trainer import Trainer

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_lite.checkpoint import files
-from megatron_lite.checkpoint.files import CheckpointError
+from megatron_lite.checkpoint.errors import CheckpointError
 from megatron_lite.checkpoint.state import param_pieces, writer_names
 from megatron_lite.parallel.mesh import RankLayout
 from megatron_lite.parallel.params import ParamMeta, shard
