@@ -99,7 +99,7 @@ def init_distributed(cfg: Config) -> None:
 
 def _restore_signal_defaults() -> None:
     """A supervisor (supervise.py) starts torchrun with the stop signals ignored, and ranks
-    inherit that: give them back their defaults (the Checkpointer installs its handlers)."""
+    inherit that: give them back their defaults (training/signals.py installs its handlers)."""
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         if signal.getsignal(sig) == signal.SIG_IGN:
             signal.signal(sig, signal.SIG_DFL)
@@ -182,6 +182,7 @@ def _main(argv) -> None:
         exit_together(2, e, run_lock)  # the failed save was the last one: nothing is pending
     except NonFiniteError as e:  # every rank saw the same reduced loss and norm
         trainer.checkpointer.finish()
+        trainer.signals.restore()
         exit_together(EXIT_NONFINITE, e, run_lock)
     except CollectiveError as e:  # a hang or a dead peer: write hang/rank<R>.json, exit 1
         rank, world = dist.get_rank(), dist.get_world_size()

@@ -5,7 +5,7 @@
     python -m megatron_lite.train --config ... train.init_from=ckpt/llama-x   # start from it
 
 Loading never runs code from the files: DCP's pickled `.metadata` is read through an
-allow-list (training/dcp_metadata.py) and HF weights only through safetensors.
+allow-list (megatron_lite/checkpoint/dcp_metadata.py) and HF weights only through safetensors.
 
 dcp-to-hf writes model.safetensors (float32, or --dtype bfloat16) and a config.json that
 transformers' LlamaForCausalLM loads. hf-to-dcp writes a model-only checkpoint (kind "model",

@@ -120,19 +120,6 @@ def file_table(
     return table
 
 
-def consumed_samples(meta: dict, train) -> tuple[int, str | None]:
-    """(the data position to continue from, a note when the global batch size changed):
-    checkpoints from before it was stored count step × their global batch size."""
-    saved_gbs = meta["config"].get("train", {}).get("global_batch_size")
-    consumed = meta.get("consumed_samples", meta["step"] * (saved_gbs or 0))
-    if saved_gbs is None or saved_gbs == train.global_batch_size:
-        return consumed, None
-    return consumed, (
-        f"train.global_batch_size changed {saved_gbs} -> {train.global_batch_size}: continuing "
-        f"from sample {consumed} (the next unseen one); the LR schedule continues by step"
-    )
-
-
 HASH_PREFIX = ".sha256.rank"  # an async save's per-writer checksums, merged at the commit
 
 

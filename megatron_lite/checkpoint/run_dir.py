@@ -4,8 +4,9 @@
     <ckpt_dir>/run.lock    the same, when train.ckpt_dir lies outside train.out_dir
 
 `claim_run_dir` (collective) is called by train.main right after the process group exists,
-before anything is written into the run directory, and again by the Checkpointer (a no-op when
-this process already holds the lock, so a Trainer used without train.main is covered too).
+before anything is written into the run directory, and again by CheckpointDir (directory.py; a
+no-op when this process already holds the lock, so a Trainer used without train.main is covered
+too).
 Rank 0 takes the lock: a fully written file is hard-linked into place (atomic, never torn,
 fails if a lock exists); a stale one is replaced under a mkdir mutex (`run.lock.takeover/`,
 atomic on network file systems too) so two runs cannot both take it over. The verdict is

@@ -138,7 +138,7 @@ def named_parameters(chunks) -> list[tuple[str, torch.nn.Parameter]]:
         if buffers:
             raise NotImplementedError(
                 f"persistent buffers {sorted(buffers)[:3]} are not checkpointed: register them "
-                "with persistent=False or add them to training/checkpoint_state.py"
+                "with persistent=False or add them to checkpoint/state.py"
             )
         out += params
     return out
