@@ -122,7 +122,7 @@ class TrainConfig:
     # torch.profiler traces of steps [a, b] (0-based, as in metrics.jsonl); [] = none
     profile_steps: list[int] = field(default_factory=list)
     profile_memory_snapshot: bool = False  # CUDA: also the allocator's history over those steps
-    # checkpointing (training/checkpoint.py)
+    # checkpointing (checkpoint/; when to save: training/signals.py)
     save_interval: int = 0  # save every N steps and after the last one; 0 = never
     keep_checkpoints: int = 2  # newest checkpoints kept in ckpt_dir
     resume: str = "auto"  # auto (newest valid in ckpt_dir, if any) | none | a checkpoint path

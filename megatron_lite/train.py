@@ -99,7 +99,7 @@ def init_distributed(cfg: Config) -> None:
 
 def _restore_signal_defaults() -> None:
     """A supervisor (supervise.py) starts torchrun with the stop signals ignored, and ranks
-    inherit that: give them back their defaults (the Checkpointer installs its handlers)."""
+    inherit that: give them back their defaults (training/signals.py installs its handlers)."""
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         if signal.getsignal(sig) == signal.SIG_IGN:
             signal.signal(sig, signal.SIG_DFL)
@@ -142,15 +142,15 @@ def _main(argv) -> None:
         init_distributed(cfg)
     except ConfigError as e:  # more ranks than GPUs: before any process group exists
         user_error(e)
-    from megatron_lite.training.run_dir import RunDirError, claim_run_dir
+    from megatron_lite.checkpoint.run_dir import RunDirError, claim_run_dir
 
     try:  # one run per directory, before anything is written into it (see run_dir.py)
         run_lock = claim_run_dir(cfg, dist.get_rank(), dist.get_world_size())
     except RunDirError as e:  # rank 0's verdict, broadcast: every rank is here
         exit_together(2, e)
+    from megatron_lite.checkpoint import CheckpointError, CheckpointReadError
     from megatron_lite.parallel.mappings import CollectiveError
     from megatron_lite.parallel.mesh import ParallelMesh, RankLayout
-    from megatron_lite.training.checkpoint import CheckpointError, CheckpointReadError
     from megatron_lite.training.hang_dump import exit_on_collective_error
     from megatron_lite.training.nonfinite import NonFiniteError
     from megatron_lite.training.trainer import Trainer
@@ -182,6 +182,7 @@ def _main(argv) -> None:
         exit_together(2, e, run_lock)  # the failed save was the last one: nothing is pending
     except NonFiniteError as e:  # every rank saw the same reduced loss and norm
         trainer.checkpointer.finish()
+        trainer.signals.restore()
         exit_together(EXIT_NONFINITE, e, run_lock)
     except CollectiveError as e:  # a hang or a dead peer: write hang/rank<R>.json, exit 1
         rank, world = dist.get_rank(), dist.get_world_size()

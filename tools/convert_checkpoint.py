@@ -5,7 +5,7 @@
     python -m megatron_lite.train --config ... train.init_from=ckpt/llama-x   # start from it
 
 Loading never runs code from the files: DCP's pickled `.metadata` is read through an
-allow-list (training/dcp_metadata.py) and HF weights only through safetensors.
+allow-list (megatron_lite/checkpoint/dcp_metadata.py) and HF weights only through safetensors.
 
 dcp-to-hf writes model.safetensors (float32, or --dtype bfloat16) and a config.json that
 transformers' LlamaForCausalLM loads. hf-to-dcp writes a model-only checkpoint (kind "model",
@@ -35,15 +35,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch.distributed.checkpoint as dcp  # noqa: E402
 
-from megatron_lite.config import ModelConfig  # noqa: E402
-from megatron_lite.training import checkpoint_files as files  # noqa: E402
-from megatron_lite.training.checkpoint_files import CheckpointError  # noqa: E402
-from megatron_lite.training.checkpoint_state import (  # noqa: E402
+from megatron_lite.checkpoint import files  # noqa: E402
+from megatron_lite.checkpoint.dcp_metadata import SafeFileSystemReader  # noqa: E402
+from megatron_lite.checkpoint.errors import CheckpointError  # noqa: E402
+from megatron_lite.checkpoint.state import (  # noqa: E402
     Piece,
     ShardLoadPlanner,
     ShardSavePlanner,
 )
-from megatron_lite.training.dcp_metadata import SafeFileSystemReader  # noqa: E402
+from megatron_lite.config import ModelConfig  # noqa: E402
 
 LAYER = {  # ours (under layers.<i>.) -> HF (under model.layers.<i>.)
     "input_norm.weight": "input_layernorm.weight",

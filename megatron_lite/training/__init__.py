@@ -1,1 +1,2 @@
-"""Trainer loop, optimizer and LR schedule, gradient finalization, logging."""
+"""Trainer loop, stop signals and the save policy, optimizer and LR schedule, gradient
+finalization, logging (checkpoints themselves: megatron_lite/checkpoint/)."""

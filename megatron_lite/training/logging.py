@@ -8,8 +8,8 @@ import sys
 import time
 
 from megatron_lite.atomic import write_atomic
+from megatron_lite.checkpoint.run_dir import new_aside_dir
 from megatron_lite.config import Config
-from megatron_lite.training.run_dir import new_aside_dir
 
 
 def read_records(path: str) -> tuple[list[tuple[int, str]], list[tuple[int, str]]]:

@@ -8,6 +8,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from megatron_lite.checkpoint import CheckpointDir, Checkpointer
 from megatron_lite.config import Config
 from megatron_lite.data import build_valid_dataset
 from megatron_lite.data.prefetch import Prefetcher
@@ -24,13 +25,13 @@ from megatron_lite.pipeline.engine import forward_backward
 from megatron_lite.pipeline.p2p import activation_shape, pipeline_dtype
 from megatron_lite.pipeline.trace import SpanRecorder, write_trace
 from megatron_lite.training.activation_memory import SavedTensorMeter
-from megatron_lite.training.checkpoint import Checkpointer
 from megatron_lite.training.flops import model_flops_per_token, peak_tflops
 from megatron_lite.training.lm_step import lm_forward_step
 from megatron_lite.training.logging import MetricsLogger, reports_at
 from megatron_lite.training.nonfinite import NonFiniteGuard
 from megatron_lite.training.optimizer import build_data_parallel, lr_at, set_lr
 from megatron_lite.training.profiling import StepProfiler
+from megatron_lite.training.signals import StopSignals
 
 
 class Trainer:
@@ -46,12 +47,12 @@ class Trainer:
         self.tracker = model_parallel_seed(cfg.train.seed, mesh.tp.rank, mesh.pp.rank)
         self.step = 0
         self.consumed_samples = 0  # the data position (a checkpoint restores it)
-        self.checkpointer = Checkpointer(self)  # resumes per train.resume / train.init_from
+        self.checkpoint_dir = CheckpointDir(cfg)  # groups and run lock; what resume will load
         # the weights are built on the meta device and given uninitialized storage on this
         # rank's device (never drawn), then drawn only when no checkpoint
         # will fill them, after the data-parallel wrapper, except under ZeRO-3 from scratch:
         # FSDP2 shards the weights it is given, so they are drawn first
-        will_load = self.checkpointer.will_load()
+        will_load = self.checkpoint_dir.will_load()
         init_now = cfg.parallel.zero_stage == 3 and not will_load
         self.chunks = build_model(
             cfg, mesh, self.tracker, vocab_size, init=init_now, device=self.device
@@ -78,10 +79,16 @@ class Trainer:
             cfg.train.global_batch_size * cfg.model.seq_length
         )
         self.peak_tflops = self._peak_tflops()
-        loaded = self.checkpointer.resume()  # sets step and consumed_samples when it loads
-        if loaded != will_load:  # resume either loads what will_load saw or raises
-            raise RuntimeError(f"checkpoint expected {will_load}, loaded {loaded}")
-        if not loaded and not init_now:
+        self.checkpointer = Checkpointer(  # resumes per train.resume / train.init_from
+            cfg, mesh, self.chunks, self.dp, self.tracker, self.device, self.checkpoint_dir
+        )
+        self.signals = StopSignals(self.checkpointer, cfg.train)  # installed by train()
+        loaded = self.checkpointer.resume()  # (step, consumed_samples), None: nothing loaded
+        if (loaded is not None) != will_load:  # resume either loads what will_load saw or raises
+            raise RuntimeError(f"checkpoint expected {will_load}, loaded {loaded is not None}")
+        if loaded is not None:
+            self.step, self.consumed_samples = loaded
+        if loaded is None and not init_now:
             for chunk in self.chunks:
                 init_parameters(chunk, cfg.train.seed)  # each rank draws only its shard
             self.optimizer.sync_masters_from_params()
@@ -227,7 +234,7 @@ class Trainer:
         owner = mesh.is_last_stage and mesh.tp.rank == 0
         grad_sq = self.dp.grad_square_sum()
         loss_part = loss_sum.reshape(()).double() if owner else torch.zeros_like(grad_sq)
-        signalled = float(self.checkpointer.signal_received is not None)
+        signalled = float(self.signals.received is not None)
         changed = float(self._activations != self._activations_reduced)
         flags = [torch.full_like(grad_sq, signalled), torch.full_like(grad_sq, changed)]
         sums = torch.stack([grad_sq, loss_part, *flags])
@@ -360,7 +367,7 @@ class Trainer:
     def train(self) -> list[dict]:
         records = []
         first, t = self.step, self.cfg.train
-        self.checkpointer.start()
+        self.signals.install()
         start, gbs = self.consumed_samples, t.global_batch_size  # bound now: the loop moves it
         positions = [start + k * gbs for k in range(t.steps - first)]
         self._prefetch = Prefetcher(self._fetch, positions, depth=2)
@@ -375,7 +382,9 @@ class Trainer:
                 if self._eval_due():
                     record["eval_loss"] = self.evaluate()
                 # saves when due; stops when a rank got a signal (agreed in train_step)
-                stop = self.checkpointer.after_step(record, self.stop_requested)
+                stop = self.signals.after_step(
+                    record, self.step, self.consumed_samples, self.stop_requested
+                )
                 self.logger.log(record, first)
                 records.append(record)
                 if stop:
@@ -385,5 +394,6 @@ class Trainer:
             self._prefetch.close()
             self._prefetch = None
         self.checkpointer.finish()
+        self.signals.restore()
         self.logger.close()
         return records

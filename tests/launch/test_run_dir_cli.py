@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 
-from megatron_lite.training import checkpoint_files as files
+from megatron_lite.checkpoint import files
 from tests.crafted_checkpoint import craft_metadata
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

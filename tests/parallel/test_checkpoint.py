@@ -39,9 +39,9 @@ def _train(rank, world, overrides, out_dir, mode):
 
     import torch.distributed as dist
 
+    from megatron_lite.checkpoint import files as checkpoint_files
     from megatron_lite.parallel.mesh import ParallelMesh, RankLayout
     from megatron_lite.train import prepare
-    from megatron_lite.training import checkpoint_files
     from megatron_lite.training.trainer import Trainer
 
     if mode == "crash20":
@@ -264,7 +264,7 @@ def test_async_save_slower_than_the_timeout_completes(tmp_path):
     records = run_ranks(2, _slow_writes, args, str(tmp_path), timeout=120)[0]
     assert [s for s, _, _ in records] == list(range(3)), records
     step4 = os.path.join(tmp_path, "checkpoints", "step_3")
-    from megatron_lite.training import checkpoint_files as files
+    from megatron_lite.checkpoint import files
 
     files.verify(step4)  # every file's checksum, hashed by the rank that wrote it
     assert not [n for n in os.listdir(step4) if n.startswith(".sha256")]

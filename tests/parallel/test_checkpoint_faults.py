@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 
-from megatron_lite.training import checkpoint_files as files
+from megatron_lite.checkpoint import files
 from tests.crafted_checkpoint import craft_metadata
 from tests.dist_harness import run_ranks
 from tests.parallel.parity import TINY
@@ -24,9 +24,9 @@ def _train(rank, world, overrides, out_dir, fail_save_at):
     `fail_save_at`: the last rank's writes into that step's save fail (EIO from fsync)."""
     import errno
 
+    from megatron_lite.checkpoint.errors import CheckpointError
     from megatron_lite.parallel.mesh import ParallelMesh, RankLayout
     from megatron_lite.train import prepare
-    from megatron_lite.training.checkpoint_files import CheckpointError
     from megatron_lite.training.trainer import Trainer
 
     cfg, dataset, vocab = prepare(["train.out_dir=" + out_dir, *overrides], world_size=world)

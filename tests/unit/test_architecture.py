@@ -19,6 +19,8 @@ FORBIDDEN = {
     "context": ("config", "validation", "training", "plan"),
     "models": ("training", "plan"),
     "data": ("models", "plan"),
+    # checkpoints are built from config, mesh, chunks, DP wrapper and RNG: no Trainer
+    "checkpoint": ("training", "plan"),
     # the planner is a top-level consumer (like train.py): nothing below it imports it
     "training": ("plan",),
     "validation": ("plan",),
@@ -203,6 +205,16 @@ BROKEN_TREES = {
     "data imports models": (
         {"megatron_lite/data/x.py": "from megatron_lite.models import build_model\n"},
         "megatron_lite/data/x.py:1: data/ must not import megatron_lite.models",
+    ),
+    "checkpoint imports training": (
+        {
+            "megatron_lite/checkpoint/checkpointer.py": (
+                "from megatron_lite.training.trainer import Trainer\n"
+            ),
+            "megatron_lite/training/trainer.py": "",
+        },
+        "megatron_lite/checkpoint/checkpointer.py:1: checkpoint/ must not import "
+        "megatron_lite.training.trainer",
     ),
     "an import circle": (
         {

@@ -9,11 +9,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from megatron_lite.checkpoint import files
+from megatron_lite.checkpoint.errors import CheckpointError
+from megatron_lite.checkpoint.state import param_pieces, writer_names
 from megatron_lite.parallel.mesh import RankLayout
 from megatron_lite.parallel.params import ParamMeta, shard
-from megatron_lite.training import checkpoint_files as files
-from megatron_lite.training.checkpoint_files import CheckpointError
-from megatron_lite.training.checkpoint_state import param_pieces, writer_names
 
 
 def fake_save(ckpt_dir: str, step: int, keep: int = 2) -> str:

@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from megatron_lite.training import checkpoint_files as files
-from megatron_lite.training.checkpoint_files import CheckpointError
+from megatron_lite.checkpoint import files
+from megatron_lite.checkpoint.errors import CheckpointError
 from tests.unit.test_checkpoint_files import fake_save
 
 

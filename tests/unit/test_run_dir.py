@@ -13,10 +13,9 @@ import sys
 
 import pytest
 
+from megatron_lite.checkpoint import files, run_dir
+from megatron_lite.checkpoint.run_dir import Holder, RunDirError, RunLock, claim_run_dir
 from megatron_lite.config import load_config
-from megatron_lite.training import checkpoint_files as files
-from megatron_lite.training import run_dir
-from megatron_lite.training.run_dir import Holder, RunDirError, RunLock, claim_run_dir
 from tests.unit.test_checkpoint_files import fake_save
 
 
@@ -60,7 +59,7 @@ def test_lock_names_its_holder_and_is_released(tmp_path):
 
 
 def test_live_holder_is_refused_by_name(tmp_path, live_process):
-    from megatron_lite.training.run_dir import _start_ticks
+    from megatron_lite.checkpoint.run_dir import _start_ticks
 
     plant_lock(tmp_path, pid=live_process.pid, start_ticks=_start_ticks(live_process.pid))
     before = lock_holder(tmp_path)

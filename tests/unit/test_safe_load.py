@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-from megatron_lite.training import checkpoint_files as files
-from megatron_lite.training.checkpoint_files import CheckpointError, UnsafeCheckpointError
-from megatron_lite.training.dcp_metadata import read_dcp_metadata
+from megatron_lite.checkpoint import files
+from megatron_lite.checkpoint.dcp_metadata import read_dcp_metadata
+from megatron_lite.checkpoint.errors import CheckpointError, UnsafeCheckpointError
 from tests.crafted_checkpoint import craft_metadata
 from tools import convert_checkpoint as convert
 

@@ -37,8 +37,8 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from megatron_lite.checkpoint.exchange import ParamKeys
 from megatron_lite.parallel.params import ParamMeta
-from megatron_lite.training.checkpoint_exchange import ParamKeys
 
 SEGMENT_NAMES = {"linear_qkv": ("q", "k", "v"), "linear_fc1": ("gate", "up")}
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -138,7 +138,7 @@ def named_parameters(chunks) -> list[tuple[str, torch.nn.Parameter]]:
         if buffers:
             raise NotImplementedError(
                 f"persistent buffers {sorted(buffers)[:3]} are not checkpointed: register them "
-                "with persistent=False or add them to training/checkpoint_state.py"
+                "with persistent=False or add them to checkpoint/state.py"
             )
         out += params
     return out

@@ -25,11 +25,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from megatron_lite.training.checkpoint_files import (
-    CheckpointError,
-    UnsafeCheckpointError,
-    data_files,
-)
+from megatron_lite.checkpoint.errors import CheckpointError, UnsafeCheckpointError
+from megatron_lite.checkpoint.files import data_files
 
 DCP_METADATA = ".metadata"
 # modules whose dataclasses and enums (defined there) make up DCP's metadata

@@ -4,8 +4,9 @@
     <ckpt_dir>/run.lock    the same, when train.ckpt_dir lies outside train.out_dir
 
 `claim_run_dir` (collective) is called by train.main right after the process group exists,
-before anything is written into the run directory, and again by the Checkpointer (a no-op when
-this process already holds the lock, so a Trainer used without train.main is covered too).
+before anything is written into the run directory, and again by CheckpointDir (directory.py; a
+no-op when this process already holds the lock, so a Trainer used without train.main is covered
+too).
 Rank 0 takes the lock: a fully written file is hard-linked into place (atomic, never torn,
 fails if a lock exists); a stale one is replaced under a mkdir mutex (`run.lock.takeover/`,
 atomic on network file systems too) so two runs cannot both take it over. The verdict is
@@ -40,9 +41,9 @@ import time
 
 import torch.distributed as dist
 
+from megatron_lite.checkpoint import files
+from megatron_lite.checkpoint.errors import CheckpointError
 from megatron_lite.parallel.mappings import guarded
-from megatron_lite.training import checkpoint_files as files
-from megatron_lite.training.checkpoint_files import CheckpointError
 
 LOCK = "run.lock"
 TAKEOVER = "run.lock.takeover"  # a directory: exists while one run replaces a stale lock

@@ -1,4 +1,4 @@
-"""Cross-rank agreement on checkpoint errors, over the checkpointer's control group.
+"""Cross-rank agreement on checkpoint errors, over the checkpoint control group (directory.py).
 
 A checkpoint step that fails on one rank (a file it cannot read, a write that hits EIO, a
 crafted `.metadata`) must fail on every rank, with the same error class and message: otherwise
@@ -20,13 +20,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_lite.parallel.mappings import guarded
-from megatron_lite.training.checkpoint_files import (
+from megatron_lite.checkpoint.errors import (
     CheckpointError,
     CheckpointReadError,
     CheckpointWriteError,
     UnsafeCheckpointError,
 )
+from megatron_lite.parallel.mappings import guarded
 
 __all__ = ["RankAgreement", "describe_error"]
 
@@ -74,7 +74,7 @@ def _raise_agreed(errors: list[tuple[str, str]]) -> None:
 
 
 class RankAgreement:
-    """Control-group collectives of one Checkpointer (`group`: a gloo group of all `world`
+    """Control-group collectives of one run's checkpoints (`group`: a gloo group of all `world`
     ranks); every method is collective and is called on every rank in the same order."""
 
     def __init__(self, rank: int, world: int, group) -> None:

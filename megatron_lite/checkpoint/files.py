@@ -27,29 +27,16 @@ import shutil
 import time
 
 from megatron_lite.atomic import write_atomic
+from megatron_lite.checkpoint.errors import (
+    CheckpointError,
+    CheckpointWriteError,
+    UnsafeCheckpointError,
+)
 
 METADATA = "metadata.json"
 LATEST = "latest"
 FORMAT = "megatron_lite.dcp/1"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be used; the message names the file and says what to do."""
-
-
-class UnsafeCheckpointError(CheckpointError):
-    """A checkpoint file would run code when loaded (see dcp_metadata.py): never skipped
-    over, always reported."""
-
-
-class CheckpointWriteError(CheckpointError):
-    """Writing a checkpoint failed (disk full, permissions, I/O); the previous one is intact."""
-
-
-class CheckpointReadError(RuntimeError):
-    """Reading checkpoints failed for another reason than damage (I/O, permissions): resume
-    stops here rather than fall back to an older checkpoint or to a fresh start."""
 
 
 def step_dir(ckpt_dir: str, step: int) -> str:
@@ -131,19 +118,6 @@ def file_table(
             row["sha256"] = sha256_file(full)
         table[name] = row
     return table
-
-
-def consumed_samples(meta: dict, train) -> tuple[int, str | None]:
-    """(the data position to continue from, a note when the global batch size changed):
-    checkpoints from before it was stored count step × their global batch size."""
-    saved_gbs = meta["config"].get("train", {}).get("global_batch_size")
-    consumed = meta.get("consumed_samples", meta["step"] * (saved_gbs or 0))
-    if saved_gbs is None or saved_gbs == train.global_batch_size:
-        return consumed, None
-    return consumed, (
-        f"train.global_batch_size changed {saved_gbs} -> {train.global_batch_size}: continuing "
-        f"from sample {consumed} (the next unseen one); the LR schedule continues by step"
-    )
 
 
 HASH_PREFIX = ".sha256.rank"  # an async save's per-writer checksums, merged at the commit
