@@ -168,9 +168,7 @@ class OursRunner:
         mesh = ParallelMesh(RankLayout(world, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, order=p.order))
         self.trainer = Trainer(cfg, mesh, dataset, vocab)
         self.memory, self.phases, self._probe = None, {}, None
-        dp, opt = getattr(self.trainer, "dp", None), self.trainer.optimizer
-        if all(hasattr(dp, a) for a in ("finish_grad_sync", "step")):
-            self._instrument(dp, opt)
+        self._instrument(self.trainer.dp, self.trainer.optimizer)
 
     def _instrument(self, dp, opt) -> None:
         sync, dp_step, opt_step = dp.finish_grad_sync, dp.step, opt.step
@@ -198,7 +196,7 @@ class OursRunner:
         """model_state_bytes' arguments: parameters, optimizer, roots (DataParallel, FSDP)."""
         t = self.trainer
         fsdp = [m._get_fsdp_state() for c in t.chunks for m in c.modules() if _fsdp(m)]
-        return t.params, t.optimizer, [getattr(t, "dp", None), *fsdp]
+        return t.params, t.optimizer, [t.dp, *fsdp]
 
     def step(self, probe) -> None:
         self._probe, self.phases = probe, {}

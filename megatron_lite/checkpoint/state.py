@@ -179,8 +179,7 @@ def whole_weights(optimizer, gather: bool = True) -> dict[int, torch.Tensor]:
     """id(param) -> the whole local tensor of each parameter, from an optimizer whose parameters
     are themselves sharded (ZeRO-3: `full_weights`, collective); empty when they are whole.
     gather=False: tensors of those shapes to load into (nothing gathered)."""
-    full = getattr(optimizer, "full_weights", None)
-    return full(gather=gather) if full is not None else {}
+    return optimizer.full_weights(gather=gather)  # DataParallelOptimizer: {} in stages 0-2
 
 
 def save_state(chunks, optimizer, mesh, tracker, rank: int):

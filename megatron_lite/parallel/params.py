@@ -4,7 +4,7 @@ Every parameter carries a `ParamMeta` saying how its full (logical) tensor is sh
 tensor is defined blockwise along its sharded dim, each block drawn from a generator seeded by
 (seed, init name, block), so a rank draws only the blocks its shard touches (time and memory
 follow the shard) and the same seed gives the same model whatever the layout. Gradient finalization,
-grad-norm clipping and checkpoints read the same metadata.
+grad-norm clipping (parallel/data_parallel/finalize.py) and checkpoints read the same metadata.
 
 A parameter without metadata (a plain `nn.Linear` or `nn.LayerNorm` mixed into a model) is
 treated as replicated on every rank: `init_parameters` marks it so and runs its module's own
@@ -47,28 +47,6 @@ def unique_owner(meta: ParamMeta, mesh) -> bool:
     if meta.is_expert:  # sharded over EP (meta.tp_*), replicated over TP and edp
         return mesh.edp.rank == 0 and mesh.tp.rank == 0
     return mesh.dp_cp.rank == 0 and (meta.tp_dim is not None or mesh.tp.rank == 0)
-
-
-def identical_copies(meta: ParamMeta, data_replicas: int, tp_size: int) -> int:
-    """How many ranks hold an identical copy of a parameter's local elements, for counting each
-    element once in the global gradient norm: its data-parallel replicas, times TP when it is
-    not TP-sharded (experts: tp_dim is the EP shard dim); 0 for the tied last-stage copy,
-    which the first stage already counts."""
-    if meta.tied_copy:
-        return 0
-    if meta.tp_dim is None or meta.is_expert:
-        return data_replicas * tp_size
-    return data_replicas
-
-
-def square_sum_share(entries, tp_size: int, device) -> torch.Tensor:
-    """This rank's share of the global Σg² (fp64) from (meta, local grad, data replicas)."""
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    for meta, grad, data_replicas in entries:
-        n = identical_copies(meta, data_replicas, tp_size)
-        if n:
-            total += torch.linalg.vector_norm(grad, dtype=torch.float64).square() / n
-    return total
 
 
 def set_meta(p: torch.nn.Parameter, **kw) -> torch.nn.Parameter:

@@ -4,6 +4,7 @@ The function `simulate` is not re-exported here: that name stays the module
 `megatron_lite.pipeline.simulate` (use `from megatron_lite.pipeline.simulate import simulate`).
 """
 
+from megatron_lite.pipeline.engine import PipelineStats, forward_backward
 from megatron_lite.pipeline.schedules import (
     Action,
     comm_batches,
@@ -28,12 +29,14 @@ from megatron_lite.pipeline.simulate import (
 __all__ = [
     "Action",
     "DeadlockError",
+    "PipelineStats",
     "ScheduleError",
     "SimResult",
     "Span",
     "chrome_trace",
     "comm_batches",
     "format_actions",
+    "forward_backward",
     "get_schedule",
     "get_schedule_table",
     "interleaved_one_f_one_b",

@@ -7,41 +7,31 @@ import math
 import torch
 
 from megatron_lite.config import Config, TrainConfig
-from megatron_lite.parallel.data_parallel import DataParallel, FullyShardedDataParallel
+from megatron_lite.parallel import data_parallel
+from megatron_lite.parallel.data_parallel import DataParallelWrapper
 
 
-def build_data_parallel(chunks, mesh, cfg: Config) -> DataParallel | FullyShardedDataParallel:
-    """Gradient buffers, bucketed reduction and AdamW for the configured ZeRO stage (stage 3:
-    FSDP2). Weight decay on matrices only (not norms, biases or other 1-D parameters)."""
+def build_data_parallel(chunks, mesh, cfg: Config) -> DataParallelWrapper:
+    """`parallel.data_parallel.build_data_parallel` with the config's fields (stage 3: FSDP2;
+    weight decay on matrices only). The weights compute in the parameters' dtype: bf16 under
+    train.precision=bf16 (the trainer casts them first)."""
     p, t = cfg.parallel, cfg.train
-    common = dict(
-        dp_shard=p.dp_shard,
-        tie_embeddings=cfg.model.tie_embeddings,
+    return data_parallel.build_data_parallel(
+        chunks,
+        mesh,
+        zero_stage=p.zero_stage,
         lr=t.lr,
         betas=(t.adam_beta1, t.adam_beta2),
         eps=t.adam_eps,
         weight_decay=t.weight_decay,
-    )
-    reduce_dtype = torch.bfloat16 if p.grad_reduce_dtype == "bf16" else torch.float32
-    if p.zero_stage == 3:
-        return FullyShardedDataParallel(
-            chunks,
-            mesh,
-            reshard_after_forward=p.reshard_after_forward,
-            param_dtype=torch.bfloat16 if t.precision == "bf16" else torch.float32,
-            reduce_dtype=reduce_dtype,
-            **common,
-        )
-    return DataParallel(
-        chunks,
-        mesh,
-        zero_stage=p.zero_stage,
+        dp_shard=p.dp_shard,
         bucket_size=p.ddp_bucket_size,
         overlap_grad_reduce=p.overlap_grad_reduce,
         overlap_param_gather=p.overlap_param_gather,
-        grad_reduce_dtype=reduce_dtype,
+        grad_reduce_dtype=torch.bfloat16 if p.grad_reduce_dtype == "bf16" else torch.float32,
         offload=t.optimizer_offload == "cpu",
-        **common,
+        reshard_after_forward=p.reshard_after_forward,
+        tie_embeddings=cfg.model.tie_embeddings,
     )
 
 

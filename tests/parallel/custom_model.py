@@ -15,6 +15,7 @@ from torch import nn
 from megatron_lite.moe import MoELayer
 from megatron_lite.parallel import mappings
 from megatron_lite.parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron_lite.parallel.data_parallel import clip_grads, finalize_grads, local_grad_square_sum
 from megatron_lite.parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -23,9 +24,7 @@ from megatron_lite.parallel.layers import (
 from megatron_lite.parallel.mesh import ParallelMesh, RankLayout
 from megatron_lite.parallel.norms import LayerNorm
 from megatron_lite.parallel.params import init_parameters
-from megatron_lite.pipeline import virtual_stage
-from megatron_lite.pipeline.engine import forward_backward
-from megatron_lite.training.grads import clip_grads, finalize_grads, local_grad_square_sum
+from megatron_lite.pipeline import forward_backward, virtual_stage
 
 VOCAB, HIDDEN, HEADS, FFN, SEQ, LAYERS, EXPERTS = 96, 32, 4, 64, 16, 4, 4
 MOE_BLOCK = 2  # the third block is a mixture of experts

@@ -1,10 +1,35 @@
-"""Data parallelism: gradient buffers with overlapped bucketed reduction, and the distributed
-optimizer (ZeRO-1/2, hybrid sharding, optimizer offload), see ddp.py; ZeRO-3 through FSDP2,
-see fsdp.py."""
+"""Data parallelism for any model built from our blocks: `build_data_parallel(chunks, mesh,
+zero_stage=..., ...)` returns a `DataParallelWrapper` (interface.py; builder.py documents the
+arguments): gradient buffers with overlapped bucketed reduction and the distributed optimizer
+(ZeRO-1/2, hybrid sharding, optimizer offload, see ddp.py), or ZeRO-3 through FSDP2 (fsdp.py).
+For a plain torch optimizer, `finalize_grads`, `local_grad_square_sum` and `clip_grads`
+(finalize.py, which owns the gradient finalization of every path)."""
 
 from megatron_lite.parallel.data_parallel.buffers import Bucket, GradBuffer
+from megatron_lite.parallel.data_parallel.builder import build_data_parallel
 from megatron_lite.parallel.data_parallel.ddp import DataParallel
+from megatron_lite.parallel.data_parallel.finalize import (
+    clip_grads,
+    finalize_grads,
+    local_grad_square_sum,
+)
 from megatron_lite.parallel.data_parallel.fsdp import FullyShardedDataParallel
+from megatron_lite.parallel.data_parallel.interface import (
+    DataParallelOptimizer,
+    DataParallelWrapper,
+)
 from megatron_lite.parallel.data_parallel.optimizer import ShardedAdamW
 
-__all__ = ["Bucket", "DataParallel", "FullyShardedDataParallel", "GradBuffer", "ShardedAdamW"]
+__all__ = [
+    "Bucket",
+    "DataParallel",
+    "DataParallelOptimizer",
+    "DataParallelWrapper",
+    "FullyShardedDataParallel",
+    "GradBuffer",
+    "ShardedAdamW",
+    "build_data_parallel",
+    "clip_grads",
+    "finalize_grads",
+    "local_grad_square_sum",
+]

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_lite.parallel import mappings
+from megatron_lite.parallel.data_parallel.finalize import data_replicas
 
 
 @dataclass
@@ -71,6 +72,8 @@ class GradBuffer:
         self.group, self.shard_group, self.replica_group = group, shard_group, replica_group
         self.shard_size = mappings.size(shard_group) if shard_group is not None else 1
         self.shard_rank = dist.get_rank(shard_group) if self.shard_size > 1 else 0
+        # ranks holding an identical copy of a reduced element (the global grad norm's count)
+        self.replicas = data_replicas(mappings.size(group), self.shard_size)
         self.reduce_dtype, self.keep_full_grads, self.overlap = (
             reduce_dtype,
             keep_full_grads,

@@ -20,12 +20,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_lite.parallel import mappings
+from megatron_lite.parallel.data_parallel import finalize
 from megatron_lite.parallel.data_parallel.buffers import GradBuffer
-from megatron_lite.parallel.data_parallel.memory import model_state_bytes
+from megatron_lite.parallel.data_parallel.finalize import LocalGrad, tied_params
+from megatron_lite.parallel.data_parallel.memory import buffer_state_bytes
 from megatron_lite.parallel.data_parallel.optimizer import ShardedAdamW, make_pieces
 from megatron_lite.parallel.mesh import ParallelMesh
-from megatron_lite.parallel.params import meta_of, square_sum_share
+from megatron_lite.parallel.params import meta_of
 
 
 def hybrid_groups(mesh: ParallelMesh, name: str, dp_shard: int):
@@ -47,17 +48,11 @@ def hybrid_groups(mesh: ParallelMesh, name: str, dp_shard: int):
     return mine
 
 
-def tied_params(chunks) -> list[torch.nn.Parameter]:
-    """The input embedding and its last-stage copy (summed over the embedding group)."""
-    out = []
-    for c in chunks:
-        for name, p in c.named_parameters():
-            if meta_of(p).tied_copy or name == "embedding.weight":
-                out.append(p)
-    return out
-
-
 class DataParallel:
+    """ZeRO stage 0, 1 or 2 for one rank's model chunks (see the module docstring); implements
+    `DataParallelWrapper` (interface.py). Build it with `build_data_parallel` (builder.py),
+    which documents the arguments."""
+
     def __init__(
         self,
         chunks: list[torch.nn.Module],
@@ -111,7 +106,6 @@ class DataParallel:
                     keep_full_grads=zero_stage < 2,
                     overlap=overlap_grad_reduce,
                 )
-                buf.replicas = mappings.size(group if shard is None else replica)
                 self.buffers.append(buf)
         self.pieces = make_pieces(self.buffers, offload)
         self.optimizer = ShardedAdamW(self.pieces, lr, betas, eps, weight_decay, offload)
@@ -140,32 +134,25 @@ class DataParallel:
         for buf in self.buffers:
             buf.start_step(num_microbatches)
 
-    @torch.no_grad()
+    def _local_grads(self) -> list[LocalGrad]:
+        """This rank's reduced gradient shard, one entry per piece (parameter ∩ shard)."""
+        return [LocalGrad(pc.param, pc.grad, pc.buffer.replicas) for pc in self.pieces]
+
     def finish_grad_sync(self) -> None:
         """Every bucket reduced, then the sums over TP (sequence-parallel replicas) and over the
-        embedding group (tied embeddings) on this rank's shard."""
+        embedding group (tied embeddings) on this rank's shard (see finalize.py)."""
         for buf in self.buffers:
             buf.finish()
-        sp = [pc.grad for pc in self.pieces if meta_of(pc.param).sequence_parallel]
-        mappings.all_reduce_flat(sp, self.mesh.tp.group)
-        tied = {id(p) for p in self.tied}
-        mappings.all_reduce_flat(
-            [pc.grad for pc in self.pieces if id(pc.param) in tied], self.mesh.embedding.group
-        )
+        finalize.sum_model_parallel_copies(self._local_grads(), self.mesh, self.tied)
 
-    @torch.no_grad()
     def grad_square_sum(self) -> torch.Tensor:
-        """This rank's share of the global Σg² (fp64): each element of a shard divided by the
-        number of ranks holding an identical copy (replicas of the shard; TP replicas of
-        unsharded parameters; the tied last-stage copy counts zero times)."""
+        """This rank's share of the global Σg² (fp64), see `finalize.grad_square_sum`."""
         device = self.buffers[0].grad_data.device if self.buffers else torch.device("cpu")
-        entries = [(meta_of(pc.param), pc.grad, pc.buffer.replicas) for pc in self.pieces]
-        return square_sum_share(entries, self.mesh.tp.size, device)
+        return finalize.grad_square_sum(self._local_grads(), self.mesh.tp.size, device)
 
-    @torch.no_grad()
     def clip(self, norm: float, max_norm: float) -> None:
-        if max_norm > 0 and norm > max_norm:
-            torch._foreach_mul_([pc.grad for pc in self.pieces], max_norm / (norm + 1e-6))
+        """Scale this rank's gradient shard by max_norm / norm when norm > max_norm > 0."""
+        finalize.scale_to_max_norm([pc.grad for pc in self.pieces], norm, max_norm)
 
     def step(self) -> None:
         """AdamW on the shards, then the updated weights all-gathered (waited for before each
@@ -177,7 +164,7 @@ class DataParallel:
     def memory(self, device_type: str | None = None) -> dict[str, int]:
         """This rank's model-state bytes by term (see memory.py), optionally only those on
         devices of `device_type`."""
-        return model_state_bytes(self, device_type)
+        return buffer_state_bytes(self.buffers, self.pieces, self.optimizer.inner, device_type)
 
     def wait_params(self) -> None:
         for buf in self.buffers:

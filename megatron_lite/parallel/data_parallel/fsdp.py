@@ -27,13 +27,14 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from megatron_lite.parallel import mappings
-from megatron_lite.parallel.data_parallel.ddp import hybrid_groups, tied_params
+from megatron_lite.parallel.data_parallel import finalize
+from megatron_lite.parallel.data_parallel.ddp import hybrid_groups
+from megatron_lite.parallel.data_parallel.finalize import LocalGrad, data_replicas, tied_params
 from megatron_lite.parallel.data_parallel.fsdp_comm import count_collectives
 from megatron_lite.parallel.data_parallel.fsdp_optimizer import FSDPAdamW
-from megatron_lite.parallel.data_parallel.memory import model_state_bytes
+from megatron_lite.parallel.data_parallel.memory import sharded_state_bytes
 from megatron_lite.parallel.mesh import ParallelMesh
-from megatron_lite.parallel.params import meta_of, square_sum_share
+from megatron_lite.parallel.params import meta_of
 
 try:  # torch >= 2.6 exports FSDP2 here
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -97,9 +98,23 @@ def _sum_gradients(m) -> None:
         m.set_force_sum_reduction_for_comms(True)
 
 
+def chunk_layers(chunk: torch.nn.Module) -> Iterable[torch.nn.Module]:
+    """The default `layers_of`: `chunk.layers.values()`, our models' ModuleDict of layers."""
+    layers = getattr(chunk, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleDict):
+        raise ValueError(
+            f"ZeRO-3 shards each transformer layer as one FSDP2 unit, but chunk "
+            f"{type(chunk).__name__} has no `layers` ModuleDict to find them in. Fix: pass "
+            f"layers_of=lambda chunk: [...] returning the chunk's layers (e.g. chunk.blocks)"
+        )
+    return layers.values()
+
+
 class FullyShardedDataParallel:
-    """See the module docstring. `layers_of(chunk)` lists a chunk's transformer layers (default:
-    `chunk.layers.values()`)."""
+    """ZeRO stage 3 for one rank's model chunks (see the module docstring); implements
+    `DataParallelWrapper` (interface.py). `layers_of(chunk)` lists a chunk's transformer layers,
+    each one FSDP2 unit (default `chunk_layers`). Build it with `build_data_parallel`
+    (builder.py), which documents the arguments."""
 
     def __init__(
         self,
@@ -123,16 +138,17 @@ class FullyShardedDataParallel:
                 f"this is torch {torch.__version__}. Fix: upgrade torch or use zero_stage 1 or 2"
             )
         self.mesh, self.chunks = mesh, chunks
-        layers_of = layers_of or (lambda c: c.layers.values())
+        layers_of = layers_of or chunk_layers
         device = next(chunks[0].parameters()).device
         dense = sharding_mesh(mesh, "dp_cp", dp_shard, device.type)
         # built on every rank, also where this stage has no expert: hybrid sharding creates
         # process groups, which every rank must create in the same order
         experts = sharding_mesh(mesh, "edp", dp_shard, device.type)
-        self.replicas = {False: 1, True: 1}  # HSDP: identical shards on the replicate dim
-        for is_expert, m in ((False, dense), (True, experts)):
-            if m is not None and m.ndim == 2:
-                self.replicas[is_expert] = m.size(0)
+        # identical shards per element: 1, or with HSDP the size of the replicate dim
+        self.replicas = {
+            is_expert: data_replicas(getattr(mesh, name).size, m.size(m.ndim - 1))
+            for is_expert, name, m in ((False, "dp_cp", dense), (True, "edp", experts))
+        }
         # the trainer's forward step and the pipeline engine never change a chunk's output in
         # place, which is what this FSDP2 warning (once per rank) is about
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view")
@@ -168,34 +184,27 @@ class FullyShardedDataParallel:
         for p in self.params:
             p.grad = None
 
-    def _local_grads(self, params) -> list[torch.Tensor]:
-        return [p.grad.to_local() for p in params if p.grad is not None]
-
-    @torch.no_grad()
-    def finish_grad_sync(self) -> None:
-        """The sums over TP (sequence-parallel replicas) and over the embedding group (tied
-        embeddings), on this rank's shards (FSDP2 reduced them over dp×cp in the backward)."""
-        sp = [p for p in self.params if p.meta.sequence_parallel]
-        mappings.all_reduce_flat(self._local_grads(sp), self.mesh.tp.group)
-        mappings.all_reduce_flat(self._local_grads(self.tied), self.mesh.embedding.group)
-
-    @torch.no_grad()
-    def grad_square_sum(self) -> torch.Tensor:
-        """This rank's share of the global Σg² (fp64), as in `DataParallel.grad_square_sum`:
-        each local shard divided by the ranks holding an identical copy (HSDP replicas, TP
-        replicas of unsharded parameters; the tied last-stage copy counts zero times)."""
-        entries = [
-            (p.meta, p.grad.to_local(), self.replicas[p.meta.is_expert])
+    def _local_grads(self) -> list[LocalGrad]:
+        """This rank's FSDP2 shard of each gradient (parameters that got one this step)."""
+        return [
+            LocalGrad(p, p.grad.to_local(), self.replicas[p.meta.is_expert])
             for p in self.params
             if p.grad is not None
         ]
-        return square_sum_share(entries, self.mesh.tp.size, self.params[0].device)
 
-    @torch.no_grad()
+    def finish_grad_sync(self) -> None:
+        """The sums over TP (sequence-parallel replicas) and over the embedding group (tied
+        embeddings), on this rank's shards (FSDP2 reduced them over dp×cp in the backward)."""
+        finalize.sum_model_parallel_copies(self._local_grads(), self.mesh, self.tied)
+
+    def grad_square_sum(self) -> torch.Tensor:
+        """This rank's share of the global Σg² (fp64), see `finalize.grad_square_sum`."""
+        device = self.params[0].device
+        return finalize.grad_square_sum(self._local_grads(), self.mesh.tp.size, device)
+
     def clip(self, norm: float, max_norm: float) -> None:
-        if max_norm > 0 and norm > max_norm:
-            grads = self._local_grads(self.params)
-            torch._foreach_mul_(grads, max_norm / (norm + 1e-6))
+        """Scale this rank's gradient shards by max_norm / norm when norm > max_norm > 0."""
+        finalize.scale_to_max_norm([g.grad for g in self._local_grads()], norm, max_norm)
 
     def step(self) -> None:
         """AdamW on the shards; FSDP2 gathers them again in the next forward."""
@@ -204,7 +213,7 @@ class FullyShardedDataParallel:
     def memory(self, device_type: str | None = None) -> dict[str, int]:
         """This rank's model-state bytes by term (see memory.py), optionally only those on
         devices of `device_type`."""
-        return model_state_bytes(self, device_type)
+        return sharded_state_bytes(self.params, self.optimizer.inner, device_type)
 
     def wait_params(self) -> None:
         """Nothing in flight between steps: FSDP2 all-gathers per unit in the forward."""

@@ -20,6 +20,12 @@ by at most N - 1 elements per bucket.
 
 from __future__ import annotations
 
+import torch
+from torch.distributed.tensor import DTensor
+
+from megatron_lite.parallel.data_parallel.buffers import GradBuffer
+from megatron_lite.parallel.data_parallel.optimizer import Piece
+
 TERMS = ("weights", "grads", "master", "optimizer")
 
 
@@ -36,35 +42,42 @@ def _bytes(tensors, seen: set[int], device_type: str | None = None) -> int:
     return total
 
 
-def _local(t):
-    return t.to_local() if hasattr(t, "to_local") else t  # a DTensor counts its shard
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t  # a DTensor counts its shard
 
 
-def sharded_state_bytes(fsdp, device_type: str | None = None) -> dict[str, int]:
-    """ZeRO-3 (FSDP2): the local shards of the parameters (fp32: also the master weights),
-    their gradients and the AdamW states."""
+def sharded_state_bytes(
+    params: list[torch.nn.Parameter],
+    optimizer: torch.optim.Optimizer,
+    device_type: str | None = None,
+) -> dict[str, int]:
+    """{term: bytes} of ZeRO-3 (FSDP2) model states on this rank: the local shards of the
+    parameters (fp32: also the master weights), their gradients and the AdamW states."""
     seen: set[int] = set()
-    params = fsdp.params
     out = {"weights": _bytes([_local(p) for p in params], seen, device_type)}
     grads = [_local(p.grad) for p in params if p.grad is not None]
     out["grads"] = _bytes(grads, seen, device_type)
     out["master"] = 0
-    states = [_local(t) for s in fsdp.optimizer.inner.state.values() for t in s.values()]
+    states = [_local(t) for s in optimizer.state.values() for t in s.values()]
     out["optimizer"] = _bytes([t for t in states if t.dim() > 0], seen, device_type)
     return out
 
 
-def model_state_bytes(dp, device_type: str | None = None) -> dict[str, int]:
-    """{term: bytes} of a DataParallel's model states on this rank (unique storages), all of
-    them or only those on devices of `device_type`."""
-    if not hasattr(dp, "buffers"):
-        return sharded_state_bytes(dp, device_type)
+def buffer_state_bytes(
+    buffers: list[GradBuffer],
+    pieces: list[Piece],
+    optimizer: torch.optim.Optimizer,
+    device_type: str | None = None,
+) -> dict[str, int]:
+    """{term: bytes} of ZeRO-0/1/2 model states on this rank (unique storages): the parameter
+    and gradient buffers (and ZeRO-2 shards), the pieces' fp32 masters, the AdamW states; all
+    of them or only those on devices of `device_type`."""
     seen: set[int] = set()
-    out = {"weights": _bytes([b.param_data for b in dp.buffers], seen, device_type)}
-    grads = [b.grad_data for b in dp.buffers] + [b.grad_shard for b in dp.buffers]
+    out = {"weights": _bytes([b.param_data for b in buffers], seen, device_type)}
+    grads = [b.grad_data for b in buffers] + [b.grad_shard for b in buffers]
     out["grads"] = _bytes(grads, seen, device_type)
-    out["master"] = _bytes([pc.master for pc in dp.pieces], seen, device_type)
-    states = [t for s in dp.optimizer.inner.state.values() for t in s.values() if t.dim() > 0]
+    out["master"] = _bytes([pc.master for pc in pieces], seen, device_type)
+    states = [t for s in optimizer.state.values() for t in s.values() if t.dim() > 0]
     out["optimizer"] = _bytes(states, seen, device_type)
     return out
 

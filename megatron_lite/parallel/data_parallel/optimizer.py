@@ -122,6 +122,13 @@ class ShardedAdamW:
                 pc.master.copy_(pc.param_slice)
 
     # ------------------------------------------------------------ checkpoints
+    def full_weights(self, gather: bool = True) -> dict[int, torch.Tensor]:
+        """{}: the parameters are whole on every rank (only ZeRO-3 shards them)."""
+        return {}
+
+    def load_full_weights(self, weights: dict[int, torch.Tensor]) -> None:
+        """Nothing to do: the checkpoint loads the whole parameters directly."""
+
     @torch.no_grad()
     def full_states(self, with_master: bool) -> dict[int, dict[str, torch.Tensor]]:
         """id(param) -> {"exp_avg", "exp_avg_sq", "step"[, "master"]}: whole (this rank's TP/EP

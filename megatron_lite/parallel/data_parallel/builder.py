@@ -1,0 +1,122 @@
+"""`build_data_parallel`: data parallelism and AdamW for any model built from our blocks, from
+plain arguments (no Config). The trainer's `training.optimizer.build_data_parallel(chunks,
+mesh, cfg)` is this call with the config's fields."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+
+from megatron_lite.parallel.data_parallel.ddp import DataParallel
+from megatron_lite.parallel.data_parallel.fsdp import FullyShardedDataParallel
+from megatron_lite.parallel.data_parallel.interface import DataParallelWrapper
+from megatron_lite.parallel.mesh import ParallelMesh
+from megatron_lite.parallel.params import meta_of
+
+
+def _param_dtype(chunks: Sequence[torch.nn.Module]) -> torch.dtype:
+    """The one dtype of every parameter: what the weights compute in (fp32 masters apart)."""
+    dtypes = {p.dtype for c in chunks for p in c.parameters() if p.requires_grad}
+    if len(dtypes) != 1:
+        raise ValueError(
+            "build_data_parallel: the chunks' trainable parameters must share one dtype (the "
+            "weights' compute dtype; the optimizer keeps fp32 masters), got "
+            f"{sorted(map(str, dtypes))}. Fix: cast the model first, e.g. model.to(torch.bfloat16)"
+        )
+    return dtypes.pop()
+
+
+def _check(chunks, mesh: ParallelMesh, zero_stage: int, dp_shard: int | None, offload: bool):
+    """The argument rules (the trainer's config validation checks the same on its keys)."""
+    experts = any(meta_of(p).is_expert for c in chunks for p in c.parameters())
+    problems = []
+    if zero_stage not in (0, 1, 2, 3):
+        problems.append(f"zero_stage={zero_stage}: must be 0, 1, 2 or 3")
+    if offload and zero_stage == 3:
+        problems.append("offload=True: optimizer offload is for zero_stage 0-2; use one of them")
+    if dp_shard is not None and zero_stage == 0:
+        problems.append(f"dp_shard={dp_shard}: hybrid sharding needs zero_stage 1, 2 or 3")
+    for name in ("dp_cp", "edp") if experts else ("dp_cp",):
+        size = getattr(mesh, name).size
+        if dp_shard is not None and (dp_shard < 1 or size % dp_shard):
+            problems.append(f"dp_shard={dp_shard}: must divide the {name} group's {size} ranks")
+    if problems:
+        raise ValueError("build_data_parallel: " + "; ".join(problems))
+
+
+def build_data_parallel(
+    chunks: Sequence[torch.nn.Module],
+    mesh: ParallelMesh,
+    *,
+    zero_stage: int = 0,
+    lr: float = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.95),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    dp_shard: int | None = None,
+    bucket_size: int = 40_000_000,
+    overlap_grad_reduce: bool = True,
+    overlap_param_gather: bool = True,
+    grad_reduce_dtype: torch.dtype = torch.float32,
+    offload: bool = False,
+    reshard_after_forward: bool = True,
+    tie_embeddings: bool = False,
+    layers_of: Callable[[torch.nn.Module], Iterable[torch.nn.Module]] | None = None,
+) -> DataParallelWrapper:
+    """Gradient reduction and AdamW for this rank's model `chunks` (one per virtual pipeline
+    stage; their parameters carry our sharding metadata, see parallel/params.py), over the
+    data-parallel groups of `mesh` (dense: dp×cp, experts: expert-data-parallel).
+
+    zero_stage: 0 replicated optimizer (all-reduce); 1 AdamW states and fp32 masters sharded
+        (reduce-scatter, weights all-gathered after the step); 2 also the gradients between
+        steps; 3 also the weights, through FSDP2 (one unit per layer, see `layers_of`).
+    lr, betas, eps, weight_decay: AdamW's; weight decay applies to matrices only (parameters
+        with dim >= 2), not to norms, biases or other 1-D parameters. The trainer sets `lr` in
+        `optimizer.param_groups` every step for a schedule.
+    dp_shard: hybrid sharding: shard within blocks of dp_shard ranks of the group, all-reduce
+        the shards across the blocks (stages 1-3; None: shard over the whole group).
+    bucket_size: elements per gradient bucket (stages 0-2); overlap_grad_reduce: reduce a
+        bucket as soon as its gradients are final, during the backward; overlap_param_gather:
+        the weight all-gather after the step overlaps the next forward (stages 1-2).
+    grad_reduce_dtype: the dtype gradients travel in (torch.bfloat16 halves the bytes; they
+        accumulate and the optimizer steps in fp32 either way).
+    offload: AdamW states and fp32 masters on the host, stepped there (stages 0-2).
+    reshard_after_forward: stage 3: free each layer's gathered weights after its forward.
+    tie_embeddings: with pp > 1, sum the input embedding (the parameter named
+        `embedding.weight` in the first stage's chunk) and its last-stage copy (marked
+        `set_meta(..., tied_copy=True)`) over the embedding group.
+    layers_of: stage 3: `layers_of(chunk)` lists the chunk's transformer layers, each its own
+        FSDP2 unit (the rest of the chunk is one more); default `chunk.layers.values()`.
+
+    The weights compute in the dtype the parameters have (cast the model to bf16 first for
+    bf16 weights); the optimizer keeps fp32 masters. Returns a `DataParallelWrapper`: call
+    `start_step`, `finish_grad_sync`, `grad_square_sum`, `clip`, `step` around each step's
+    forward and backward (interface.py). Under stage 3 the chunks' parameters are replaced
+    by sharded ones: read them from the chunks after this call.
+    """
+    _check(chunks, mesh, zero_stage, dp_shard, offload)
+    dtype = _param_dtype(chunks)
+    adamw = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    common = dict(dp_shard=dp_shard, tie_embeddings=tie_embeddings, **adamw)
+    if zero_stage == 3:
+        return FullyShardedDataParallel(
+            list(chunks),
+            mesh,
+            reshard_after_forward=reshard_after_forward,
+            param_dtype=dtype,
+            reduce_dtype=grad_reduce_dtype,
+            layers_of=layers_of,
+            **common,
+        )
+    return DataParallel(
+        list(chunks),
+        mesh,
+        zero_stage=zero_stage,
+        bucket_size=bucket_size,
+        overlap_grad_reduce=overlap_grad_reduce,
+        overlap_param_gather=overlap_param_gather,
+        grad_reduce_dtype=grad_reduce_dtype,
+        offload=offload,
+        **common,
+    )
