@@ -6,9 +6,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.dist_harness import run_ranks
 from tests.parallel import custom_model
-from tests.parallel.parity import max_rel_diff
+from tests.parallel.parity import assert_parity
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -23,11 +25,11 @@ def test_building_blocks_need_no_config():
     assert r.returncode == 0, r.stderr[-2000:]
 
 
+@pytest.mark.parity
 def test_custom_model_matches_single_rank():
     reference = run_ranks(1, custom_model.train, 1, 1, 1, 1, timeout=120)[0]
     # world 8 = tp2 · pp2 · dp2; experts over ep2 inside dp; two chunks per pipeline rank
     layout = run_ranks(8, custom_model.train, 2, 2, 2, 2, timeout=180)[0]
-    assert reference[-1] < reference[0] - 0.3, f"the model does not learn: {reference}"
-    diff = max_rel_diff(layout, reference)
-    print(f"custom model: {reference[0]:.3f} -> {reference[-1]:.3f}, max rel diff {diff:.2e}")
-    assert diff < 1e-5, f"tp2+SP pp2 vpp2 ep2: max relative loss difference {diff:.2e}"
+    assert reference[-1] < reference[0] - 0.05, f"the model does not learn: {reference}"
+    print(f"custom model: {reference[0]:.3f} -> {reference[-1]:.3f}")
+    assert_parity(layout, reference, "custom model tp2+SP pp2 vpp2 ep2")
