@@ -35,8 +35,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--mfu", type=float, default=0.45, help="achievable fraction of peak")
     ap.add_argument("--reserve", type=float, default=0.05, help="fragmentation reserve fraction")
     ap.add_argument("--kernels", default="fused", choices=("fused", "torch"))
-    ap.add_argument("--search", action="store_true")
-    ap.add_argument("--top", type=int, default=5)
+    search_help = "rank every valid layout of the world size that fits (exit 1 when none does)"
+    ap.add_argument("--search", action="store_true", help=search_help)
+    ap.add_argument("--top", type=int, default=5, help="layouts --search prints")
     ap.add_argument("--chart", default=None, help="PNG of memory per rank by term")
     ap.add_argument("--measure", action="store_true", help="one step here beside the prediction")
     return ap.parse_args(argv)
@@ -123,9 +124,11 @@ def _layout(r, short: bool = False) -> str:
 
 def _search(args, cfg, world, gpu, budget) -> int:
     best, counts = search(cfg, world, gpu, args.mfu, args.gpus_per_node, args.top, args.reserve)
+    ranked = f"top {len(best)} by predicted throughput:"
+    none = "none fits: try more GPUs (--world, --nodes) or a GPU with more memory (--gpu)"
     print(
         f"searched {counts['tried']} layouts of {world} GPUs: {counts['valid']} valid, "
-        f"{counts['fit']} fit; top {len(best)} by predicted throughput:"
+        f"{counts['fit']} fit; {ranked if best else none}"
     )
     for i, c in enumerate(best, 1):
         print(f"{i}. {c.line(cfg)}")
