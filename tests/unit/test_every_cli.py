@@ -68,6 +68,8 @@ def commands(tmp: str) -> dict[str, tuple[str, str, list[str], int]]:
         out[f"plan --search {name}"] = ("module", plan, ["--config", cfg, *search], search_rc)
         out[f"plan --chart {name}"] = ("module", plan, ["--config", cfg, *chart], 0)
         out[f"launch --check {name}"] = ("module", launch, ["--check", "--config", cfg], 0)
+    bad = ["--check", "--config", "configs/smoke.yaml", "parallel.tp=3"]  # one paragraph
+    out["launch --check (an invalid layout)"] = ("module", "megatron_lite.launch", bad, 2)
     for module in entry_modules():
         out[f"{module} --help"] = ("module", module, ["--help"], 0)
     for tool in sorted(glob.glob(os.path.join(ROOT, "tools", "*.py"))):  # last: some set env vars
