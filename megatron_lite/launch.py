@@ -1,10 +1,12 @@
 """Launch training on one machine: validate the config, prepare the data, then exec torchrun
 with as many ranks as the config's layout needs (tp·pp·cp·dp).
 
-    python -m megatron_lite.launch [--max-restarts N] --config configs/quickstart.yaml [k=v ...]
+    python -m megatron_lite.launch [--max-restarts N] [--check] --config FILE [k=v ...]
 
 `--max-restarts N` lets torchrun restart the whole group up to N times after a rank fails; with
-train.resume=auto the restarted ranks continue from the latest checkpoint.
+train.resume=auto the restarted ranks continue from the latest checkpoint. `--check` validates
+the config (and this machine's GPU backends) for the ranks it needs, prints the torchrun
+command, and stops there: no data is prepared and nothing is started.
 
 Validation and data preparation happen here, in one process, so a bad config or data file ends
 with one clear message instead of one per rank (and no torchrun failure report).
@@ -20,6 +22,7 @@ import sys
 from megatron_lite import supervise
 from megatron_lite.config import ConfigError, load_config
 from megatron_lite.train import parse_args, prepare, user_error
+from megatron_lite.validation import check_hardware, validate
 
 
 def world_size_from_config(argv) -> int:
@@ -55,6 +58,12 @@ def split_launcher_args(argv) -> tuple[argparse.Namespace, list[str]]:
         help="let torchrun restart the whole group up to N times after a rank fails; with "
         "train.resume=auto (the default) it continues from the latest checkpoint",
     )
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="validate the config for its ranks (and the GPU backends on this machine), print "
+        "the torchrun command and exit: no data is prepared, nothing is started",
+    )
     p.add_argument("--config", help="YAML config file (e.g. configs/quickstart.yaml)")
     p.add_argument(
         "overrides", nargs="*", metavar="section.key=value", help="config overrides, YAML-typed"
@@ -62,11 +71,17 @@ def split_launcher_args(argv) -> tuple[argparse.Namespace, list[str]]:
     launcher, _ = p.parse_known_args(argv)  # exits here on --help
     if launcher.max_restarts < 0:
         p.error(f"--max-restarts={launcher.max_restarts}: must be >= 0 (0 = no restarts)")
-    rest = [a for a in argv if not a.startswith("--max-restarts")]
+    rest = [a for a in argv if not a.startswith("--max-restarts") and a != "--check"]
     if "--max-restarts" in argv:  # the value was a separate argument
         i = argv.index("--max-restarts")
         rest = argv[:i] + argv[i + 2 :]
     return launcher, rest
+
+
+def check(argv, world: int) -> None:
+    """The config's rules for `world` ranks and the GPU backends here; ConfigError if broken."""
+    args = parse_args(argv)
+    check_hardware(validate(load_config(args.config, args.overrides), world))
 
 
 def main(argv=None) -> None:
@@ -75,14 +90,22 @@ def main(argv=None) -> None:
 
     try:
         world = world_size_from_config(argv)
-        prepare(argv, world_size=world)  # first run: download, tokenizer, preprocessing (cached)
+        if launcher.check:
+            check(argv, world)
+        else:  # first run: download, tokenizer, preprocessing (cached)
+            prepare(argv, world_size=world)
     except (ConfigError, DataFileError) as e:
         user_error(e)
+    args = ["--standalone", f"--nproc-per-node={world}", f"--max-restarts={launcher.max_restarts}"]
+    args += ["-m", "megatron_lite.train", *argv]
+    ranks = f"{world} rank" + ("s" if world != 1 else "")
+    if launcher.check:
+        print(f"[launch] config valid for {ranks}; would run: torchrun {' '.join(args)}")
+        return
     torchrun = shutil.which("torchrun")
     cmd = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
-    cmd += ["--standalone", f"--nproc-per-node={world}", f"--max-restarts={launcher.max_restarts}"]
-    cmd += ["-m", "megatron_lite.train", *argv]
-    print(f"[launch] {world} ranks: {' '.join(cmd[1:])}", flush=True)
+    cmd += args
+    print(f"[launch] {ranks}: {' '.join(args)}", flush=True)
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     if launcher.max_restarts > 0:
         # torchrun shares its rendezvous TCPStore with the ranks and reuses it, stale keys

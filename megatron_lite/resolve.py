@@ -3,15 +3,18 @@
 `validate()` only checks; `resolve(cfg, world_size)` returns a copy of the config with the
 derived fields the user may leave null filled in (parallel.dp, model.num_query_groups,
 model.ffn_hidden_size). The small functions below are the one owner of each derivation: the
-validators, the per-model `TransformerConfig` and the trainer import them.
+validators, the planner, the per-model `TransformerConfig` and the trainer import them. That
+includes the vocabulary before any data is read (`vocab_size`) and the attention and linear
+backends (`attention_backend`, `linear_backend`).
 """
 
 from __future__ import annotations
 
 import copy
 import math
+import os
 
-from megatron_lite.config import Config, ModelConfig, ParallelConfig, TrainConfig
+from megatron_lite.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig
 
 
 def data_parallel_size(p: ParallelConfig, world_size: int) -> int:
@@ -78,6 +81,32 @@ def sequence_parallel(p: ParallelConfig) -> bool:
     return p.sequence_parallel and p.tp > 1
 
 
+def tokenizer_vocab_size(d: DataConfig) -> int | None:
+    """The tokens of the tokenizer the data section names, read before any data is: a built-in
+    corpus's tokenizer is trained to data.tokenizer_vocab_size on its first run; a given
+    data.tokenizer_model file is opened. None without a tokenizer (mock data, data.paths alone)
+    or while the file does not exist (validation reports that)."""
+    if d.mock:
+        return None  # mock tokens come from model.vocab_size (build_dataset ignores tokenizers)
+    if d.corpus is not None:
+        return d.tokenizer_vocab_size
+    path = d.tokenizer_model
+    if path is None or not (os.path.isfile(path) and os.access(path, os.R_OK)):
+        return None
+    from megatron_lite.data.tokenizer import Tokenizer  # sentencepiece / tokenizers: only here
+
+    return Tokenizer(path).vocab_size
+
+
+def vocab_size(cfg: Config) -> int | None:
+    """The model's vocabulary: model.vocab_size when set, else the tokenizer's
+    (`tokenizer_vocab_size`). None when only the data can tell (data.paths without a tokenizer:
+    its largest token id + 1, which build_dataset reads)."""
+    if cfg.model.vocab_size is not None:
+        return cfg.model.vocab_size
+    return tokenizer_vocab_size(cfg.data)
+
+
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     """Vocabulary rounded up to a multiple of divisible_by·tp (padding never changes the loss)."""
     multiple = divisible_by * tp
@@ -106,6 +135,54 @@ def recompute_modules(m: ModelConfig) -> tuple[str, ...]:
     """The modules selective recompute covers: model.recompute_modules under
     recompute_granularity=selective, none otherwise (full recomputes whole layers)."""
     return tuple(m.recompute_modules) if m.recompute_granularity == "selective" else ()
+
+
+def max_position_embeddings(m: ModelConfig) -> int:
+    """Learned positions (gpt): model.max_position_embeddings, or seq_length when null."""
+    return m.max_position_embeddings or m.seq_length
+
+
+def attention_backend(requested: str, precision: str) -> str:
+    """model.attention_backend auto|sdpa|flash|te -> the backend that runs; raises
+    ValueError(message) when the requested one cannot run here. `auto` picks flash-attn only
+    where it computes the same math up to dtype rounding (CUDA, bf16 training), else SDPA."""
+    from megatron_lite import optional  # imports torch: not for config-only tools
+
+    if requested == "auto":
+        # flash-attn has no fp32 kernels: in fp32 training it would change the math
+        flash = optional._cuda() and precision == "bf16" and optional._installed("flash_attn")
+        return "flash" if flash else "sdpa"
+    if requested in optional.INSTALL:
+        optional.require_cuda_package(
+            "model.attention_backend", requested, "model.attention_backend=sdpa (or auto)"
+        )
+        if requested == "flash" and precision != "bf16":
+            raise ValueError(
+                "model.attention_backend='flash' computes in bf16/fp16 only. Fix: "
+                "set train.precision=bf16, or use sdpa"
+            )
+    return requested
+
+
+def linear_backend(requested: str, fp8: str | None, recipe: str = "tensorwise") -> str:
+    """model.linear_backend local|te -> the backend; raises ValueError(message) when
+    Transformer Engine, or its FP8 recipe `recipe` (with model.fp8 set), cannot run here."""
+    if requested == "local":
+        return requested
+    from megatron_lite import optional
+    from megatron_lite.parallel import te_linear  # TE's own verdict on the recipe and GPU
+
+    optional.require_cuda_package("model.linear_backend", requested, "model.linear_backend=local")
+    if fp8 is not None:
+        ok, reason = te_linear.fp8_support(recipe)
+        if not ok:
+            raise ValueError(
+                f"model.fp8_recipe={recipe!r}: Transformer Engine says it cannot run here "
+                f"({reason}). Fix: pick another model.fp8_recipe (tensorwise and delayed need "
+                "Hopper or Ada; blockwise Hopper and CUDA >= 12.9; mxfp8 Blackwell), upgrade "
+                "transformer-engine, or set model.fp8=null for bf16 GEMMs through TE"
+            )
+    return requested
 
 
 def resolve(cfg: Config, world_size: int) -> Config:

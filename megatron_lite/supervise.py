@@ -16,6 +16,7 @@ dispositions at start (megatron_lite.train), so only their own handlers decide.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -89,10 +90,22 @@ def run(cmd: list[str], env: dict | None = None) -> int:
     return rc if rc >= 0 else 128 - rc  # killed by signal N: the shell's 128 + N
 
 
-def main() -> None:
-    if len(sys.argv) < 2:
-        sys.exit("usage: python -m megatron_lite.supervise torchrun [torchrun args ...]")
-    sys.exit(run(sys.argv[1:]))
+USAGE = "usage: python -m megatron_lite.supervise torchrun [torchrun args ...]"
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv:
+        print(USAGE, file=sys.stderr)
+        sys.exit(2)
+    if argv[0] in ("-h", "--help"):  # only as the first word: the rest belongs to the command
+        print(f"{USAGE}\n\n{__doc__.strip()}")
+        sys.exit(0)
+    if shutil.which(argv[0]) is None:  # Popen would raise FileNotFoundError with a traceback
+        message = f"error: command {argv[0]!r} not found. Fix: give torchrun and its arguments"
+        print(f"{message}; {USAGE}", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(run(argv))
 
 
 if __name__ == "__main__":

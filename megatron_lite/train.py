@@ -5,7 +5,7 @@
 
 Parses and validates the config and prepares the data before any process group exists, so a
 bad config or data file ends with a one-paragraph error (exit code 2) instead of a traceback or
-a hang.
+a hang. Under torchrun every rank finds the error; `user_error` makes sure it is printed.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import datetime
 import os
 import signal
 import sys
+import time
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -62,10 +64,38 @@ def prepare(argv=None, world_size: int | None = None, hardware: bool = True):
 EXIT_NONFINITE = 3  # training stopped on a NaN/Inf loss or gradient (README: exit codes)
 
 
-def user_error(e: Exception) -> None:
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(f"error: {e}", file=sys.stderr)
+# Under torchrun every rank finds a config error, and the first rank to exit makes the agent
+# SIGTERM the others: so a rank prints before it exits, and the first rank of a node to get
+# there claims the report; the others wait to be ended once it exits (on a loaded machine that
+# can take seconds), and print themselves only if still alive after this long.
+REPORT_WAIT_S = 30.0
+
+
+def user_error(e: Exception) -> NoReturn:
+    """Exit 2 with the one-paragraph message `e`, before any process group exists: printed by
+    the process itself, or under torchrun once per node, by whichever rank there gets to the
+    error first, before that rank exits."""
+    if not _first_to_report():
+        time.sleep(REPORT_WAIT_S)
+    print(f"error: {e}", file=sys.stderr, flush=True)
     sys.exit(2)
+
+
+def _first_to_report() -> bool:
+    """Whether this rank reports a user error for its node's ranks: the first to create a claim
+    file in torchrun's directory of this attempt (shared by the ranks of one agent, new for each
+    restart). True outside torchrun, or if the claim cannot be made: twice beats never."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")  # <attempt dir>/<local rank>/...
+    if error_file is None:
+        return True
+    claim = os.path.join(os.path.dirname(os.path.dirname(error_file)), "user_error_reported")
+    try:
+        os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    except FileExistsError:  # another rank of this node is printing it
+        return False
+    except OSError:
+        return True
+    return True
 
 
 def local_device(local_rank: int, visible: int | None = None) -> int:

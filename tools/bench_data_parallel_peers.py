@@ -199,3 +199,9 @@ class DeepSpeedRunner:
         if probe is not None:
             self.memory = probe(self.model_params(), self.optimizer, [self.optimizer])
         self.engine.step()
+
+
+if __name__ == "__main__":  # a module of tools/bench_data_parallel.py, not a command of its own
+    print(
+        f"{__doc__.strip()}\n\nRun python tools/bench_data_parallel.py (--help lists its options)."
+    )

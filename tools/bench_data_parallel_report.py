@@ -9,9 +9,13 @@ import json
 import math
 import os
 import statistics
+import sys
 
-from megatron_lite.parallel.data_parallel.memory import formula_bytes
-from tools.bench_data_parallel import KINDS
+# run as a script (python tools/bench_data_parallel_report.py), `tools` is not importable yet
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_lite.parallel.data_parallel.memory import formula_bytes  # noqa: E402
+from tools.bench_data_parallel import KINDS  # noqa: E402
 
 MB = 1 << 20
 
@@ -207,3 +211,9 @@ def write(a, shape, cases: list[dict], measured: dict, context: dict) -> dict:
     if any("step_ms" in r for r in table):
         plot(table, os.path.join(a.out_dir, "plot.png"))
     return results
+
+
+if __name__ == "__main__":  # a module of tools/bench_data_parallel.py, not a command of its own
+    print(
+        f"{__doc__.strip()}\n\nRun python tools/bench_data_parallel.py (--help lists its options)."
+    )

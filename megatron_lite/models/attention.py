@@ -1,34 +1,14 @@
 """Attention backends: torch SDPA (everywhere), flash-attn and Transformer Engine (CUDA only).
 
-`auto` picks flash-attn only where it computes the same math up to dtype rounding (CUDA, bf16
-training), else SDPA. Every backend is a callable (q, k, v, dropout_p) -> out on [s, b, heads, d]
-tensors, so the Ulysses wrapper can run any of them over the context-parallel group.
+Which one runs (`auto` included) is decided by `megatron_lite.resolve.attention_backend`. Every
+backend is a callable (q, k, v, dropout_p) -> out on [s, b, heads, d] tensors, so the Ulysses
+wrapper can run any of them over the context-parallel group.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-from megatron_lite import optional
-
-
-def resolve_attention_backend(requested: str, precision: str) -> str:
-    """auto|sdpa|flash|te -> the backend to use; raises ValueError(message) when unusable."""
-    if requested == "auto":
-        # flash-attn has no fp32 kernels: in fp32 training it would change the math
-        flash = optional._cuda() and precision == "bf16" and optional._installed("flash_attn")
-        return "flash" if flash else "sdpa"
-    if requested in optional.INSTALL:
-        optional.require_cuda_package(
-            "model.attention_backend", requested, "model.attention_backend=sdpa (or auto)"
-        )
-        if requested == "flash" and precision != "bf16":
-            raise ValueError(
-                "model.attention_backend='flash' computes in bf16/fp16 only. Fix: "
-                "set train.precision=bf16, or use sdpa"
-            )
-    return requested
 
 
 def sdpa_attention(q, k, v, dropout_p: float) -> torch.Tensor:

@@ -3,14 +3,13 @@
 With `gemm="te"` (model.linear_backend=te) the local GEMM of a parallel linear is a Transformer
 Engine `Linear` (its FP8 recipes under `model.fp8`); our layers keep doing the tensor/sequence
 parallel communication around it, own the weight (same name, init and checkpoint as the local
-backend) and hand it to TE. The FP8 tables are read by config validation and by the model.
+backend) and hand it to TE. The FP8 tables are read by config validation and by the model;
+`fp8_support` is Transformer Engine's verdict, asked by `megatron_lite.resolve.linear_backend`.
 """
 
 from __future__ import annotations
 
 import torch
-
-from megatron_lite import optional
 
 # model.fp8_recipe -> the Transformer Engine recipe class (transformer_engine.common.recipe)
 FP8_RECIPES = {
@@ -22,24 +21,7 @@ FP8_RECIPES = {
 FP8_FORMATS = {"e4m3": "E4M3", "hybrid": "HYBRID"}  # hybrid: E4M3 forward, E5M2 gradients
 
 
-def resolve_linear_backend(requested: str, fp8: str | None, recipe: str = "tensorwise") -> str:
-    """local|te -> the backend; raises ValueError(message) when TE or FP8 is unusable here."""
-    if requested == "local":
-        return requested
-    optional.require_cuda_package("model.linear_backend", requested, "model.linear_backend=local")
-    if fp8 is not None:
-        ok, reason = _fp8_support(recipe)
-        if not ok:
-            raise ValueError(
-                f"model.fp8_recipe={recipe!r}: Transformer Engine says it cannot run here "
-                f"({reason}). Fix: pick another model.fp8_recipe (tensorwise and delayed need "
-                "Hopper or Ada; blockwise Hopper and CUDA >= 12.9; mxfp8 Blackwell), upgrade "
-                "transformer-engine, or set model.fp8=null for bf16 GEMMs through TE"
-            )
-    return requested
-
-
-def _fp8_support(recipe: str) -> tuple[bool, str]:
+def fp8_support(recipe: str) -> tuple[bool, str]:
     """(supported, reason) from Transformer Engine for this recipe on this GPU and TE version."""
     from transformer_engine.common import recipe as te_recipe
 

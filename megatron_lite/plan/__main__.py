@@ -11,7 +11,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megatron_lite.config import ConfigError, load_config
+from megatron_lite import resolve
+from megatron_lite.config import Config, ConfigError, load_config
 from megatron_lite.plan.hardware import GPUS, get_gpu, usable_bytes
 from megatron_lite.plan.memory import plan_memory
 from megatron_lite.plan.report import layer_table, memory_table, time_table
@@ -34,8 +35,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--mfu", type=float, default=0.45, help="achievable fraction of peak")
     ap.add_argument("--reserve", type=float, default=0.05, help="fragmentation reserve fraction")
     ap.add_argument("--kernels", default="fused", choices=("fused", "torch"))
-    ap.add_argument("--search", action="store_true")
-    ap.add_argument("--top", type=int, default=5)
+    search_help = "rank every valid layout of the world size that fits (exit 1 when none does)"
+    ap.add_argument("--search", action="store_true", help=search_help)
+    ap.add_argument("--top", type=int, default=5, help="layouts --search prints")
     ap.add_argument("--chart", default=None, help="PNG of memory per rank by term")
     ap.add_argument("--measure", action="store_true", help="one step here beside the prediction")
     return ap.parse_args(argv)
@@ -52,10 +54,27 @@ def world_size(args, cfg) -> int:
     return p.tp * p.pp * p.cp * p.dp
 
 
+def with_vocab(cfg: Config) -> Config:
+    """`cfg` with model.vocab_size filled in from the tokenizer it names (the planner runs
+    before any tokenizer or data exists); left null when only the data could tell."""
+    cfg.model.vocab_size = resolve.vocab_size(cfg)
+    return cfg
+
+
+def require_vocab(cfg: Config) -> None:
+    if cfg.model.vocab_size is None:
+        raise ConfigError(
+            "model.vocab_size=None: the planner needs the vocabulary before any data is read, "
+            "and without a tokenizer file (data.tokenizer_model) it is the data's largest token "
+            "id + 1. Fix: set model.vocab_size (e.g. model.vocab_size=32000) or "
+            "data.tokenizer_model"
+        )
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = with_vocab(load_config(args.config, args.overrides))
         world = world_size(args, cfg)
         gpu = get_gpu(args.gpu, args.nvlink_gbps, args.ib_gbps)
         budget = usable_bytes(gpu, args.reserve)
@@ -66,8 +85,10 @@ def main(argv=None) -> int:
             f"{gpu.memory_bytes / 2**30:.1f} GiB (3 GiB + {args.reserve:.0%} reserve)"
         )
         if args.search:
+            require_vocab(cfg)
             return _search(args, cfg, world, gpu, budget)
-        r = validate(cfg, world)
+        r = validate(cfg, world)  # reports a missing tokenizer file or mock data's vocab first
+        require_vocab(r)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -103,9 +124,11 @@ def _layout(r, short: bool = False) -> str:
 
 def _search(args, cfg, world, gpu, budget) -> int:
     best, counts = search(cfg, world, gpu, args.mfu, args.gpus_per_node, args.top, args.reserve)
+    ranked = f"top {len(best)} by predicted throughput:"
+    none = "none fits: try more GPUs (--world, --nodes) or a GPU with more memory (--gpu)"
     print(
         f"searched {counts['tried']} layouts of {world} GPUs: {counts['valid']} valid, "
-        f"{counts['fit']} fit; top {len(best)} by predicted throughput:"
+        f"{counts['fit']} fit; {ranked if best else none}"
     )
     for i, c in enumerate(best, 1):
         print(f"{i}. {c.line(cfg)}")

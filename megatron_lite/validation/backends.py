@@ -12,15 +12,14 @@ def check_hardware(cfg: Config) -> None:
     validate() so a login node without GPUs can validate a GPU job."""
     import torch
 
-    from megatron_lite.models.attention import resolve_attention_backend
-    from megatron_lite.parallel.te_linear import resolve_linear_backend
+    from megatron_lite import resolve
     from megatron_lite.validation.profiling import check_profile_hardware
 
     check_profile_hardware(cfg, torch.cuda.is_available())
     m = cfg.model
     try:
-        resolve_attention_backend(m.attention_backend, cfg.train.precision)
-        resolve_linear_backend(m.linear_backend, m.fp8, m.fp8_recipe)
+        resolve.attention_backend(m.attention_backend, cfg.train.precision)
+        resolve.linear_backend(m.linear_backend, m.fp8, m.fp8_recipe)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

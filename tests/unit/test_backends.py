@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from megatron_lite.config import ConfigError, load_config
-from megatron_lite.models.attention import resolve_attention_backend, sdpa_attention
-from megatron_lite.parallel.te_linear import resolve_linear_backend
+from megatron_lite.models.attention import sdpa_attention
+from megatron_lite.resolve import attention_backend as resolve_attention_backend
+from megatron_lite.resolve import linear_backend as resolve_linear_backend
 from megatron_lite.validation import check_hardware, validate
 
 
@@ -72,7 +73,7 @@ def test_te_linear_backend_missing_package_and_fp8_support(monkeypatch):
     monkeypatch.setattr("megatron_lite.optional._installed", lambda m: True)
     assert resolve_linear_backend("te", None) == "te"  # bf16 GEMMs: no FP8 check
     monkeypatch.setattr(
-        "megatron_lite.parallel.te_linear._fp8_support",
+        "megatron_lite.parallel.te_linear.fp8_support",
         lambda recipe: (False, "Device compute capability 8.9 or higher required"),
     )
     with pytest.raises(ValueError) as e:
@@ -169,11 +170,11 @@ def fake_te(monkeypatch):
 def test_fp8_support_asks_te_and_names_a_missing_recipe(fake_te, monkeypatch):
     from megatron_lite.parallel import te_linear as backends
 
-    assert backends._fp8_support("tensorwise") == (True, "")
+    assert backends.fp8_support("tensorwise") == (True, "")
     from transformer_engine.common import recipe
 
     monkeypatch.delattr(recipe, "MXFP8BlockScaling")
-    ok, reason = backends._fp8_support("mxfp8")
+    ok, reason = backends.fp8_support("mxfp8")
     assert not ok and "no MXFP8BlockScaling recipe" in reason
 
 

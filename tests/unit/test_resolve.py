@@ -7,10 +7,10 @@ import pytest
 import torch
 from torch import nn
 
-from megatron_lite.config import load_config
-from megatron_lite.models.transformer_config import TransformerConfig
+from megatron_lite.config import ModelConfig, load_config
+from megatron_lite.models.transformer_config import RUN_ONLY, TransformerConfig
 from megatron_lite.parallel.params import init_parameters, meta_of
-from megatron_lite.resolve import resolve
+from megatron_lite.resolve import resolve, vocab_size
 from megatron_lite.validation import validate
 
 
@@ -37,6 +37,39 @@ def test_transformer_config_from_an_unvalidated_config():
     assert not one_rank.sequence_parallel  # no tensor parallelism: nothing to split
     with pytest.raises(dataclasses.FrozenInstanceError):
         c.hidden_size = 3
+
+
+def test_vocab_size_before_any_data_exists(tmp_path):
+    """model.vocab_size when set; else the tokenizer's: a built-in corpus's configured size
+    (trained on its first run), a given tokenizer file's; None when only the data can tell."""
+    corpus = ["data.corpus=shakespeare", "data.tokenizer_vocab_size=1000"]
+    assert vocab_size(load_config(None, corpus)) == 1000
+    assert vocab_size(load_config(None, [*corpus, "model.vocab_size=1024"])) == 1024
+    assert vocab_size(_cfg()) == 100  # mock data: model.vocab_size, never a tokenizer
+    spm = pytest.importorskip("sentencepiece")
+    text = tmp_path / "t.txt"
+    text.write_text("".join(f"word{i} and more words number {i * 7}\n" for i in range(300)))
+    spm.SentencePieceTrainer.train(
+        input=str(text), model_prefix=str(tmp_path / "tok"), vocab_size=123, minloglevel=2
+    )
+    given = ["data.paths=[d]", f"data.tokenizer_model={tmp_path / 'tok.model'}"]
+    assert vocab_size(load_config(None, given)) == 123
+    assert vocab_size(load_config(None, ["data.paths=[d]"])) is None  # the data's ids decide
+    missing = ["data.paths=[d]", f"data.tokenizer_model={tmp_path / 'none.model'}"]
+    assert vocab_size(load_config(None, missing)) is None  # validation names the missing file
+
+
+def test_transformer_config_takes_every_model_field_by_name():
+    """A ModelConfig field reaches the layers under its own name (or is one of RUN_ONLY), so a
+    new field cannot be forgotten in a second hand-written list."""
+    model = {f.name for f in dataclasses.fields(ModelConfig)}
+    layers = {f.name for f in dataclasses.fields(TransformerConfig)}
+    assert model - layers == RUN_ONLY
+    derived = {"spec", "padded_vocab_size", "sequence_parallel", "moe_aux_loss_scale"}
+    assert layers - model == derived
+    c = TransformerConfig.from_config(_cfg("model.norm_eps=1e-6", "model.rope_theta=5e5"), 1)
+    assert c.norm_eps == 1e-6 and c.rope_theta == 5e5  # as set
+    assert c.vocab_size == 100 and c.max_position_embeddings == 64  # resolved: seq_length
 
 
 class _Mixed(nn.Module):
