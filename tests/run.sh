@@ -1,22 +1,62 @@
 #!/usr/bin/env bash
 # The test command of the README's quickstart (and of CI): installs the test extras if they are
 # missing, checks lint and formatting, then runs the whole suite on CPU. Extra arguments go to
-# pytest (e.g. bash tests/run.sh tests/unit). pytest exits 5 when it collected no tests; that is
-# a failure here, never a pass.
+# pytest (e.g. bash tests/run.sh tests/unit) and run it alone. pytest exits 5 when it collected
+# no tests; that is a failure here, never a pass.
+#
+# The whole suite runs as two pytest processes side by side: the end-to-end launch tests spend
+# about a third of their time waiting (torchrun start-up, Slurm daemons, the timeouts they
+# provoke), so they and the unit tests run beside the multi-rank and kernel tests. Their output
+# follows; the last line sums both runs.
 set -u
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python}
 "$PYTHON" -c "import torch" 2>/dev/null || "$PYTHON" -m pip install -q torch==2.13.0 || exit 1
 "$PYTHON" -c "import megatron_lite.kernels, pytest, pytest_timeout, transformers, ruff" \
     2>/dev/null || "$PYTHON" -m pip install -q -e ".[dev]" || exit 1
-if [ "$#" -eq 0 ]; then  # the whole suite: lint first (seconds)
-    "$PYTHON" -m ruff check . || exit 1
-    "$PYTHON" -m ruff format --check . || exit 1
+
+checked() {  # pytest's exit code -> ours: 5 (no tests collected) is a failure
+  if [ "$1" -eq 5 ]; then
+    echo "error: pytest collected no tests in $2" >&2
+    return 1
+  fi
+  return "$1"
+}
+
+if [ "$#" -gt 0 ]; then
+  "$PYTHON" -m pytest -q "$@"
+  checked $? "$*"
+  exit $?
 fi
-"$PYTHON" -m pytest -q "$@"
-rc=$?
-if [ "$rc" -eq 5 ]; then
-  echo "error: pytest collected no tests" >&2
-  exit 1
-fi
-exit "$rc"
+
+"$PYTHON" -m ruff check . || exit 1
+"$PYTHON" -m ruff format --check . || exit 1
+logs=$(mktemp -d)
+"$PYTHON" -m pytest -q -o cache_dir=.pytest_cache/side tests/unit tests/launch \
+    >"$logs/side" 2>&1 &
+side=$!
+trap 'kill "$side" 2>/dev/null; rm -rf "$logs"' EXIT
+"$PYTHON" -m pytest -q tests/parallel tests/kernels 2>&1 | tee "$logs/main"
+main_rc=${PIPESTATUS[0]}
+wait "$side"
+side_rc=$?
+echo
+echo "------------ tests/unit and tests/launch (ran beside tests/parallel and tests/kernels)"
+cat "$logs/side"
+checked "$main_rc" "tests/parallel, tests/kernels"
+main_rc=$?
+checked "$side_rc" "tests/unit, tests/launch"
+side_rc=$?
+# one closing line for the two runs, from each run's pytest summary line
+"$PYTHON" - "$logs/main" "$logs/side" <<'PY'
+import re
+import sys
+
+counts = {"passed": 0, "failed": 0, "skipped": 0}
+for path in sys.argv[1:]:
+    summary = [ln for ln in open(path, errors="replace") if re.search(r"\d+ (passed|failed|error)", ln)]
+    for n, what in re.findall(r"(\d+) (passed|failed|skipped|errors?)", summary[-1] if summary else ""):
+        counts["failed" if what.startswith("error") else what] += int(n)
+print(f"suite: {counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped")
+PY
+[ "$main_rc" -eq 0 ] && [ "$side_rc" -eq 0 ]

@@ -1,5 +1,6 @@
 """The real CLI end to end: user errors end in one paragraph (exit 2, no traceback) before any
-process group exists, and a torchrun launch trains and writes its run directory."""
+process group exists, and a torchrun launch of the quickstart trains and writes its run
+directory."""
 
 import json
 import os
@@ -83,41 +84,12 @@ def test_truncated_dataset_is_reported_by_name(tmp_path):
     assert r.returncode == 2 and "docs.bin" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
-def test_torchrun_launch_trains_and_writes_run_dir(tmp_path):
-    out = tmp_path / "run"
-    r = _run(
-        [
-            "megatron_lite.launch",
-            "--config",
-            SMOKE,
-            "parallel.tp=2",
-            "parallel.sequence_parallel=true",
-            "train.steps=4",
-            f"train.out_dir={out}",
-        ],
-        timeout=240,
-    )
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "rank map" in r.stdout and "step     4/4" in r.stdout, r.stdout
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [rec["step"] for rec in records] == [0, 1, 2, 3]
-    for key in (
-        "loss",
-        "lr",
-        "grad_norm",
-        "tokens_per_s",
-        "step_time_s",
-        "comm_bytes/all_gather",
-        "comm_bytes/reduce_scatter",
-    ):
-        assert key in records[0], key
-    assert (out / "config.yaml").exists()
-
-
-def test_quickstart_config_runs_on_the_real_corpus(tmp_path):
-    """The README's main job, shortened: the corpus from the shared cache (fetched and
-    tokenized on first use; `bash quickstart.sh`, CI's first command, does it on a fresh
-    clone), then a few steps on the quickstart layout."""
+def test_quickstart_trains_under_torchrun_and_writes_run_dir(tmp_path):
+    """The README's main job, shortened, in one launch: the launcher runs torchrun with the
+    quickstart layout's 8 ranks (tp2+SP x pp2 x dp2, ZeRO-1) on the real corpus from the shared
+    cache (fetched and tokenized on first use; `bash quickstart.sh`, CI's first command, does
+    it on a fresh clone), prints the rank map and progress, writes metrics.jsonl and the
+    resolved config, and logs to wandb offline without a network."""
     out = tmp_path / "run"
     r = _run(
         [
@@ -126,30 +98,23 @@ def test_quickstart_config_runs_on_the_real_corpus(tmp_path):
             os.path.join(ROOT, "configs/quickstart.yaml"),
             "train.steps=3",
             "log.interval=1",
+            "log.wandb=true",
             f"train.out_dir={out}",
         ],
+        env={"WANDB_SILENT": "true"},
         timeout=400,
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert len(losses) == 3 and losses[0] > 7.5, losses  # ~ln(4096) at the start
-
-
-def test_wandb_offline_logging_needs_no_network(tmp_path):
-    r = _run(
-        [
-            "megatron_lite.train",
-            "--config",
-            SMOKE,
-            "log.wandb=true",
-            "train.steps=2",
-            f"train.out_dir={tmp_path}",
-        ],
-        env={"WANDB_SILENT": "true"},
-    )
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    runs = list((tmp_path / "wandb").glob("offline-run-*"))
-    assert len(runs) == 1 and any(runs[0].glob("*.wandb")), list((tmp_path / "wandb").iterdir())
+    assert "rank map" in r.stdout and "step     3/3" in r.stdout, r.stdout
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [rec["step"] for rec in records] == [0, 1, 2]
+    for key in ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s",
+                "comm_bytes/all_gather", "comm_bytes/reduce_scatter"):  # fmt: skip
+        assert key in records[0], key
+    assert records[0]["loss"] > 7.5, records  # ~ln(4096) at the start
+    assert (out / "config.yaml").exists()
+    runs = list((out / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and any(runs[0].glob("*.wandb")), list((out / "wandb").iterdir())
 
 
 @pytest.mark.parametrize(

@@ -32,22 +32,18 @@ def _torchrun(env: dict, timeout: float = 120) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("rank0", ["on time", "late"])
-def test_config_error_under_torchrun_is_printed_once(rank0, tmp_path):
-    env = {}
-    if rank0 == "late":
-        (tmp_path / "sitecustomize.py").write_text(LATE_RANK0)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tmp_path), os.getenv("PYTHONPATH")]))
+def test_config_error_under_torchrun_is_printed_once_when_rank0_is_late(tmp_path):
+    """The case that lost the message before (rank 0, the only one that printed, was ended
+    by torchrun once a faster rank exited); rank 0 on time is the easy case of the same claim."""
+    (tmp_path / "sitecustomize.py").write_text(LATE_RANK0)
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.getenv("PYTHONPATH")]))}
     r = _torchrun(env)
     out = r.stdout + r.stderr
     assert r.returncode == 1, (r.returncode, out[-3000:])  # torchrun's own code (README)
-    assert out.count(MESSAGE) == 1, (
-        f"rank 0 {rank0}: the error printed {out.count(MESSAGE)}x:\n{out}"
-    )
+    assert out.count(MESSAGE) == 1, f"the error printed {out.count(MESSAGE)}x:\n{out}"
     # torchrun's failure report names the first rank to exit, with the ranks' exit code 2
     first = re.search(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)", out)
     assert first and first.group(1) == "2", out[-3000:]
-    if rank0 == "late":
-        assert first.group(2) != "0", "rank 0 was held back: another rank must have gone first"
+    assert first.group(2) != "0", "rank 0 was held back: another rank must have gone first"
     # torchrun prints its own ChildFailedError traceback; none may come from our code
     assert not re.search(r'File "[^"]*megatron_lite/', out), out[-3000:]

@@ -1,5 +1,5 @@
 """Mixture of experts on several ranks: the all-to-all dispatcher against a dense float64
-reference, and loss parity of expert-parallel layouts against a single rank (20 steps, fp32)."""
+reference, and loss parity of expert-parallel layouts against a single rank (6 steps, fp32)."""
 
 import functools
 
@@ -65,7 +65,7 @@ def test_moe_loss_parity(layout):
     ref = reference_records(tuple(model))
     got = moe_records(world, model + parallel)
     ref_losses = [r["loss"] for r in ref]
-    assert ref_losses[-1] < ref_losses[0] - 0.2, f"reference loss did not fall: {ref_losses}"
+    assert ref_losses[-1] < ref_losses[0] - 0.1, f"reference loss did not fall: {ref_losses}"
     assert_parity(got, ref, f"moe {layout}")
     aux_diff = max_rel_diff([r["aux_loss"] for r in got], [r["aux_loss"] for r in ref])
     print(f"PARITY moe {layout}: aux loss {aux_diff:.2e}")

@@ -1,4 +1,4 @@
-"""Loss parity of TP, SP, DP and TP×DP against a single rank of the same seed (20 steps, fp32)."""
+"""Loss parity of TP, SP, DP and TP×DP against a single rank of the same seed (6 steps, fp32)."""
 
 import pytest
 
@@ -36,7 +36,7 @@ def test_loss_parity(layout, model, tmp_path):
     world, overrides = LAYOUTS[layout]
     ref = reference_losses(tuple(MODELS[model]))
     got = train_losses(world, MODELS[model] + overrides, str(tmp_path))
-    assert ref[-1] < ref[0] - 0.1, f"reference loss did not fall: {ref}"
+    assert ref[-1] < ref[0] - 0.05, f"reference loss did not fall: {ref}"
     assert_parity(got, ref, f"{layout} {model}")
 
 

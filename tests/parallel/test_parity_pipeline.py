@@ -1,4 +1,4 @@
-"""Pipeline engine: loss parity of PP layouts against a single rank (20 steps, fp32), the
+"""Pipeline engine: loss parity of PP layouts against a single rank (6 steps, fp32), the
 microbatch-count rules, and the measured pipeline timeline.
 
 Microbatch sizes differ from the reference where that exercises the steady state of the
@@ -42,7 +42,7 @@ def test_pipeline_loss_parity(layout, tmp_path):
     model = (*model, *SHORT)
     ref = reference_losses(model)
     got = train_losses(world, [*model, *overrides], str(tmp_path))
-    assert ref[-1] < ref[0] - 0.1, f"reference loss did not fall: {ref}"
+    assert ref[-1] < ref[0] - 0.05, f"reference loss did not fall: {ref}"
     assert_parity(got, ref, layout)
 
 

@@ -1,5 +1,5 @@
 """ZeRO-1/2 (the distributed optimizer), hybrid sharding and optimizer offload give the losses
-of a single rank (fp32, 20 steps), on the layouts that can break them: several buckets, DP
+of a single rank (fp32, 6 steps), on the layouts that can break them: several buckets, DP
 alone, TP+SP replicas, pipeline chunks with tied embeddings, CP, experts."""
 
 import pytest

@@ -1,4 +1,4 @@
-"""ZeRO-3 through torch FSDP2 (parallel.zero_stage=3): the losses of a single rank (fp32, 20
+"""ZeRO-3 through torch FSDP2 (parallel.zero_stage=3): the losses of a single rank (fp32, 6
 steps) on DP, HSDP, TP+SP, pipeline chunks with tied embeddings across stages and experts;
 bf16 tracks the bf16 single rank; checkpoints resume across stages and dp sizes; the model
 states per rank shrink to about 1/N; one reduce-scatter per unit per step under gradient
