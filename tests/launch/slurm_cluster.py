@@ -23,6 +23,7 @@ machine); it takes ~10-30 s once.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -60,10 +61,27 @@ def ensure_installed() -> float:
     return time.monotonic() - t0
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the kernel's ephemeral range (and above the sbatch script's
+    rendezvous ports, 20000 + job id mod 10000): a port the kernel hands out for `bind(0)` could
+    be taken by another process's listener (gloo ranks of tests running beside these) between
+    this check and the daemon's own bind."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        ephemeral_low = int(f.read().split()[0])
+    candidates = [p for p in range(30000, max(ephemeral_low, 30001)) if p not in _HANDED_OUT]
+    random.shuffle(candidates)
+    for port in candidates:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            _HANDED_OUT.add(port)  # not bound yet: never hand it out twice
+            return port
+    raise RuntimeError(f"no free port in 30000..{ephemeral_low - 1}")
 
 
 def _resolves(name: str) -> bool:

@@ -27,7 +27,8 @@ TINY = [
 # loss-parity tables train 6 steps: step 1 is held tightly (assert_parity), and past warmup the
 # sharded optimizer's updates and the gathered weights have shown in 4 more; checkpoint and
 # resume tests keep TINY's 20 (they save at step 10)
-SHORT = ("train.steps=6",)
+SHORT_STEPS = 6
+SHORT = (f"train.steps={SHORT_STEPS}",)
 
 
 def structured_dataset() -> str:

@@ -4,7 +4,7 @@ evaluating never changes training (samples, RNG, losses)."""
 from tests.dist_harness import run_ranks
 from tests.parallel.parity import TINY, max_rel_diff, structured_dataset
 
-SPLIT = ['data.split="90,10,0"', "train.eval_iters=2"]
+SPLIT = ['data.split="90,10,0"', "train.eval_iters=2", "train.steps=10"]
 
 
 def _train(rank, world, overrides, out_dir):
@@ -34,7 +34,7 @@ def test_eval_loss_is_layout_independent_and_leaves_training_alone(tmp_path):
     plain, no_eval = _run(1, ["train.eval_interval=0"], str(tmp_path / "plain"))
     losses, evals = _run(1, ["train.eval_interval=5"], str(tmp_path / "ref"))
     assert not no_eval and losses == plain  # bitwise: evaluation changes nothing in training
-    assert sorted(evals) == [4, 9, 14, 19] and evals[19] < evals[4], evals
+    assert sorted(evals) == [4, 9] and evals[9] < evals[4], evals
     layouts = {
         "tp2_sp_pp2": (4, ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.pp=2"]),
         "dp2_zero1": (2, ["parallel.zero_stage=1"]),

@@ -9,6 +9,8 @@ import pytest
 
 from tests.dist_harness import run_ranks
 from tests.parallel.parity import (
+    SHORT,
+    SHORT_STEPS,
     TINY,
     _train,
     max_rel_diff,
@@ -18,6 +20,7 @@ from tests.parallel.parity import (
 
 FAKE_TE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fake_te")
 TP2_SP = ["parallel.tp=2", "parallel.sequence_parallel=true"]
+LLAMA = ("model.arch=llama", *SHORT)  # the parity tables' single-rank reference
 
 
 def _train_with_fake_te(rank, world, overrides, out_dir):
@@ -40,14 +43,14 @@ def _run(world, overrides, tmp):
 
 
 def test_te_linears_match_local_backend(tmp_path):
-    ref = reference_losses(("model.arch=llama",))
-    got, stats = _run(2, ["model.linear_backend=te", *TP2_SP], str(tmp_path))
+    ref = reference_losses(LLAMA)
+    got, stats = _run(2, ["model.linear_backend=te", *TP2_SP, *SHORT], str(tmp_path))
     diff = max_rel_diff(got, ref)
     print(f"TE-LINEAR tp2+SP: max rel diff vs local 1 rank {diff:.2e}")
     assert diff < 1e-4, f"{got}\n{ref}"
-    for s in stats:  # 4 layers × (qkv, proj, fc1, fc2); 20 steps × 4 microbatches × 4 layers
+    for s in stats:  # 4 layers × (qkv, proj, fc1, fc2); steps × 4 microbatches × 4 layers
         assert s["linears"] == 16, s
-        assert s["forwards"] == 16 * 20 * 4, s
+        assert s["forwards"] == 16 * SHORT_STEPS * 4, s
         assert s["fp8_forwards"] == 0 and not s["autocasts"], s
 
 
@@ -63,21 +66,21 @@ FP8_CASES = {
 @pytest.mark.parametrize("case", FP8_CASES)
 def test_fp8_runs_te_gemms_under_autocast(case, tmp_path):
     recipe, world, layout, linears, micro, groups = FP8_CASES[case]
-    ref = reference_losses(("model.arch=llama",))
+    ref = reference_losses(LLAMA)
     fp8 = [
         "model.linear_backend=te",
         "model.fp8=hybrid",
         f"model.fp8_recipe={recipe}",
         "train.precision=bf16",
     ]
-    got, stats = _run(world, [*fp8, *TP2_SP, *layout], str(tmp_path))
+    got, stats = _run(world, [*fp8, *TP2_SP, *layout, *SHORT], str(tmp_path))
     diff = max_rel_diff(got, ref)
     print(f"FP8 {case} (stand-in TE): max rel diff vs fp32 {diff:.2e}")
     assert 1e-5 < diff < 5e-2, f"FP8 rounding should show, but stay small: {got} vs {ref}"
     name = {"tensorwise": "Float8CurrentScaling", "delayed": "DelayedScaling"}[recipe]
     for rank, s in enumerate(stats):  # one autocast per microbatch forward
         assert s["linears"] == linears and s["fp8_forwards"] == s["forwards"], s
-        assert s["forwards"] == linears * 20 * micro, s
+        assert s["forwards"] == linears * SHORT_STEPS * micro, s
         group = next(g for g in groups if rank in g)
         assert set(s["autocasts"]) == {(name, "HYBRID", group)}, s["autocasts"][:3]
-        assert len(s["autocasts"]) == 20 * micro, len(s["autocasts"])
+        assert len(s["autocasts"]) == SHORT_STEPS * micro, len(s["autocasts"])

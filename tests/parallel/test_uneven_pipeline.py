@@ -11,7 +11,7 @@ from megatron_lite.pipeline.schedules import get_schedule_table
 from megatron_lite.pipeline.simulate import simulate
 from megatron_lite.resolve import stage_layers
 from megatron_lite.validation import validate
-from tests.parallel.parity import assert_parity, reference_losses, train_losses
+from tests.parallel.parity import SHORT, assert_parity, reference_losses, train_losses
 
 LLAMA = ("model.arch=llama",)  # TINY: 4 layers
 BOTH_ENDS_1_2 = ("parallel.decoder_first_pipeline_num_layers=1",
@@ -27,8 +27,8 @@ BOTH_ENDS_1_2 = ("parallel.decoder_first_pipeline_num_layers=1",
     ],
 )
 def test_uneven_split_matches_one_rank(world, split, tmp_path):
-    ref = reference_losses(LLAMA)
-    got = train_losses(world, [*LLAMA, *split], str(tmp_path))
+    ref = reference_losses((*LLAMA, *SHORT))
+    got = train_losses(world, [*LLAMA, *SHORT, *split], str(tmp_path))
     assert_parity(got, ref, f"uneven {split}")
 
 

@@ -42,12 +42,12 @@ def test_zero_loss_parity(layout, tmp_path):
 def test_bf16_stages_track_the_bf16_single_rank(tmp_path):
     """bf16 weights with fp32 masters: every stage follows the bf16 single-rank run more
     closely than bf16 follows fp32."""
-    fp32 = reference_losses(LLAMA)
-    bf16 = reference_losses((*LLAMA, "train.precision=bf16"))
+    fp32 = reference_losses((*LLAMA, *SHORT))
+    bf16 = reference_losses((*LLAMA, *SHORT, "train.precision=bf16"))
     band = max_rel_diff(bf16, fp32)
     for stage in (0, 1, 2):
-        got = train_losses(2, [*LLAMA, "train.precision=bf16", f"parallel.zero_stage={stage}"],
-                           str(tmp_path / str(stage)))  # fmt: skip
+        over = [*LLAMA, *SHORT, "train.precision=bf16", f"parallel.zero_stage={stage}"]
+        got = train_losses(2, over, str(tmp_path / str(stage)))
         diff = max_rel_diff(got, bf16)
         print(f"BF16 zero{stage} dp2 vs bf16 one rank: {diff:.2e} (bf16 vs fp32: {band:.2e})")
         assert diff < band, f"zero{stage}: {diff:.2e} not tighter than bf16 vs fp32 {band:.2e}"
@@ -75,12 +75,13 @@ def test_bf16_gradient_reduction_halves_the_bytes_and_tracks_fp32(tmp_path):
     """parallel.grad_reduce_dtype=bf16 with fp32 weights: every stage sends its gradients in
     bf16 (half the bytes of an fp32 reduction, counted in the run) and follows the fp32 single
     rank more closely than a bf16-weights run does (only the reduction is rounded)."""
-    fp32 = reference_losses(LLAMA)  # 20 steps, shared with test_bf16_stages_track_...
-    band = max_rel_diff(reference_losses((*LLAMA, "train.precision=bf16")), fp32)
+    fp32 = reference_losses((*LLAMA, *SHORT))  # shared with test_bf16_stages_track_...
+    band = max_rel_diff(reference_losses((*LLAMA, *SHORT, "train.precision=bf16")), fp32)
     keys = ("loss", "comm_bytes/all_reduce_dp", "comm_bytes/reduce_scatter_dp",
             "comm_bytes/reduce_scatter_fsdp")  # fmt: skip
     for stage in (0, 1, 2, 3):
-        over = [*LLAMA, f"parallel.zero_stage={stage}", "parallel.ddp_bucket_size=100000000"]
+        over = [*LLAMA, *SHORT, f"parallel.zero_stage={stage}",
+                "parallel.ddp_bucket_size=100000000"]  # fmt: skip
         records = train_records(2, [*over, "parallel.grad_reduce_dtype=bf16"], keys)
         got = [r["loss"] for r in records]
         diff = max_rel_diff(got, fp32)
