@@ -7,7 +7,8 @@ process group over a FileStore, runs `fn`, and sends back its return value (keep
 lists, CPU tensors). If any rank raises, the first error (with its traceback) is raised here, once
 the other ranks have ended too (or `settle` seconds passed, then they are killed); if
 the ranks don't finish within `timeout` seconds they are killed and the test fails with the
-ranks that were still running, so a hang fails fast instead of stalling CI.
+ranks that were still running, so a hang fails fast instead of stalling CI; a rank that dies
+without a result (a crash: segfault, os._exit) fails the test within a second.
 """
 
 from __future__ import annotations
@@ -97,12 +98,21 @@ def run_ranks(world_size: int, fn, *args, timeout: float = 120.0, settle: float 
         results, deadline = {}, time.monotonic() + timeout
         while len(results) < world_size:
             remaining = deadline - time.monotonic()
-            try:
-                rank, status, value = queue.get(timeout=max(remaining, 0.01))
+            try:  # in short waits, to notice a rank that died without a word (a crash)
+                rank, status, value = queue.get(timeout=min(max(remaining, 0.01), 1.0))
             except queue_module.Empty:
+                missing = sorted(set(range(world_size)) - set(results))
+                dead = [(r, procs[r].exitcode) for r in missing if procs[r].exitcode is not None]
+                if dead and queue.empty():  # its result, if any, was queued before it exited
+                    for p in procs:
+                        p.kill()
+                    raise RuntimeError(
+                        f"ranks died without a result (rank, exit code): {dead}"
+                    ) from None
+                if remaining > 0:
+                    continue
                 for p in procs:
                     p.kill()
-                missing = sorted(set(range(world_size)) - set(results))
                 raise TimeoutError(
                     f"ranks {missing} of {world_size} did not finish within {timeout:.0f}s (hang?)"
                 ) from None
