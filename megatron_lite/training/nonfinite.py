@@ -12,6 +12,7 @@ Megatron does for its loss-scaler skips.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -23,23 +24,29 @@ class NonFiniteError(RuntimeError):
     """Training produced a NaN/Inf loss or gradient; the message is meant for the user."""
 
 
-def nonfinite_grads(named_params: list[tuple[str, torch.nn.Parameter]], limit: int = 3):
-    """Names of (up to `limit`) parameters whose gradient holds NaN or Inf on this rank."""
+def nonfinite_grads(named_grads: Iterable[tuple[str, torch.Tensor]], limit: int = 3):
+    """Names of (up to `limit`) parameters whose reduced gradient (this rank's whole gradient,
+    shard or piece of one, see DataParallelWrapper.local_grads) holds NaN or Inf."""
     bad = []
-    for name, p in named_params:
-        grad = getattr(p, "main_grad", p.grad)  # the fp32 accumulation buffer when there is one
-        if grad is not None and not bool(torch.isfinite(grad).all()):
+    for name, grad in named_grads:
+        if name not in bad and not bool(torch.isfinite(grad).all()):
             bad.append(name)
             if len(bad) == limit:
                 break
     return bad
 
 
-def describe(step: int, loss: float, grad_norm: float, local_loss: float, named_params) -> str:
+NamedGrads = Callable[[], Iterable[tuple[str, torch.Tensor]]]
+
+
+def describe(
+    step: int, loss: float, grad_norm: float, local_loss: float, named_grads: NamedGrads
+) -> str:
     """What went non-finite at `step`, gathered over the world (call on every rank).
     `local_loss` is this rank's share of the loss sum (0 on ranks that report none), a number
-    or a 0-dim tensor (read only here, off the finite path)."""
-    grads = nonfinite_grads(named_params) if not math.isfinite(grad_norm) else []
+    or a 0-dim tensor, and `named_grads()` lists (parameter name, reduced local gradient); both
+    are read only here, off the finite path."""
+    grads = nonfinite_grads(named_grads()) if not math.isfinite(grad_norm) else []
     mine = (not math.isfinite(float(local_loss)), grads)
     everyone = [None] * dist.get_world_size()
     guarded("all_gather_object", None, lambda: dist.all_gather_object(everyone, mine))
@@ -65,11 +72,11 @@ class NonFiniteGuard:
     def __init__(self, skip_limit: int):
         self.skip_limit, self.in_a_row = skip_limit, 0
 
-    def check(self, step, loss, grad_norm, local_loss, named_params) -> str | None:
+    def check(self, step, loss, grad_norm, local_loss, named_grads: NamedGrads) -> str | None:
         if math.isfinite(loss) and math.isfinite(grad_norm):
             self.in_a_row = 0
             return None
-        what = describe(step, loss, grad_norm, local_loss, named_params)
+        what = describe(step, loss, grad_norm, local_loss, named_grads)
         self.in_a_row += 1
         if self.in_a_row <= self.skip_limit:
             return (

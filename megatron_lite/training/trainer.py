@@ -243,7 +243,7 @@ class Trainer:
         self.stop_requested = signals > 0
         grad_norm = grad_sq**0.5
         loss = loss_total / n_tokens
-        skipped = self.guard.check(self.step, loss, grad_norm, loss_part, self.named_params)
+        skipped = self.guard.check(self.step, loss, grad_norm, loss_part, self._named_grads)
         if skipped is None:
             self.dp.clip(grad_norm, cfg.train.grad_clip)
             self.dp.step()  # AdamW on this rank's shards, then the weights all-gathered
@@ -273,6 +273,12 @@ class Trainer:
         }
         self.step += 1
         return record
+
+    def _named_grads(self):
+        """(name, reduced local gradient) for the non-finite guard (read only off the finite
+        path): the wrapper's, since under ZeRO-2 `main_grad` has no storage after the sync."""
+        names = {id(p): n for n, p in self.named_params}
+        return [(names[id(g.param)], g.grad) for g in self.dp.local_grads()]
 
     def _step_memory(self, activations_changed: bool) -> dict[str, int]:
         """The step's mem/* figures. The model states are allocated once and a dense model's

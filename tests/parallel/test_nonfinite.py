@@ -2,6 +2,7 @@
 parameter, or skips the step under train.skip_nonfinite_steps."""
 
 import json
+import re
 
 import pytest
 
@@ -18,7 +19,11 @@ def _train(rank, world, overrides, out_dir, poison):
     cfg, dataset, vocab = prepare(["train.out_dir=" + out_dir, *overrides], world_size=world)
     p = cfg.parallel
     trainer = Trainer(cfg, ParallelMesh(RankLayout(world, tp=p.tp, pp=p.pp)), dataset, vocab)
-    if poison == "loss":  # the last stage's final norm overflows: the loss is NaN
+    if poison == "fc1 output grad":  # any stage: the backward through layer 3's fc1 turns NaN
+        fc1 = trainer.chunks[-1].layers["3"].mlp.linear_fc1
+        nan_grad = lambda g: g * float("nan") if trainer.step >= 2 and rank == world - 1 else g
+        fc1.register_forward_hook(lambda m, i, out: out.register_hook(nan_grad) and None)
+    elif poison == "loss":  # the last stage's final norm overflows: the loss is NaN
         for chunk in trainer.chunks:
             if chunk.post_process:
                 chunk.final_norm.register_forward_hook(lambda m, i, out: out * float("nan"))
@@ -53,6 +58,20 @@ def test_nan_gradient_names_the_parameter(tmp_path):
     assert status == "stopped" and step == 2, message
     assert "step 2: the gradient norm is nan: non-finite gradient in " in message
     assert "layers.3.mlp.linear_fc1.weight on rank 1" in message
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
+def test_nan_gradient_under_every_zero_stage_is_the_named_error(zero_stage, tmp_path):
+    """dp2: the guard reads the reduced gradients the wrapper holds (ZeRO-2 frees the full
+    buffer after the sync: reading `main_grad` there crashed the process)."""
+    args = [*TINY, f"data.paths=[{structured_dataset()}]", "train.steps=4",
+            f"parallel.zero_stage={zero_stage}"]  # fmt: skip
+    results = run_ranks(2, _train, args, str(tmp_path), "fc1 output grad", timeout=120)
+    for status, message, step in results:
+        assert status == "stopped" and step == 2, message
+        assert message.startswith("step 2: the gradient norm is nan: non-finite gradient in ")
+        # the NaN flows back through every earlier layer: the first few are named, per rank
+        assert re.search(r"non-finite gradient in [\w.]+\.weight on rank [01]", message), message
 
 
 def test_skip_nonfinite_steps_skips_then_stops(tmp_path):

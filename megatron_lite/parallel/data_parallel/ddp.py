@@ -134,7 +134,7 @@ class DataParallel:
         for buf in self.buffers:
             buf.start_step(num_microbatches)
 
-    def _local_grads(self) -> list[LocalGrad]:
+    def local_grads(self) -> list[LocalGrad]:
         """This rank's reduced gradient shard, one entry per piece (parameter ∩ shard)."""
         return [LocalGrad(pc.param, pc.grad, pc.buffer.replicas) for pc in self.pieces]
 
@@ -143,12 +143,12 @@ class DataParallel:
         embedding group (tied embeddings) on this rank's shard (see finalize.py)."""
         for buf in self.buffers:
             buf.finish()
-        finalize.sum_model_parallel_copies(self._local_grads(), self.mesh, self.tied)
+        finalize.sum_model_parallel_copies(self.local_grads(), self.mesh, self.tied)
 
     def grad_square_sum(self) -> torch.Tensor:
         """This rank's share of the global Σg² (fp64), see `finalize.grad_square_sum`."""
         device = self.buffers[0].grad_data.device if self.buffers else torch.device("cpu")
-        return finalize.grad_square_sum(self._local_grads(), self.mesh.tp.size, device)
+        return finalize.grad_square_sum(self.local_grads(), self.mesh.tp.size, device)
 
     def clip(self, norm: float, max_norm: float) -> None:
         """Scale this rank's gradient shard by max_norm / norm when norm > max_norm > 0."""

@@ -184,7 +184,7 @@ class FullyShardedDataParallel:
         for p in self.params:
             p.grad = None
 
-    def _local_grads(self) -> list[LocalGrad]:
+    def local_grads(self) -> list[LocalGrad]:
         """This rank's FSDP2 shard of each gradient (parameters that got one this step)."""
         return [
             LocalGrad(p, p.grad.to_local(), self.replicas[p.meta.is_expert])
@@ -195,16 +195,16 @@ class FullyShardedDataParallel:
     def finish_grad_sync(self) -> None:
         """The sums over TP (sequence-parallel replicas) and over the embedding group (tied
         embeddings), on this rank's shards (FSDP2 reduced them over dp×cp in the backward)."""
-        finalize.sum_model_parallel_copies(self._local_grads(), self.mesh, self.tied)
+        finalize.sum_model_parallel_copies(self.local_grads(), self.mesh, self.tied)
 
     def grad_square_sum(self) -> torch.Tensor:
         """This rank's share of the global Σg² (fp64), see `finalize.grad_square_sum`."""
         device = self.params[0].device
-        return finalize.grad_square_sum(self._local_grads(), self.mesh.tp.size, device)
+        return finalize.grad_square_sum(self.local_grads(), self.mesh.tp.size, device)
 
     def clip(self, norm: float, max_norm: float) -> None:
         """Scale this rank's gradient shards by max_norm / norm when norm > max_norm > 0."""
-        finalize.scale_to_max_norm([g.grad for g in self._local_grads()], norm, max_norm)
+        finalize.scale_to_max_norm([g.grad for g in self.local_grads()], norm, max_norm)
 
     def step(self) -> None:
         """AdamW on the shards; FSDP2 gathers them again in the next forward."""

@@ -18,6 +18,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from megatron_lite.parallel.data_parallel.finalize import LocalGrad
 from megatron_lite.parallel.mesh import ParallelMesh
 
 
@@ -70,6 +71,11 @@ class DataParallelWrapper(Protocol):
     def finish_grad_sync(self) -> None:
         """After the step's last backward: every gradient reduced over its data-parallel group,
         SP replicas summed over TP and tied embeddings over the embedding group."""
+
+    def local_grads(self) -> list[LocalGrad]:
+        """After finish_grad_sync: the reduced gradients this rank holds (whole gradients, its
+        ZeRO shard as pieces of parameters, or its FSDP2 shards), the only gradients to read
+        (under ZeRO-2 a parameter's `main_grad` outside the step has no storage)."""
 
     def grad_square_sum(self) -> torch.Tensor:
         """This rank's share of the global Σg² (fp64 scalar); the sum over the world counts
