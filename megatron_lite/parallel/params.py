@@ -11,6 +11,10 @@ treated as replicated on every rank: `init_parameters` marks it so and runs its 
 `reset_parameters()` under a generator seeded by (seed, module name), so every rank and layout
 gets the same values; a module that cannot do that is refused with a message saying how to mark
 the parameter.
+
+A parameter that FSDP2 (ZeRO-3) has sharded further along dim 0 is a `DTensor`: each rank draws
+only the rows of its TP shard that it holds (`fsdp_rows`), so a model built on the meta device
+and sharded there never holds more than its shards.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 
 @dataclass
@@ -88,10 +93,20 @@ def _block_length(shape: tuple[int, ...], dim: int) -> int:
     return max(1, BLOCK_ELEMENTS // per_index)
 
 
-def _draw(meta: ParamMeta, key: str, seed: int, dim: int, start: int, end: int) -> torch.Tensor:
+def _draw(
+    meta: ParamMeta,
+    key: str,
+    seed: int,
+    dim: int,
+    start: int,
+    end: int,
+    rows: tuple[int, int] | None = None,
+) -> torch.Tensor:
     """Indices [start, end) along `dim` of the logical full tensor: block b of the full tensor
     (indices [b·B, (b+1)·B) along dim, everything else whole) comes from a generator seeded by
-    (seed, key, b), so a rank draws only the blocks its shard touches."""
+    (seed, key, b), so a rank draws only the blocks its shard touches. `rows` (dim != 0): keep
+    only rows [a, b) along dim 0 of each block as it is drawn (an FSDP2 shard of a tensor
+    sharded along another dim holds one block at a time, never the whole tensor)."""
     full, n = meta.full_shape, meta.full_shape[dim]
     step, parts = _block_length(full, dim), []
     for b in range(start // step, -(-end // step)):
@@ -99,13 +114,22 @@ def _draw(meta: ParamMeta, key: str, seed: int, dim: int, start: int, end: int) 
         shape = list(full)
         shape[dim] = hi - lo
         block = torch.randn(shape, generator=_generator(seed, f"{key}#{b}")) * meta.std
+        if rows is not None:
+            block = block[rows[0] : rows[1]]
         a, e = max(start, lo), min(end, hi)
         parts.append(block.narrow(dim, a - lo, e - a))
     if not parts:
-        shape = list(full)
-        shape[dim] = 0
-        return torch.empty(shape)
+        return torch.empty(_shape(meta, dim, 0, rows))
     return torch.cat(parts, dim=dim)
+
+
+def _shape(meta: ParamMeta, dim: int, length: int, rows: tuple[int, int] | None) -> list[int]:
+    """The full shape with `length` indices along `dim` (and rows[1] - rows[0] along 0)."""
+    shape = list(meta.full_shape)
+    shape[dim] = length
+    if rows is not None:
+        shape[0] = rows[1] - rows[0]
+    return shape
 
 
 def full_tensor(meta: ParamMeta, name: str, seed: int) -> torch.Tensor:
@@ -116,31 +140,83 @@ def full_tensor(meta: ParamMeta, name: str, seed: int) -> torch.Tensor:
     return _draw(meta, meta.init_name or name, seed, dim, 0, meta.full_shape[dim])
 
 
-def init_shard(meta: ParamMeta, name: str, seed: int) -> torch.Tensor:
-    """This rank's shard of `full_tensor(meta, name, seed)`, drawing only the blocks it needs:
-    time and memory follow the shard, not the whole parameter."""
+def _tp_pieces(meta: ParamMeta) -> list[tuple[int, int, bool]]:
+    """This TP shard along its dim as pieces (lo, hi, drawn) of the padded full tensor, in
+    order: drawn indices of the logical tensor, or vocabulary padding (zeros) past it."""
     dim = meta.tp_dim if meta.tp_dim is not None else 0
     n = meta.full_shape[dim]
     size = meta.padded if meta.padded is not None else n
-    segments = meta.segments or (size,)
     tp, r = (meta.tp_size, meta.tp_rank) if meta.tp_dim is not None else (1, 0)
-    parts, offset = [], 0
-    for seg in segments:
+    pieces, offset = [], 0
+    for seg in meta.segments or (size,):
         lo, hi = offset + r * seg // tp, offset + (r + 1) * seg // tp  # this rank's chunk
         real = max(lo, min(hi, n))  # rows past n are vocabulary padding (zeros)
-        if meta.init in ("zeros", "ones"):
-            shape = list(meta.full_shape)
-            shape[dim] = real - lo
-            fill = torch.zeros if meta.init == "zeros" else torch.ones
-            parts.append(fill(shape))
-        else:
-            parts.append(_draw(meta, meta.init_name or name, seed, dim, lo, real))
-        if hi > real:
-            shape = list(meta.full_shape)
-            shape[dim] = hi - real
-            parts.append(torch.zeros(shape))
+        pieces += [(lo, real, True), (real, hi, False)]
         offset += seg
+    return [piece for piece in pieces if piece[1] > piece[0]] or [(0, 0, True)]
+
+
+def _rows_of(pieces: list[tuple[int, int, bool]], start: int, end: int):
+    """The pieces that rows [start, end) of their concatenation (along dim 0) cover."""
+    out, at = [], 0
+    for lo, hi, drawn in pieces:
+        a, b = max(start, at), min(end, at + hi - lo)
+        if b > a:
+            out.append((lo + a - at, lo + b - at, drawn))
+        at += hi - lo
+    return out or [(0, 0, True)]
+
+
+def init_shard(
+    meta: ParamMeta, name: str, seed: int, rows: tuple[int, int] | None = None
+) -> torch.Tensor:
+    """This rank's shard of `full_tensor(meta, name, seed)`, drawing only the blocks it needs:
+    time and memory follow the shard, not the whole parameter. `rows`: only rows [a, b) along
+    dim 0 of that shard (what FSDP2 keeps of it on this rank, see `fsdp_rows`)."""
+    dim = meta.tp_dim if meta.tp_dim is not None else 0
+    pieces = _tp_pieces(meta)
+    if rows is not None and dim == 0:  # the rows are pieces of the TP shard's own dim
+        pieces, rows = _rows_of(pieces, *rows), None
+    parts = []
+    for lo, hi, drawn in pieces:
+        if not drawn:
+            parts.append(torch.zeros(_shape(meta, dim, hi - lo, rows)))
+        elif meta.init in ("zeros", "ones"):
+            fill = torch.zeros if meta.init == "zeros" else torch.ones
+            parts.append(fill(_shape(meta, dim, hi - lo, rows)))
+        else:
+            parts.append(_draw(meta, meta.init_name or name, seed, dim, lo, hi, rows))
     return torch.cat(parts, dim=dim) if len(parts) > 1 else parts[0]
+
+
+def fsdp_rows(p: torch.Tensor) -> tuple[int, int] | None:
+    """The rows [start, end) along dim 0 of its (TP-local) tensor that this rank holds of a
+    DTensor parameter sharded along dim 0, as FSDP2 cuts it: torch.chunk over each Shard(0)
+    mesh dim, so ceil(n/N) rows per rank and trailing ranks short or empty. None for a plain
+    tensor (this rank holds all of it)."""
+    if not isinstance(p, DTensor):
+        return None
+    start, n = 0, p.shape[0]
+    for mesh_dim, placement in enumerate(p.placements):
+        if type(placement) is Shard and placement.dim == 0:
+            size, r = p.device_mesh.size(mesh_dim), p.device_mesh.get_local_rank(mesh_dim)
+            per = -(-n // size)
+            lo, hi = min(r * per, n), min((r + 1) * per, n)
+            start, n = start + lo, hi - lo
+        elif not isinstance(placement, Replicate):
+            raise ValueError(
+                f"parameter of shape {tuple(p.shape)} is placed {p.placements}: initialization "
+                "draws shards along dim 0 only (FSDP2's default Shard(0)). Fix: shard along dim "
+                "0 or initialize before sharding"
+            )
+    local = p.to_local().shape[0] if p.dim() else 0
+    if local != n:
+        raise RuntimeError(
+            f"parameter of shape {tuple(p.shape)}: this rank holds {local} rows, but FSDP2's "
+            f"torch.chunk layout gives {n} (rows {start}..{start + n}); the sharded layout of "
+            f"this torch ({torch.__version__}) differs from what fsdp_rows assumes"
+        )
+    return start, start + n
 
 
 def shard(full: torch.Tensor, meta: ParamMeta) -> torch.Tensor:
@@ -165,16 +241,17 @@ def shard(full: torch.Tensor, meta: ParamMeta) -> torch.Tensor:
 def init_parameters(module: torch.nn.Module, seed: int) -> None:
     """Fill every parameter layout-independently (see module docstring): unmarked parameters
     through their module's reset_parameters() under a seeded generator, then every marked one
-    from its seeded full tensor."""
+    from its seeded full tensor. A DTensor (FSDP2-sharded) parameter gets its local rows."""
     for mod_name, mod in module.named_modules():
-        own = [(n, p) for n, p in mod.named_parameters(recurse=False) if not hasattr(p, "meta")]
+        # unmarked, or marked by a reader of the metadata (a data-parallel wrapper) before
+        own = [n for n, p in mod.named_parameters(recurse=False) if meta_of(p).init == "module"]
         if own:
-            _reset_replicated(mod_name, mod, [n for n, _ in own], seed)
-            for _, p in own:
-                meta_of(p)
+            _reset_replicated(mod_name, mod, own, seed)
     for name, p in module.named_parameters():
         if p.meta.init != "module":
-            p.copy_(init_shard(p.meta, name, seed))
+            rows = fsdp_rows(p)
+            local = p.to_local() if rows is not None else p
+            local.copy_(init_shard(p.meta, name, seed, rows))
 
 
 def _reset_replicated(mod_name: str, mod: torch.nn.Module, names: list[str], seed: int) -> None:
@@ -187,10 +264,24 @@ def _reset_replicated(mod_name: str, mod: torch.nn.Module, names: list[str], see
             "with megatron_lite.parallel.params.set_meta(param, full_shape=..., init='normal' | "
             "'zeros' | 'ones', std=...), or give the module a reset_parameters()"
         )
+    # reset_parameters draws whole tensors: a sharded (DTensor) parameter lends it a whole
+    # one for the moment (this module's replicated parameters only), then keeps its rows
+    sharded = {n: getattr(mod, n) for n in names if isinstance(getattr(mod, n), DTensor)}
+    for n, p in sharded.items():
+        whole = torch.empty(p.shape, dtype=p.dtype, device=p.device)
+        setattr(mod, n, torch.nn.Parameter(whole, p.requires_grad))
     devices = [p.device for p in mod.parameters(recurse=False) if p.device.type == "cuda"]
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(_generator(seed, mod_name or "<root>").initial_seed())
-        reset()
+    try:
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(_generator(seed, mod_name or "<root>").initial_seed())
+            reset()
+    finally:
+        drawn = {n: getattr(mod, n) for n in sharded}
+        for n, p in sharded.items():
+            setattr(mod, n, p)
+    for n, p in sharded.items():
+        start, end = fsdp_rows(p)
+        p.to_local().copy_(drawn[n][start:end])
 
 
 def scaled_std(std: float, num_layers: int) -> float:

@@ -1,5 +1,6 @@
 """Shard-local initialization: each rank's shard equals the same slice of the layout-independent
-full tensor, and drawing it touches only about a 1/tp share of the generator blocks."""
+full tensor, and drawing it touches only about a 1/tp share of the generator blocks; rows of
+a shard (what FSDP2 keeps of it on one rank) are exactly those rows of the whole shard."""
 
 import pytest
 import torch
@@ -31,6 +32,18 @@ def test_shard_is_the_slice_of_the_full_tensor(case, tp):
         meta = ParamMeta(shape, **kw, **extra)
         want = shard(full_tensor(meta, "w", 11), meta)
         assert torch.equal(init_shard(meta, "w", 11), want), (case, tp, rank)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_rows_of_a_shard_are_those_rows_of_it(case):
+    shape, kw = CASES[case]
+    extra = {"tp_rank": 1, "tp_size": 2} if "tp_dim" in kw else {}
+    meta = ParamMeta(shape, **kw, **extra)
+    whole = init_shard(meta, "w", 11)
+    n = whole.shape[0]
+    for rows in [(0, n), (0, 0), (n, n), (1, n - 1), (n // 3, n // 2), (n - 1, n)]:
+        got = init_shard(meta, "w", 11, rows)
+        assert torch.equal(got, whole[rows[0] : rows[1]]), (case, rows)
 
 
 def test_a_shard_draws_only_its_blocks(monkeypatch):
