@@ -31,6 +31,11 @@ def _check(chunks, mesh: ParallelMesh, zero_stage: int, dp_shard: int | None, of
     """The argument rules (the trainer's config validation checks the same on its keys)."""
     experts = any(meta_of(p).is_expert for c in chunks for p in c.parameters())
     problems = []
+    if zero_stage != 3 and any(p.is_meta for c in chunks for p in c.parameters()):
+        problems.append(
+            f"zero_stage={zero_stage} with chunks on the meta device: only stage 3 shards them "
+            "before giving them storage; give them storage first (params.materialize)"
+        )
     if zero_stage not in (0, 1, 2, 3):
         problems.append(f"zero_stage={zero_stage}: must be 0, 1, 2 or 3")
     if offload and zero_stage == 3:
@@ -63,6 +68,7 @@ def build_data_parallel(
     reshard_after_forward: bool = True,
     tie_embeddings: bool = False,
     layers_of: Callable[[torch.nn.Module], Iterable[torch.nn.Module]] | None = None,
+    device: torch.device | str | None = None,
 ) -> DataParallelWrapper:
     """Gradient reduction and AdamW for this rank's model `chunks` (one per virtual pipeline
     stage; their parameters carry our sharding metadata, see parallel/params.py), over the
@@ -88,6 +94,9 @@ def build_data_parallel(
         `set_meta(..., tied_copy=True)`) over the embedding group.
     layers_of: stage 3: `layers_of(chunk)` lists the chunk's transformer layers, each its own
         FSDP2 unit (the rest of the chunk is one more); default `chunk.layers.values()`.
+    device: stage 3 with chunks on the meta device: they are sharded there and each rank's
+        shards get uninitialized storage on `device` (fill them with
+        `params.init_parameters` or a load; recompute buffers that were on meta).
 
     The weights compute in the dtype the parameters have (cast the model to bf16 first for
     bf16 weights); the optimizer keeps fp32 masters. Returns a `DataParallelWrapper`: call
@@ -107,6 +116,7 @@ def build_data_parallel(
             param_dtype=dtype,
             reduce_dtype=grad_reduce_dtype,
             layers_of=layers_of,
+            device=device,
             **common,
         )
     return DataParallel(

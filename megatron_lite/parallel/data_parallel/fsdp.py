@@ -12,6 +12,11 @@ along dim 0. The sharded fp32 parameters are the master weights; `param_dtype` i
 gathered weights compute in (bf16 under train.precision=bf16), `reduce_dtype` the gradient
 reduction's.
 
+Chunks built on the meta device (no storage) are sharded there, then each rank's shards alone
+get uninitialized storage on `device`: the whole model never exists on one rank, so the memory
+of building it falls as 1/N. Fill them with `params.init_parameters` (each rank draws its own
+rows) or a checkpoint load, and recompute the buffers that were on meta.
+
 Gradients are summed (the loss is already the mean over the global batch). Over microbatches
 they accumulate unsharded, in `reduce_dtype`, without communication: each chunk reduce-scatters
 once, in the backward of the step's last microbatch (a hook on the chunk's output counts its
@@ -67,9 +72,10 @@ def _expert_modules(layer: torch.nn.Module) -> list[torch.nn.Module]:
     return out
 
 
-def _shard_chunk(chunk, layers, dense, experts, kw: dict) -> None:
+def _shard_chunk(chunk, layers, dense, experts, kw: dict, storage_on) -> None:
     """fully_shard the expert modules, each layer, then the chunk root; parameters keep their
-    metadata; gradients are summed; explicit prefetching between consecutive layers."""
+    metadata; gradients are summed; explicit prefetching between consecutive layers. With
+    `storage_on` (a chunk on the meta device) the shards then get storage there."""
     metas = {n: meta_of(p) for n, p in chunk.named_parameters()}
     for p in chunk.parameters():  # the sharded parameters are the fp32 masters
         p.data = p.data.float()
@@ -78,6 +84,8 @@ def _shard_chunk(chunk, layers, dense, experts, kw: dict) -> None:
             fully_shard(m, mesh=experts, **kw)
         fully_shard(layer, mesh=dense, **kw)
     fully_shard(chunk, mesh=dense, **kw)
+    if storage_on is not None:
+        _give_shards_storage(chunk, storage_on)
     for n, p in chunk.named_parameters():  # FSDP2 made new (DTensor) parameters
         p.meta = metas[n]
     for m in chunk.modules():
@@ -87,6 +95,37 @@ def _shard_chunk(chunk, layers, dense, experts, kw: dict) -> None:
     for a, b in zip(layers, layers[1:], strict=False):
         a.set_modules_to_forward_prefetch([b])  # issued when a's forward starts
         b.set_modules_to_backward_prefetch([a])  # issued when b's backward starts
+
+
+def _give_shards_storage(chunk: torch.nn.Module, device: torch.device) -> None:
+    """Uninitialized storage on `device` for the meta-device shards FSDP2 made: this rank's
+    rows of each parameter only (`to_empty`, after which FSDP2 pads its shards again, see
+    FSDPModule._apply). Buffers that were not on meta keep their values."""
+    kept = [
+        (m, n, b)
+        for m in chunk.modules()
+        for n, b in m.named_buffers(recurse=False)
+        if b is not None and not b.is_meta
+    ]
+    chunk.to_empty(device=device)
+    for m, n, b in kept:
+        setattr(m, n, b.to(device))
+
+
+def _storage_device(chunks, device) -> torch.device | None:
+    """Where meta-device chunks' shards get storage (None: the chunks have storage already)."""
+    on_meta = {p.is_meta for c in chunks for p in c.parameters()}
+    if on_meta == {True} and (device is None or torch.device(device).type == "meta"):
+        raise ValueError(
+            "FullyShardedDataParallel: the chunks are on the meta device but no device= was "
+            "given for their shards. Fix: pass device='cuda' (or 'cpu')"
+        )
+    if len(on_meta) > 1:
+        raise ValueError(
+            "FullyShardedDataParallel: some parameters are on the meta device and some are not; "
+            "to_empty would wipe the others. Fix: build the whole model on meta, or none of it"
+        )
+    return torch.device(device) if on_meta == {True} else None
 
 
 def _sum_gradients(m) -> None:
@@ -131,6 +170,7 @@ class FullyShardedDataParallel:
         eps: float = 1e-8,
         weight_decay: float = 0.0,
         layers_of: Callable[[torch.nn.Module], Iterable[torch.nn.Module]] | None = None,
+        device: torch.device | str | None = None,
     ):
         if fully_shard is None:
             raise RuntimeError(
@@ -139,7 +179,9 @@ class FullyShardedDataParallel:
             )
         self.mesh, self.chunks = mesh, chunks
         layers_of = layers_of or chunk_layers
-        device = next(chunks[0].parameters()).device
+        # chunks on the meta device are sharded there first: the whole model never has storage
+        storage_on = _storage_device(chunks, device)
+        device = storage_on or next(chunks[0].parameters()).device
         dense = sharding_mesh(mesh, "dp_cp", dp_shard, device.type)
         # built on every rank, also where this stage has no expert: hybrid sharding creates
         # process groups, which every rank must create in the same order
@@ -159,7 +201,7 @@ class FullyShardedDataParallel:
         )
         kw = dict(reshard_after_forward=reshard_after_forward, mp_policy=policy)
         for chunk in chunks:
-            _shard_chunk(chunk, list(layers_of(chunk)), dense, experts, kw)
+            _shard_chunk(chunk, list(layers_of(chunk)), dense, experts, kw, storage_on)
         self.params = [p for c in chunks for p in c.parameters() if p.requires_grad]
         self.tied = tied_params(chunks) if mesh.pp.size > 1 and tie_embeddings else []
         self.optimizer = FSDPAdamW(self.params, lr, betas, eps, weight_decay, param_dtype)

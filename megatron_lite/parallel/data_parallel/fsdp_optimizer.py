@@ -110,5 +110,12 @@ class FSDPAdamW:
             if "master" in state:
                 p.to_local().copy_(_shard_of(state["master"], p))
 
+    @torch.no_grad()
     def sync_masters_from_params(self) -> None:
-        """Nothing to do: the sharded parameters are the masters (load_full_weights wrote them)."""
+        """The sharded parameters are the masters; the weights they stand for are the model's,
+        in the compute dtype: round them to it, so masters drawn in fp32 start from the bf16
+        weights (as stages 0-2's masters copy the bf16 parameters; a no-op after a load)."""
+        if self.keeps_masters:
+            for p in self.params:
+                local = p.to_local()
+                local.copy_(local.to(self.param_dtype))
