@@ -38,7 +38,8 @@ def build_model(
     """This rank's model chunks (vpp of them) on `device`, initialized layout-independently
     from `train.seed`. init=False: built on the meta device, then given uninitialized storage
     on `device` (nothing drawn, nothing allocated elsewhere), for weights that a checkpoint or
-    a later init_parameters fills."""
+    a later init_parameters fills; with device="meta" left without storage (ZeRO-3 shards it
+    there first), buffers included (`ModelChunk.init_buffers(device)` recomputes them)."""
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab_size))
     config = TransformerConfig.from_config(cfg, mesh.layout.world_size)
     pp, vpp = mesh.pp.size, cfg.parallel.vpp
@@ -58,7 +59,7 @@ def build_model(
         if init:
             chunk.to(device)
             init_parameters(chunk, cfg.train.seed)
-        else:
+        elif torch.device(device).type != "meta":
             materialize(chunk, torch.device(device))
             chunk.init_buffers(torch.device(device))
         chunks.append(chunk)

@@ -11,10 +11,11 @@ from megatron_lite.parallel import data_parallel
 from megatron_lite.parallel.data_parallel import DataParallelWrapper
 
 
-def build_data_parallel(chunks, mesh, cfg: Config) -> DataParallelWrapper:
-    """`parallel.data_parallel.build_data_parallel` with the config's fields (stage 3: FSDP2;
-    weight decay on matrices only). The weights compute in the parameters' dtype: bf16 under
-    train.precision=bf16 (the trainer casts them first)."""
+def build_data_parallel(chunks, mesh, cfg: Config, device=None) -> DataParallelWrapper:
+    """`parallel.data_parallel.build_data_parallel` with the config's fields (stage 3: FSDP2,
+    chunks on the meta device get their shards' storage on `device`; weight decay on matrices
+    only). The weights compute in the parameters' dtype: bf16 under train.precision=bf16 (the
+    trainer casts them first)."""
     p, t = cfg.parallel, cfg.train
     return data_parallel.build_data_parallel(
         chunks,
@@ -32,6 +33,7 @@ def build_data_parallel(chunks, mesh, cfg: Config) -> DataParallelWrapper:
         offload=t.optimizer_offload == "cpu",
         reshard_after_forward=p.reshard_after_forward,
         tie_embeddings=cfg.model.tie_embeddings,
+        device=device,
     )
 
 

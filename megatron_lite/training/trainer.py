@@ -48,20 +48,20 @@ class Trainer:
         self.step = 0
         self.consumed_samples = 0  # the data position (a checkpoint restores it)
         self.checkpoint_dir = CheckpointDir(cfg)  # groups and run lock; what resume will load
-        # the weights are built on the meta device and given uninitialized storage on this
-        # rank's device (never drawn), then drawn only when no checkpoint
-        # will fill them, after the data-parallel wrapper, except under ZeRO-3 from scratch:
-        # FSDP2 shards the weights it is given, so they are drawn first
+        # built on the meta device, given uninitialized storage on this rank's device (ZeRO-3:
+        # only its FSDP2 shards, so no rank holds its whole TP-local model) and drawn after the
+        # data-parallel wrapper, unless a checkpoint will fill them
         will_load = self.checkpoint_dir.will_load()
-        init_now = cfg.parallel.zero_stage == 3 and not will_load
-        self.chunks = build_model(
-            cfg, mesh, self.tracker, vocab_size, init=init_now, device=self.device
-        )
+        zero3 = cfg.parallel.zero_stage == 3
+        where = torch.device("meta") if zero3 else self.device
+        self.chunks = build_model(cfg, mesh, self.tracker, vocab_size, init=False, device=where)
         if cfg.train.precision == "bf16":  # bf16 weights; fp32 masters live in the optimizer
             for c in self.chunks:
                 for p in c.parameters():
                     p.data = p.data.to(torch.bfloat16)
-        self.dp = build_data_parallel(self.chunks, mesh, cfg)  # ZeRO-3 replaces the parameters
+        self.dp = build_data_parallel(self.chunks, mesh, cfg, self.device)  # ZeRO-3: new params
+        for c in self.chunks if zero3 else []:  # RoPE tables, vocabulary mask: built on meta
+            c.init_buffers(self.device)
         self.named_params = [(n, p) for c in self.chunks for n, p in c.named_parameters()]
         self.params = [p for _, p in self.named_params]
         self.optimizer = self.dp.optimizer
@@ -88,7 +88,7 @@ class Trainer:
             raise RuntimeError(f"checkpoint expected {will_load}, loaded {loaded is not None}")
         if loaded is not None:
             self.step, self.consumed_samples = loaded
-        if loaded is None and not init_now:
+        if loaded is None:
             for chunk in self.chunks:
                 init_parameters(chunk, cfg.train.seed)  # each rank draws only its shard
             self.optimizer.sync_masters_from_params()
