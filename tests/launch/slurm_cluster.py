@@ -64,11 +64,11 @@ def ensure_installed() -> float:
 _HANDED_OUT: set[int] = set()
 
 
-def _free_port() -> int:
-    """A free port below the kernel's ephemeral range (and above the sbatch script's
-    rendezvous ports, 20000 + job id mod 10000): a port the kernel hands out for `bind(0)` could
-    be taken by another process's listener (gloo ranks of tests running beside these) between
-    this check and the daemon's own bind."""
+def free_port() -> int:
+    """A free port below the kernel's ephemeral range (and above the sbatch script's default
+    rendezvous ports, 20000 + job id mod 10000), never the same twice in this process: a port
+    the kernel hands out for `bind(0)` could be taken by another process's listener (gloo ranks
+    of tests running beside these) between this check and the daemon's own bind."""
     with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
         ephemeral_low = int(f.read().split()[0])
     candidates = [p for p in range(30000, max(ephemeral_low, 30001)) if p not in _HANDED_OUT]
@@ -214,13 +214,13 @@ class SlurmCluster:
         r = self.root
         ctld_host = socket.gethostname().split(".")[0]
         nodes = "\n".join(
-            f"NodeName={n} NodeAddr=127.0.0.1 Port={_free_port()} CPUs={self.cpus} State=UNKNOWN"
+            f"NodeName={n} NodeAddr=127.0.0.1 Port={free_port()} CPUs={self.cpus} State=UNKNOWN"
             for n in self.nodes
         )
         self.conf.write_text(
             f"""ClusterName=mltest
 SlurmctldHost={ctld_host}(127.0.0.1)
-SlurmctldPort={_free_port()}
+SlurmctldPort={free_port()}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge

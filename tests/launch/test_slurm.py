@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from tests.launch.slurm_cluster import SlurmCluster, ensure_installed
+from tests.launch.slurm_cluster import SlurmCluster, ensure_installed, free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SBATCH = os.path.join(ROOT, "launch", "slurm", "train.sbatch")
@@ -97,12 +97,14 @@ def jobs(cluster, tmp_path_factory):
             *TRAIN_ARGS,
             f"train.out_dir={work / 'ref'}",
         ],  # fmt: skip
-        env=env,
+        # a rendezvous port of its own: the script's default (20000 + job id) is the same for
+        # job 2 of another test cluster on this machine (a second suite running at once)
+        env=dict(env, RDZV_PORT=str(free_port())),
         cwd=work,
     )
     r = subprocess.run(
         [SUBMIT, "2", "0", *TRAIN_ARGS[1:], f"train.out_dir={work / 'preempt'}"],
-        env=dict(cluster.env, **env, SBATCH_ARGS="--job-name=preempt"),
+        env=dict(cluster.env, **env, SBATCH_ARGS="--job-name=preempt", RDZV_PORT=str(free_port())),
         cwd=work,
         capture_output=True,
         text=True,
