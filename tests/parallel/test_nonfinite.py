@@ -60,10 +60,12 @@ def test_nan_gradient_names_the_parameter(tmp_path):
     assert "layers.3.mlp.linear_fc1.weight on rank 1" in message
 
 
-@pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
-def test_nan_gradient_under_every_zero_stage_is_the_named_error(zero_stage, tmp_path):
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_nan_gradient_under_sharded_gradients_is_the_named_error(zero_stage, tmp_path):
     """dp2: the guard reads the reduced gradients the wrapper holds (ZeRO-2 frees the full
-    buffer after the sync: reading `main_grad` there crashed the process)."""
+    buffer after the sync: reading `main_grad` there crashed the process); stage 3 reads the
+    FSDP2 shards. Stages 0 and 1 take stage 2's path (DataParallel.local_grads) and the
+    unsharded case is test_nan_gradient_names_the_parameter."""
     args = [*TINY, f"data.paths=[{structured_dataset()}]", "train.steps=4",
             f"parallel.zero_stage={zero_stage}"]  # fmt: skip
     results = run_ranks(2, _train, args, str(tmp_path), "fc1 output grad", timeout=120)
