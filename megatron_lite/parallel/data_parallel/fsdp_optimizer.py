@@ -11,23 +11,18 @@ them back into the shards.
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 from megatron_lite.parallel.data_parallel.optimizer import MOMENTS, adamw
+from megatron_lite.parallel.params import fsdp_rows
 
 
 def _shard_of(full: torch.Tensor, p: torch.nn.Parameter) -> torch.Tensor:
-    """This rank's shard of `full` (a whole local tensor) for the DTensor parameter `p`, cut
-    as FSDP2 cuts it (torch.chunk along each Shard dim; trailing ranks may hold nothing), with
-    no communication. Cut where `full` lives (the host, after a load): only the shard moves to
-    the parameter's device."""
-    t = full
-    for dim, placement in enumerate(p.placements):
-        if isinstance(placement, Shard):
-            n, r = p.device_mesh.size(dim), p.device_mesh.get_local_rank(dim)
-            pieces = torch.chunk(t, n, dim=placement.dim)
-            t = pieces[r] if r < len(pieces) else t.narrow(placement.dim, 0, 0)
-    return t.to(p.device, torch.float32)
+    """This rank's shard of `full` (a whole local tensor) for the DTensor parameter `p`, the
+    rows FSDP2 gives this rank (`params.fsdp_rows`), with no communication. Cut where `full`
+    lives (the host, after a load): only the shard moves to the parameter's device."""
+    start, end = fsdp_rows(p)
+    return full[start:end].to(p.device, torch.float32)
 
 
 def _like(p: torch.nn.Parameter, local: torch.Tensor) -> DTensor:
