@@ -17,6 +17,7 @@ import torch.distributed as dist
 from megatron_lite.checkpoint import files
 from megatron_lite.checkpoint.rank_agreement import RankAgreement
 from megatron_lite.checkpoint.run_dir import ckpt_dir_of, claim_run_dir
+from megatron_lite.parallel import mappings
 
 __all__ = ["CheckpointDir"]
 
@@ -30,15 +31,16 @@ class CheckpointDir:
         self.path = ckpt_dir_of(cfg)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         timeout = timedelta(seconds=cfg.parallel.timeout_s)
+        host = mappings.host_backend()
         # DCP's collectives run on a writer thread: they get groups of their own
-        self.io_group = dist.new_group(backend="gloo", timeout=timeout, group_desc="ckpt_io")
-        self.ctl_group = dist.new_group(backend="gloo", timeout=timeout, group_desc="ckpt_ctl")
+        self.io_group = dist.new_group(backend=host, timeout=timeout, group_desc="ckpt_io")
+        self.ctl_group = dist.new_group(backend=host, timeout=timeout, group_desc="ckpt_ctl")
         self.ranks = RankAgreement(self.rank, self.world, self.ctl_group)  # errors agreed
         # an async save runs beside training and may take longer than a collective may: its
         # collectives (DCP's, on the writer thread, and the agreement at the next save or at
         # the end) use a group of their own with train.async_save_timeout_s
         slow = timedelta(seconds=max(t.async_save_timeout_s, cfg.parallel.timeout_s))
-        self.async_group = dist.new_group(backend="gloo", timeout=slow, group_desc="ckpt_async")
+        self.async_group = dist.new_group(backend=host, timeout=slow, group_desc="ckpt_async")
         self.async_ranks = RankAgreement(self.rank, self.world, self.async_group)
         self._candidates: list[str] | None = None  # resume=auto's, listed by will_load()
         # one run per directory; a no-op when train.main already holds the lock

@@ -10,6 +10,7 @@ import torch
 from megatron_lite.config import Config
 from megatron_lite.models.chunk import ModelChunk
 from megatron_lite.models.transformer_config import SPECS, TransformerConfig
+from megatron_lite.parallel import fake
 from megatron_lite.parallel.mesh import ParallelMesh
 from megatron_lite.parallel.params import init_parameters, materialize
 from megatron_lite.parallel.random import RNGStatesTracker
@@ -45,9 +46,12 @@ def build_model(
     pp, vpp = mesh.pp.size, cfg.parallel.vpp
     split = stage_layers(cfg.model, cfg.parallel)
     chunks = []
+    # init=False builds on meta and gives the parameters storage after; a dry run's fake
+    # tensors have no storage to give, so they are built on `device` at once
+    build_on = device if fake.active() else "meta"
     for c in range(vpp):
         stage = virtual_stage(mesh.pp.rank, c, pp)
-        with contextlib.nullcontext() if init else torch.device("meta"):
+        with contextlib.nullcontext() if init else torch.device(build_on):
             chunk = ModelChunk(
                 config,
                 mesh,
@@ -59,7 +63,7 @@ def build_model(
         if init:
             chunk.to(device)
             init_parameters(chunk, cfg.train.seed)
-        elif torch.device(device).type != "meta":
+        elif torch.device(device).type != "meta" and build_on == "meta":
             materialize(chunk, torch.device(device))
             chunk.init_buffers(torch.device(device))
         chunks.append(chunk)

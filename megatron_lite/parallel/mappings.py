@@ -66,6 +66,12 @@ def _run(kind: str, op: str, payload: torch.Tensor, group, fn):
     return _guard(kind, group, fn, f" of shape {tuple(payload.shape)}")
 
 
+def host_backend() -> str:
+    """The backend of the groups whose collectives run on host tensors (checkpointing): gloo,
+    or the fake backend when the whole run is a dry run (plan --dry-run)."""
+    return "fake" if dist.get_backend() == "fake" else "gloo"
+
+
 def size(group) -> int:
     return dist.get_world_size(group) if group is not None else 1
 

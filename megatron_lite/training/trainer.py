@@ -14,7 +14,7 @@ from megatron_lite.data import build_valid_dataset
 from megatron_lite.data.prefetch import Prefetcher
 from megatron_lite.data.sampler import microbatches_at, split_sample
 from megatron_lite.models import build_model
-from megatron_lite.parallel import mappings
+from megatron_lite.parallel import host, mappings
 from megatron_lite.parallel.comm_stats import STATS
 from megatron_lite.parallel.cross_entropy import IGNORE_INDEX
 from megatron_lite.parallel.data_parallel.memory import TERMS
@@ -214,13 +214,11 @@ class Trainer:
         STATS.start_step(self.step)
         micro = self._microbatches()
         # token-weighted mean over the global batch: every rank divides by the same count
-        n_tokens = torch.tensor(
-            [float(sum((split_sample(mb)[1] != IGNORE_INDEX).sum() for mb in micro))],
-            device=self.device,
-            dtype=torch.float64,
-        )
+        counts = [(split_sample(mb)[1] != IGNORE_INDEX).sum() for mb in micro]
+        n_tokens = torch.stack(counts).sum().to(torch.float64).reshape(1)  # on the device
         mappings.all_reduce(n_tokens, mesh.dp.group)
-        n_tokens = n_tokens.item()
+        tokens = float(cfg.train.global_batch_size * cfg.model.seq_length)  # a dry run's count
+        (n_tokens,) = host.read(n_tokens, [tokens])
         lr = lr_at(self.step, cfg.train)
         set_lr(self.optimizer, lr)
         self.dp.start_step(len(micro))
@@ -239,7 +237,8 @@ class Trainer:
         flags = [torch.full_like(grad_sq, signalled), torch.full_like(grad_sq, changed)]
         sums = torch.stack([grad_sq, loss_part, *flags])
         mappings.all_reduce(sums, dist.group.WORLD, kind="all_reduce_norm_loss")
-        grad_sq, loss_total, signals, act_changes = sums.tolist()
+        nominal = [1.0, n_tokens, 0.0, 0.0]  # a dry run's: unit norm, loss 1, no signals
+        grad_sq, loss_total, signals, act_changes = host.read(sums, nominal)
         self.stop_requested = signals > 0
         grad_norm = grad_sq**0.5
         loss = loss_total / n_tokens
@@ -308,7 +307,8 @@ class Trainer:
             names += ["allocated_peak", "reserved_peak"]
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
         mappings.all_reduce(t, dist.group.WORLD, op=dist.ReduceOp.MAX, kind="all_reduce_mem")
-        return {f"mem/{k}": int(v) for k, v in zip(names, t.tolist(), strict=True)}
+        maxima = host.read(t, values)  # a dry run: this rank's own
+        return {f"mem/{k}": int(v) for k, v in zip(names, maxima, strict=True)}
 
     def _measured_forward_backward(self, microbatches, loss_scale: float) -> torch.Tensor:
         """The step's forward and backward, measuring this rank's activation peak: on CPU the

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_lite.parallel import mappings
+from megatron_lite.parallel import fake, mappings
 from megatron_lite.parallel.data_parallel.buffers import GradBuffer
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -29,6 +29,7 @@ class Piece:
     hi: int
     grad_at: int  # where [lo, hi) starts in buffer.grad_shard
     master: torch.nn.Parameter  # fp32
+    aliased: bool  # the master is the parameter's fp32 data itself (not a copy)
 
     @property
     def param_slice(self) -> torch.Tensor:
@@ -37,10 +38,6 @@ class Piece:
     @property
     def grad(self) -> torch.Tensor:
         return self.buffer.grad_shard[self.grad_at : self.grad_at + self.hi - self.lo]
-
-    @property
-    def aliased(self) -> bool:
-        return self.master.data_ptr() == self.param_slice.data_ptr()
 
     def offset(self) -> int:
         """Where the piece starts inside its parameter (flattened)."""
@@ -56,18 +53,21 @@ def make_pieces(buffers: list[GradBuffer], offload: bool) -> list[Piece]:
                 if lo >= hi:
                     continue
                 data = buf.param_data[lo:hi]
-                if data.dtype != torch.float32 or offload:
+                copy = data.dtype != torch.float32 or offload
+                if copy:
                     host = torch.device("cpu") if offload else data.device
                     data = data.to(host, torch.float32, copy=True)
                     if offload and torch.cuda.is_available():
                         data = data.pin_memory()
-                pieces.append(Piece(buf, r.param, lo, hi, c + lo - a, torch.nn.Parameter(data)))
+                master = torch.nn.Parameter(data)
+                pieces.append(Piece(buf, r.param, lo, hi, c + lo - a, master, not copy))
     return pieces
 
 
 def adamw(decay, no_decay, lr, betas, eps, weight_decay) -> torch.optim.AdamW:
-    """torch AdamW with weight decay on `decay` only (per tensor on CPU, fused on CUDA)."""
-    on_cuda = any(p.is_cuda for p in [*decay, *no_decay])
+    """torch AdamW with weight decay on `decay` only (per tensor on CPU, fused on CUDA and in
+    a dry run: the GPU's kernel, and the per-tensor path reads its step count on the host)."""
+    on_cuda = any(p.is_cuda for p in [*decay, *no_decay]) or fake.active()
     return torch.optim.AdamW(
         [
             {"params": decay, "weight_decay": weight_decay},
