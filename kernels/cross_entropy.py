@@ -20,7 +20,13 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from megatron_lite.kernels.dispatch import as_rows, compute_dtype, num_warps_for, use_triton
+from megatron_lite.kernels.dispatch import (
+    as_rows,
+    compute_dtype,
+    launch,
+    num_warps_for,
+    use_triton,
+)
 
 IGNORE_INDEX = -100  # targets that get loss 0 and no gradient (padding), as in torch
 BLOCK_V = 4096  # vocab chunk per loop step (tests shrink it to exercise the online softmax)
@@ -99,10 +105,12 @@ def _grad_torch(logits, target, lse, dloss, vocab_start, ignore_index):
     p = torch.exp(logits.to(lse.dtype) - lse[:, None])
     local = target - vocab_start
     is_local = (local >= 0) & (local < logits.shape[-1]) & (target != ignore_index)
-    rows = torch.nonzero(is_local).squeeze(1)
-    p[rows, local[rows]] -= 1.0
+    # onehot: -1 at the target's column of rows whose target is local (adding -0.0 elsewhere
+    # changes nothing); masked in place, no data-dependent shapes (a dry run's fake tensors)
+    col = local.clamp(0, logits.shape[-1] - 1)[:, None]
+    p.scatter_add_(1, col, -is_local[:, None].to(p.dtype))
     d = p * dloss.to(p.dtype)[:, None]
-    d[target == ignore_index] = 0.0
+    d.masked_fill_((target == ignore_index)[:, None], 0.0)
     return d.to(logits.dtype)
 
 
@@ -154,7 +162,7 @@ def _stats_triton(logits, target, vocab_start, ignore_index):
     n, n_vocab = logits.shape
     m, s, t = (torch.empty(n, dtype=torch.float32, device=logits.device) for _ in range(3))
     block = _block_v(n_vocab)
-    _ce_fwd_kernel[(n,)](
+    launch(_ce_fwd_kernel, (n,),
         logits, target, m, s, t, logits.stride(0), n_vocab, vocab_start, ignore_index,
         BLOCK_V=block, num_warps=num_warps_for(block),
     )  # fmt: skip
@@ -165,7 +173,7 @@ def _grad_triton(logits, target, lse, dloss, vocab_start, ignore_index):
     n, n_vocab = logits.shape
     dlogits = torch.empty_like(logits)
     block = _block_v(n_vocab)
-    _ce_bwd_kernel[(n,)](
+    launch(_ce_bwd_kernel, (n,),
         logits, target, lse, dloss, dlogits, logits.stride(0), dloss.stride(0),
         dlogits.stride(0), n_vocab, vocab_start, ignore_index,
         BLOCK_V=block, num_warps=num_warps_for(block),

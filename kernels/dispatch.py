@@ -11,6 +11,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from torch._subclasses.fake_tensor import FakeTensor
 
 ENV_VAR = "MEGATRON_LITE_KERNELS"
 _CHOICES = ("auto", "triton", "torch")
@@ -24,6 +25,20 @@ def interpret_enabled() -> bool:
     if knobs is not None:
         return bool(knobs.runtime.interpret)
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def is_fake(x) -> bool:
+    """Whether `x` is a fake tensor (a dry run's: shapes, no data). The kernels' one private
+    torch call (they import nothing of the package, so not megatron_lite.parallel.fake)."""
+    return isinstance(x, FakeTensor)
+
+
+def launch(kernel, grid, *args, **meta) -> None:
+    """`kernel[grid](*args, **meta)`; nothing when a tensor argument is fake: a dry run has no
+    data to compute, and the outputs the caller allocated are what it measures."""
+    if any(is_fake(a) for a in args):
+        return
+    kernel[grid](*args, **meta)
 
 
 def use_triton(x: torch.Tensor) -> bool:
@@ -44,6 +59,8 @@ def use_triton(x: torch.Tensor) -> bool:
             f"{ENV_VAR}=triton: the Triton kernels take {', '.join(map(str, TRITON_DTYPES))}, "
             f"not {x.dtype}; unset {ENV_VAR} (fp64 then runs the torch reference) or cast"
         )
+    if is_fake(x):  # a dry run of the GPU's kernels: they allocate, launch() skips the math
+        return True
     if not x.is_cuda and not interpret_enabled():
         raise RuntimeError(
             f"{ENV_VAR}=triton was requested for a tensor on {x.device}, but Triton kernels only "

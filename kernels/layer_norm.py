@@ -16,6 +16,7 @@ from megatron_lite.kernels.dispatch import (
     MAX_HIDDEN,
     as_rows,
     compute_dtype,
+    launch,
     num_programs,
     num_warps_for,
     use_triton,
@@ -96,7 +97,7 @@ class LayerNormFunction(torch.autograd.Function):
         y2d = y.view(-1, h)
         mean = torch.empty(rows, dtype=torch.float32, device=x.device)
         rstd = torch.empty_like(mean)
-        _layer_norm_fwd_kernel[(rows,)](
+        launch(_layer_norm_fwd_kernel, (rows,),
             x2d, weight, bias if bias is not None else weight, y2d, mean, rstd,
             x2d.stride(0), y2d.stride(0), h, eps,
             HAS_BIAS=bias is not None, BLOCK_N=block, num_warps=num_warps_for(block),
@@ -119,7 +120,7 @@ class LayerNormFunction(torch.autograd.Function):
         dw_part = torch.empty((programs, h), dtype=torch.float32, device=x2d.device)
         db_part = torch.empty_like(dw_part) if has_bias else dw_part
         block = triton.next_power_of_2(h)
-        _layer_norm_bwd_kernel[(programs,)](
+        launch(_layer_norm_bwd_kernel, (programs,),
             dy2d, x2d, weight, mean, rstd, dx, dw_part, db_part,
             dy2d.stride(0), x2d.stride(0), dx.stride(0), rows, h, rows_per_program,
             HAS_BIAS=has_bias, BLOCK_N=block, num_warps=num_warps_for(block),

@@ -17,6 +17,7 @@ from megatron_lite.kernels.dispatch import (
     MAX_HIDDEN,
     as_rows,
     compute_dtype,
+    launch,
     num_programs,
     num_warps_for,
     use_triton,
@@ -101,7 +102,7 @@ class RMSNormFunction(torch.autograd.Function):
             s2d = torch.empty_like(y2d)
         else:
             r2d = x2d  # unused by the kernel (HAS_RESIDUAL=False)
-        _rms_norm_fwd_kernel[(x2d.shape[0],)](
+        launch(_rms_norm_fwd_kernel, (x2d.shape[0],),
             x2d, r2d, weight, y2d, s2d, rstd,
             x2d.stride(0), r2d.stride(0), y2d.stride(0), s2d.stride(0), h, eps,
             HAS_RESIDUAL=residual is not None, BLOCK_N=block, num_warps=num_warps_for(block),
@@ -126,7 +127,7 @@ class RMSNormFunction(torch.autograd.Function):
         programs = triton.cdiv(rows, rows_per_program)
         dw_part = torch.empty((programs, h), dtype=torch.float32, device=s2d.device)
         block = triton.next_power_of_2(h)
-        _rms_norm_bwd_kernel[(programs,)](
+        launch(_rms_norm_bwd_kernel, (programs,),
             dy2d, ds2d, s2d, weight, rstd, dx, dw_part,
             dy2d.stride(0), ds2d.stride(0), s2d.stride(0), dx.stride(0), rows, h,
             rows_per_program, HAS_DS=ds is not None, BLOCK_N=block,

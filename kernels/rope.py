@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from megatron_lite.kernels.dispatch import compute_dtype, use_triton
+from megatron_lite.kernels.dispatch import compute_dtype, launch, use_triton
 
 ELEMENTS_PER_PROGRAM = 4096  # rows per program = this / d, so a program moves ~16 KB of fp32
 
@@ -64,7 +64,7 @@ def _launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: boo
     block_h = triton.next_power_of_2(half)
     block_r = max(ELEMENTS_PER_PROGRAM // (2 * block_h), 1)
     n_rows = s * b * n
-    _rope_kernel[(triton.cdiv(n_rows, block_r),)](
+    launch(_rope_kernel, (triton.cdiv(n_rows, block_r),),
         x, cos, sin, out, n_rows, b * n, half,
         BACKWARD=backward, BLOCK_R=block_r, BLOCK_H=block_h, num_warps=4,
     )  # fmt: skip

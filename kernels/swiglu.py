@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from megatron_lite.kernels.dispatch import compute_dtype, use_triton
+from megatron_lite.kernels.dispatch import compute_dtype, launch, use_triton
 
 BLOCK = 2048  # elements per program: 16 per thread at 4 warps, enough bytes in flight
 
@@ -54,7 +54,9 @@ class SwiGLUFunction(torch.autograd.Function):
         gate, up = gate.contiguous(), up.contiguous()
         out = torch.empty_like(gate)
         n = gate.numel()
-        _swiglu_fwd_kernel[(triton.cdiv(n, BLOCK),)](gate, up, out, n, BLOCK=BLOCK, num_warps=4)
+        launch(
+            _swiglu_fwd_kernel, (triton.cdiv(n, BLOCK),), gate, up, out, n, BLOCK=BLOCK, num_warps=4
+        )
         ctx.save_for_backward(gate, up)
         return out
 
@@ -64,8 +66,17 @@ class SwiGLUFunction(torch.autograd.Function):
         dout = dout.contiguous()
         dgate, dup = torch.empty_like(gate), torch.empty_like(up)
         n = gate.numel()
-        _swiglu_bwd_kernel[(triton.cdiv(n, BLOCK),)](
-            dout, gate, up, dgate, dup, n, BLOCK=BLOCK, num_warps=4
+        launch(
+            _swiglu_bwd_kernel,
+            (triton.cdiv(n, BLOCK),),
+            dout,
+            gate,
+            up,
+            dgate,
+            dup,
+            n,
+            BLOCK=BLOCK,
+            num_warps=4,
         )
         return dgate, dup
 

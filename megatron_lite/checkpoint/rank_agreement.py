@@ -26,6 +26,7 @@ from megatron_lite.checkpoint.errors import (
     CheckpointWriteError,
     UnsafeCheckpointError,
 )
+from megatron_lite.parallel import host, mappings
 from megatron_lite.parallel.mappings import guarded
 
 __all__ = ["RankAgreement", "describe_error"]
@@ -88,7 +89,7 @@ class RankAgreement:
             guarded(
                 "checkpoint broadcast",
                 self.group,
-                lambda: dist.broadcast_object_list(box, src=0, group=self.group),
+                lambda: mappings.broadcast_objects(box, 0, self.group),
             )
         return box[0]
 
@@ -102,7 +103,7 @@ class RankAgreement:
             self.group,
             lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group),
         )
-        return bool(t.item())
+        return bool(host.read(t, [int(flag)])[0])  # a dry run: this rank's flag
 
     def all_gather(self, obj: Any, what: str) -> list:
         """Every rank's `obj`, in rank order; `what` names the step in a hang dump."""
@@ -112,7 +113,7 @@ class RankAgreement:
         guarded(
             f"checkpoint {what}",
             self.group,
-            lambda: dist.all_gather_object(out, obj, group=self.group),
+            lambda: mappings.all_gather_objects(out, obj, self.group),
         )
         return out
 

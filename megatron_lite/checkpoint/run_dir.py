@@ -39,10 +39,9 @@ import socket
 import sys
 import time
 
-import torch.distributed as dist
-
 from megatron_lite.checkpoint import files
 from megatron_lite.checkpoint.errors import CheckpointError
+from megatron_lite.parallel import mappings
 from megatron_lite.parallel.mappings import guarded
 
 LOCK = "run.lock"
@@ -350,7 +349,7 @@ def claim_run_dir(cfg, rank: int, world: int, group=None) -> RunLock | None:
     """Take the run directory's lock and do the holder's start duties (collective over
     `group`, default the world): returns the lock on rank 0, None elsewhere; raises
     RunDirError on every rank when rank 0 was refused."""
-    lock, verdict = None, None
+    lock, verdict = None, ("ok", "")  # rank 0's replaces it (a dry run sends nothing)
     if rank == 0:
         lock = RunLock(lock_directories(cfg))
         try:
@@ -370,7 +369,7 @@ def claim_run_dir(cfg, rank: int, world: int, group=None) -> RunLock | None:
         guarded(
             "run directory lock broadcast",
             group,
-            lambda: dist.broadcast_object_list(box, src=0, group=group),
+            lambda: mappings.broadcast_objects(box, 0, group),
         )
         verdict = box[0]
     if verdict[0] != "ok":

@@ -72,6 +72,21 @@ def host_backend() -> str:
     return "fake" if dist.get_backend() == "fake" else "gloo"
 
 
+def broadcast_objects(box: list, src: int, group) -> None:
+    """dist.broadcast_object_list: `box` as rank `src` has it, on every rank of `group`. A dry
+    run's fake group moves nothing: each rank keeps its own `box`."""
+    if dist.get_backend(group) != "fake":
+        dist.broadcast_object_list(box, src=src, group=group)
+
+
+def all_gather_objects(out: list, obj, group) -> None:
+    """dist.all_gather_object into `out`; under a dry run's fake group every entry is `obj`."""
+    if dist.get_backend(group) == "fake":
+        out[:] = [obj] * len(out)
+    else:
+        dist.all_gather_object(out, obj, group=group)
+
+
 def size(group) -> int:
     return dist.get_world_size(group) if group is not None else 1
 

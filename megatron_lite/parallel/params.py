@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from megatron_lite.parallel import fake
+
 
 @dataclass
 class ParamMeta:
@@ -113,7 +115,10 @@ def _draw(
         lo, hi = b * step, min((b + 1) * step, n)
         shape = list(full)
         shape[dim] = hi - lo
-        block = torch.randn(shape, generator=_generator(seed, f"{key}#{b}")) * meta.std
+        if fake.active():  # a dry run: the same allocations, nothing to draw
+            block = torch.empty(shape) * meta.std
+        else:
+            block = torch.randn(shape, generator=_generator(seed, f"{key}#{b}")) * meta.std
         if rows is not None:
             block = block[rows[0] : rows[1]]
         a, e = max(start, lo), min(end, hi)

@@ -40,6 +40,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--top", type=int, default=5, help="layouts --search prints")
     ap.add_argument("--chart", default=None, help="PNG of memory per rank by term")
     ap.add_argument("--measure", action="store_true", help="one step here beside the prediction")
+    dry_help = (
+        "run the real training step of chosen ranks at full size on this CPU (fake process "
+        "group, fake tensors) and print its memory beside the planner's"
+    )
+    ap.add_argument("--dry-run", action="store_true", help=dry_help)
+    ranks_help = "--dry-run's ranks, e.g. 0,8 (default: one rank per pipeline stage)"
+    ap.add_argument("--ranks", default=None, help=ranks_help)
+    mb_help = (
+        "--dry-run's microbatches per step: steady (default: the fewest with the full step's "
+        "peak, min(M, 2·pp)), all, or a count"
+    )
+    ap.add_argument("--microbatches", default="steady", help=mb_help)
+    ap.add_argument("--json", default=None, help="write --dry-run's figures to this JSON file")
     return ap.parse_args(argv)
 
 
@@ -102,6 +115,10 @@ def main(argv=None) -> int:
 
         memory_chart([(_layout(r, short=True), ranks)], budget, args.chart)
         print(f"chart: {args.chart}")
+    if args.dry_run:
+        from megatron_lite.plan.dry_run import dry_run_report
+
+        print(dry_run_report(r, world, args.ranks, args.microbatches, args.json, args.kernels))
     if args.measure:
         from megatron_lite.plan.measure import measure_report
 

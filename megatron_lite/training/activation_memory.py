@@ -18,7 +18,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-_Key = tuple[str, int]  # (device, storage data_ptr): unique while the storage is alive
+_Key = tuple[str, int]  # (device, storage identity): unique while the storage is alive
 
 
 def _storage_key(t: torch.Tensor) -> tuple[_Key, int] | None:
@@ -26,7 +26,7 @@ def _storage_key(t: torch.Tensor) -> tuple[_Key, int] | None:
     wrapper subclass such as DTensor: its local tensor is what gets saved and counted)."""
     try:
         s = t.untyped_storage()
-        return (str(t.device), s.data_ptr()), s.nbytes()
+        return (str(t.device), s._cdata), s.nbytes()  # _cdata: also a fake tensor's
     except (RuntimeError, NotImplementedError, TypeError):
         return None
 

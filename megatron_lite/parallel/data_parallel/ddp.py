@@ -23,7 +23,7 @@ import torch.distributed as dist
 from megatron_lite.parallel.data_parallel import finalize
 from megatron_lite.parallel.data_parallel.buffers import GradBuffer
 from megatron_lite.parallel.data_parallel.finalize import LocalGrad, tied_params
-from megatron_lite.parallel.data_parallel.memory import buffer_state_bytes
+from megatron_lite.parallel.data_parallel.memory import buffer_state_bytes, buffer_state_tensors
 from megatron_lite.parallel.data_parallel.optimizer import ShardedAdamW, make_pieces
 from megatron_lite.parallel.mesh import ParallelMesh
 from megatron_lite.parallel.params import meta_of
@@ -160,6 +160,10 @@ class DataParallel:
         self.optimizer.step()
         for buf in self.buffers:
             buf.gather_params(wait=not self.overlap_param_gather)
+
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """This rank's model-state tensors by term (see memory.py; what memory() counts)."""
+        return buffer_state_tensors(self.buffers, self.pieces, self.optimizer.inner)
 
     def memory(self, device_type: str | None = None) -> dict[str, int]:
         """This rank's model-state bytes by term (see memory.py), optionally only those on

@@ -37,7 +37,7 @@ from megatron_lite.parallel.data_parallel.ddp import hybrid_groups
 from megatron_lite.parallel.data_parallel.finalize import LocalGrad, data_replicas, tied_params
 from megatron_lite.parallel.data_parallel.fsdp_comm import count_collectives
 from megatron_lite.parallel.data_parallel.fsdp_optimizer import FSDPAdamW
-from megatron_lite.parallel.data_parallel.memory import sharded_state_bytes
+from megatron_lite.parallel.data_parallel.memory import sharded_state_bytes, sharded_state_tensors
 from megatron_lite.parallel.mesh import ParallelMesh
 from megatron_lite.parallel.params import meta_of
 
@@ -251,6 +251,10 @@ class FullyShardedDataParallel:
     def step(self) -> None:
         """AdamW on the shards; FSDP2 gathers them again in the next forward."""
         self.optimizer.step()
+
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """This rank's model-state tensors by term (see memory.py; what memory() counts)."""
+        return sharded_state_tensors(self.params, self.optimizer.inner)
 
     def memory(self, device_type: str | None = None) -> dict[str, int]:
         """This rank's model-state bytes by term (see memory.py), optionally only those on

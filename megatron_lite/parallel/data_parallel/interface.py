@@ -87,6 +87,9 @@ class DataParallelWrapper(Protocol):
     def step(self) -> None:
         """The optimizer step, then the updated weights made whole for the next forward."""
 
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """This rank's model-state tensors by term (what `memory` counts, for a tracker)."""
+
     def memory(self, device_type: str | None = None) -> dict[str, int]:
         """This rank's model-state bytes: {"weights", "grads", "master", "optimizer"}, unique
         storages, optionally only those on devices of `device_type`."""

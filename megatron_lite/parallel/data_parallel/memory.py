@@ -29,13 +29,15 @@ from megatron_lite.parallel.data_parallel.optimizer import Piece
 TERMS = ("weights", "grads", "master", "optimizer")
 
 
-def _bytes(tensors, seen: set[int], device_type: str | None = None) -> int:
+def storage_bytes(tensors, seen: set[int], device_type: str | None = None) -> int:
+    """Bytes of the storages of `tensors` not in `seen` (storage identities, updated), each
+    counted once, optionally only those on devices of `device_type`."""
     total = 0
     for t in tensors:
         if device_type is not None and t.device.type != device_type:
             continue  # e.g. the offloaded masters and moments when counting the GPU's bytes
         storage = t.untyped_storage()
-        key = storage.data_ptr()
+        key = storage._cdata  # the storage's identity (also a fake tensor's: no data_ptr)
         if storage.nbytes() and key not in seen:
             seen.add(key)
             total += storage.nbytes()
@@ -46,21 +48,45 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t  # a DTensor counts its shard
 
 
-def sharded_state_bytes(
-    params: list[torch.nn.Parameter],
-    optimizer: torch.optim.Optimizer,
-    device_type: str | None = None,
-) -> dict[str, int]:
-    """{term: bytes} of ZeRO-3 (FSDP2) model states on this rank: the local shards of the
-    parameters (fp32: also the master weights), their gradients and the AdamW states."""
-    seen: set[int] = set()
-    out = {"weights": _bytes([_local(p) for p in params], seen, device_type)}
-    grads = [_local(p.grad) for p in params if p.grad is not None]
-    out["grads"] = _bytes(grads, seen, device_type)
-    out["master"] = 0
+def _optimizer_states(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     states = [_local(t) for s in optimizer.state.values() for t in s.values()]
-    out["optimizer"] = _bytes([t for t in states if t.dim() > 0], seen, device_type)
-    return out
+    return [t for t in states if isinstance(t, torch.Tensor) and t.dim() > 0]
+
+
+def sharded_state_tensors(params, optimizer) -> dict[str, list[torch.Tensor]]:
+    """{term: tensors} of ZeRO-3 (FSDP2) model states on this rank: the local shards of the
+    parameters (fp32: also the master weights), their gradients and the AdamW states."""
+    return {
+        "weights": [_local(p) for p in params],
+        "grads": [_local(p.grad) for p in params if p.grad is not None],
+        "master": [],
+        "optimizer": _optimizer_states(optimizer),
+    }
+
+
+def buffer_state_tensors(
+    buffers: list[GradBuffer], pieces: list[Piece], optimizer: torch.optim.Optimizer
+) -> dict[str, list[torch.Tensor]]:
+    """{term: tensors} of ZeRO-0/1/2 model states on this rank: the parameter and gradient
+    buffers (and ZeRO-2 shards), the pieces' fp32 masters, the AdamW states."""
+    return {
+        "weights": [b.param_data for b in buffers],
+        "grads": [b.grad_data for b in buffers] + [b.grad_shard for b in buffers],
+        "master": [pc.master for pc in pieces],
+        "optimizer": _optimizer_states(optimizer),
+    }
+
+
+def state_bytes(tensors: dict[str, list[torch.Tensor]], device_type: str | None = None):
+    """{term: bytes} of `tensors` (a *_state_tensors dict): unique storages, each counted in
+    the first term that holds it (an fp32 master that is the weight itself counts once)."""
+    seen: set[int] = set()
+    return {k: storage_bytes(tensors[k], seen, device_type) for k in TERMS}
+
+
+def sharded_state_bytes(params, optimizer, device_type: str | None = None) -> dict[str, int]:
+    """{term: bytes} of sharded_state_tensors, optionally only on devices of `device_type`."""
+    return state_bytes(sharded_state_tensors(params, optimizer), device_type)
 
 
 def buffer_state_bytes(
@@ -69,17 +95,8 @@ def buffer_state_bytes(
     optimizer: torch.optim.Optimizer,
     device_type: str | None = None,
 ) -> dict[str, int]:
-    """{term: bytes} of ZeRO-0/1/2 model states on this rank (unique storages): the parameter
-    and gradient buffers (and ZeRO-2 shards), the pieces' fp32 masters, the AdamW states; all
-    of them or only those on devices of `device_type`."""
-    seen: set[int] = set()
-    out = {"weights": _bytes([b.param_data for b in buffers], seen, device_type)}
-    grads = [b.grad_data for b in buffers] + [b.grad_shard for b in buffers]
-    out["grads"] = _bytes(grads, seen, device_type)
-    out["master"] = _bytes([pc.master for pc in pieces], seen, device_type)
-    states = [t for s in optimizer.state.values() for t in s.values() if t.dim() > 0]
-    out["optimizer"] = _bytes(states, seen, device_type)
-    return out
+    """{term: bytes} of buffer_state_tensors, optionally only on devices of `device_type`."""
+    return state_bytes(buffer_state_tensors(buffers, pieces, optimizer), device_type)
 
 
 def formula_bytes(num_params: int, precision: str, zero_stage: int, n: int) -> dict[str, float]:

@@ -1,0 +1,285 @@
+"""`--dry-run`: the real training step of chosen ranks at the config's full sizes, on a CPU,
+with no real memory and no other processes, and its memory beside the planner's.
+
+For each chosen rank, one after another in this process:
+- a fake process group of the full world size (torch's "fake" backend: every collective
+  returns at once) with this rank's number, and the real `ParallelMesh` over it;
+- tensors under `FakeTensorMode`: shapes, dtypes and devices, no data, so a 70B stage costs
+  nothing but the Python of its ops;
+- the real `Trainer`: the same model build, pipeline schedule, ZeRO stage or FSDP2, recompute
+  and optimizer as a real run. Host reads go through `parallel.host.read`, which answers a
+  fake tensor with the step's nominal value (a finite loss, balanced MoE routing);
+- a `MemoryTracker` (training/memory_tracker.py) around all of it: every allocation and free
+  in order. Step 1 creates the optimizer states; the peak of step 2 (the steady state) is the
+  figure, by category and with the phase it happened in; the build's peak is the
+  initialization memory.
+
+The data are mock token ids (the step's shapes do not depend on them). By default the step
+runs the fewest microbatches that reach the schedule's steady state (min(M, 2·pp): the same
+activations in flight at the peak as M, see plan/activations.py `in_flight`), so a dry run of
+a 256-microbatch step takes seconds; `microbatches=None` runs all M. The fused kernels
+(kernels="fused", the default) run as on a GPU but without their launches: their autograd
+functions allocate and save what they do on a GPU (kernels/dispatch.py `launch` skips fake
+tensors); kernels="torch" runs the plain-torch references a CPU run uses. The prediction is the
+planner's for the same kernels.
+"""
+
+from __future__ import annotations
+
+import copy
+import multiprocessing
+import os
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+
+from megatron_lite.config import Config
+from megatron_lite.parallel.mesh import RankLayout
+from megatron_lite.plan.memory import RankMemory, rank_memory
+from megatron_lite.resolve import num_microbatches
+
+KERNELS_ENV = "MEGATRON_LITE_KERNELS"  # kernels/dispatch.py's switch
+
+# the dry run's categories (training/memory_tracker.py) against the planner's terms
+PLANNER_TERMS = {
+    "weights": ("weights",),
+    "grads": ("grads",),
+    "master": ("master",),
+    "optimizer": ("optimizer",),
+    "buffers": ("buffers",),
+    "activations": ("activations", "embedding", "logits_loss"),
+    "gathered+temporaries": ("working",),
+}
+
+
+@dataclass
+class RankResult:
+    """One rank's dry run: its coordinates, the steady-state peak by category, the phase of
+    the peak, the build's peak, the step's collectives and the planner's prediction."""
+
+    rank: int
+    coords: dict[str, int]
+    microbatches: int
+    peak: int
+    by_category: dict[str, int]
+    phase: str
+    init_peak: int
+    comm: dict[str, float]
+    wall_s: float
+    predicted: RankMemory | None = None
+    peaks_by_phase: dict[str, int] = field(default_factory=dict)
+
+    def grouped(self) -> dict[str, int]:
+        """The categories summed the way PLANNER_TERMS compares them."""
+        c = self.by_category
+        return {
+            "weights": c["weights"],
+            "grads": c["grads"],
+            "master": c["master"],
+            "optimizer": c["optimizer"],
+            "buffers": c["buffers"],
+            "activations": c["activations"],
+            "gathered+temporaries": c["gathered"] + c["temporaries"],
+        }
+
+
+def steady_microbatches(cfg: Config) -> int:
+    """The fewest microbatches whose pipeline peak equals the full step's: min(M, 2·pp)
+    (1F1B holds min(pp - rank, m) at its peak, interleaved its warmup + 1 <= 2·pp·vpp; pp = 1
+    keeps 2, so gradient accumulation runs)."""
+    p = cfg.parallel
+    return min(num_microbatches(cfg.train, p.dp), 2 * p.pp)
+
+
+def dry_run_config(cfg: Config, out_dir: str, microbatches: int | None) -> Config:
+    """`cfg` (validated) made to run two steps of `microbatches` per rank on mock data,
+    writing nothing but its run directory's lock into `out_dir`."""
+    c = copy.deepcopy(cfg)
+    t = c.train
+    if microbatches is not None:
+        t.global_batch_size = microbatches * t.micro_batch_size * c.parallel.dp
+    t.steps, t.save_interval, t.eval_interval = 2, 0, 0
+    t.out_dir, t.ckpt_dir, t.resume, t.init_from = out_dir, None, "none", None
+    t.profile_steps, t.profile_pipeline = [], False
+    c.log.progress = False
+    c.data.mock = True  # mock token ids need the vocabulary the planner resolved
+    return c
+
+
+def default_ranks(cfg: Config, world: int) -> list[int]:
+    """One rank per pipeline stage (the one with every other coordinate 0): ranks of one stage
+    hold the same shapes (TP, CP, DP and EP shards are equal)."""
+    p = cfg.parallel
+    layout = RankLayout(world, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, order=p.order)
+    firsts = {}
+    for rank in range(world):
+        c = layout.coords(rank)
+        if all(v == 0 for k, v in c.items() if k != "pp"):
+            firsts.setdefault(c["pp"], rank)
+    return [firsts[s] for s in sorted(firsts)]
+
+
+def run_rank(cfg: Config, world: int, rank: int, kernels: str = "fused") -> RankResult:
+    """The dry run of one rank (see the module docstring); `cfg` from dry_run_config;
+    kernels: "fused" (the GPU's Triton kernels: their allocations, no launches) or "torch"
+    (the plain-torch references a CPU run uses)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from megatron_lite.data import build_dataset
+    from megatron_lite.parallel.comm_stats import STATS
+    from megatron_lite.parallel.fake import FakeTensorMode
+    from megatron_lite.parallel.mesh import ParallelMesh
+    from megatron_lite.training.memory_tracker import MemoryTracker
+    from megatron_lite.training.trainer import Trainer
+
+    p = cfg.parallel
+    t0 = time.perf_counter()
+    dataset, vocab = build_dataset(cfg)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    forced = os.environ.get(KERNELS_ENV)
+    os.environ[KERNELS_ENV] = "triton" if kernels == "fused" else "torch"
+    try:
+        layout = RankLayout(world, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, order=p.order)
+        mesh = ParallelMesh(layout, timeout_s=p.timeout_s)  # DeviceMesh needs real tensors
+        with FakeTensorMode(allow_non_fake_inputs=True), MemoryTracker() as tracker:
+            trainer = Trainer(cfg, mesh, dataset, vocab)
+            init_peak = tracker.peak.total
+            tracker.label([b for c in trainer.chunks for b in c.buffers()], "buffers")
+            tracker.attach_layers(trainer.chunks)
+            _phase_methods(trainer, tracker)
+            trainer.train_step()  # creates the optimizer states
+            tracker.label_model_states(trainer.dp)
+            tracker.reset_peak()
+            trainer.train_step()  # the steady state
+            peak = tracker.peak
+            comm = dict(STATS.summary())
+            phases = dict(tracker.peaks_by_phase)
+    finally:
+        dist.destroy_process_group()
+        if forced is None:
+            os.environ.pop(KERNELS_ENV, None)
+        else:
+            os.environ[KERNELS_ENV] = forced
+    m, coords = num_microbatches(cfg.train, p.dp), layout.coords(rank)
+    predicted = rank_memory(cfg, world, coords["pp"], kernels)
+    return RankResult(rank, coords, m, peak.total, peak.by_category, peak.phase, init_peak,
+                      comm, time.perf_counter() - t0, predicted, phases)  # fmt: skip
+
+
+def _phase_methods(trainer, tracker) -> None:
+    """Name the step's phases: the wrapper's methods on this one Trainer's instance."""
+    dp = trainer.dp
+
+    def named(fn, name: str, optimizer: bool = False):
+        def run(*a, **kw):
+            with tracker.phase(name, optimizer):
+                return fn(*a, **kw)
+
+        return run
+
+    dp.finish_grad_sync = named(dp.finish_grad_sync, "grad sync")
+    dp.step = named(dp.step, "optimizer", optimizer=True)
+    trainer._forward_backward = named(trainer._forward_backward, "forward")
+
+
+def dry_run(cfg: Config, world: int, ranks: list[int] | None = None,
+            microbatches: int | str = "steady",
+            workers: int = os.cpu_count() or 1,
+            kernels: str = "fused") -> list[RankResult]:  # fmt: skip
+    """Dry-run `ranks` (default: default_ranks) of `cfg` (validated for `world`), `workers`
+    processes at a time; microbatches: "steady" (steady_microbatches), "all" (the config's
+    M) or a count."""
+    if microbatches == "steady":
+        count = steady_microbatches(cfg)
+    elif microbatches == "all":
+        count = None
+    else:
+        count = int(microbatches)
+    ranks = ranks or default_ranks(cfg, world)
+    with tempfile.TemporaryDirectory() as tmp:
+        run_cfg = dry_run_config(cfg, tmp, count)
+        if len(ranks) == 1 or workers <= 1:
+            return [run_rank(run_cfg, world, r, kernels) for r in ranks]
+        # one process per rank at a time (each holds its own fake process group), as many
+        # at once as there are cores
+        ctx = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(min(workers, len(ranks)), mp_context=ctx) as pool:
+            n = len(ranks)
+            return list(pool.map(run_rank, [run_cfg] * n, [world] * n, ranks, [kernels] * n))
+
+
+def _unit(results: list[RankResult]) -> tuple[str, float]:
+    return ("GiB", 2**30) if max(r.peak for r in results) >= 2**30 else ("MiB", 2**20)
+
+
+def report(results: list[RankResult]) -> str:
+    """Per rank: the peak by category beside the planner's terms, with ratios."""
+    lines = []
+    unit, scale = _unit(results)
+    for res in results:
+        where = " ".join(f"{k}{v}" for k, v in res.coords.items() if k != "edp")
+        lines.append(
+            f"rank {res.rank} ({where}): {res.microbatches} microbatches, "
+            f"dry run {res.wall_s:.1f} s; peak in {res.phase}"
+        )
+        lines.append(f"  {unit:24s} {'dry run':>9s} {'planner':>9s}  ratio")
+        pred = res.predicted.terms if res.predicted else {}
+        rows = res.grouped()
+        for name, terms in PLANNER_TERMS.items():
+            want = sum(pred.get(t, 0.0) for t in terms)
+            got = rows[name]
+            ratio = f"{got / want:6.3f}" if want else ("  —" if got else "  =")
+            lines.append(f"  {name:24s} {got / scale:9.2f} {want / scale:9.2f}  {ratio}")
+        total = sum(pred.values())
+        lines.append(
+            f"  {'peak':24s} {res.peak / scale:9.2f} {total / scale:9.2f}  "
+            + (f"{res.peak / total:6.3f}" if total else "")
+        )
+        lines.append(f"  {'initialization peak':24s} {res.init_peak / scale:9.2f}")
+    return "\n".join(lines)
+
+
+def parse_ranks(text: str | None, world: int) -> list[int] | None:
+    """--ranks "0,8,16" -> [0, 8, 16] (each in [0, world)); None -> None (the default)."""
+    if text is None:
+        return None
+    try:
+        ranks = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        ranks = []
+    if not ranks or any(not 0 <= r < world for r in ranks):
+        raise ValueError(
+            f"--ranks={text!r}: give comma-separated ranks in [0, {world}), e.g. --ranks 0,8"
+        )
+    return ranks
+
+
+def to_json(results: list[RankResult]) -> list[dict]:
+    out = []
+    for r in results:
+        pred = r.predicted.terms if r.predicted else {}
+        out.append({
+            "rank": r.rank, "coords": r.coords, "microbatches": r.microbatches,
+            "peak_bytes": r.peak, "peak_phase": r.phase, "init_peak_bytes": r.init_peak,
+            "by_category": r.by_category, "compared": r.grouped(),
+            "predicted": {k: sum(pred.get(t, 0.0) for t in v) for k, v in PLANNER_TERMS.items()},
+            "predicted_peak_bytes": sum(pred.values()), "peaks_by_phase": r.peaks_by_phase,
+            "comm": r.comm, "wall_s": r.wall_s,
+        })  # fmt: skip
+    return out
+
+
+def dry_run_report(cfg: Config, world: int, ranks: str | None, microbatches: str,
+                   json_path: str | None = None, kernels: str = "fused") -> str:  # fmt: skip
+    """plan --dry-run: run, print the table (and write the figures to `json_path`)."""
+    import json
+
+    chosen = parse_ranks(ranks, world)
+    results = dry_run(cfg, world, chosen, microbatches, kernels=kernels)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(to_json(results), f, indent=1)
+    head = f"dry run on {world} ranks (fake process group, fake tensors, kernels={kernels}):"
+    return head + "\n" + report(results)
