@@ -46,6 +46,14 @@ def expert_capacity(num_tokens: int, num_experts: int, topk: int, factor: float)
     return math.ceil(factor * num_tokens * topk / num_experts)
 
 
+def balanced_counts(assignments: int, num_experts: int, limit: int | None = None) -> list[int]:
+    """Balanced routing, what a dry run assumes: `assignments` spread over the experts as evenly
+    as integers allow (the first experts take the remainder), each capped at `limit`."""
+    share, extra = divmod(assignments, num_experts)
+    counts = [share + (e < extra) for e in range(num_experts)]
+    return counts if limit is None else [min(c, limit) for c in counts]
+
+
 def capacity_keep(
     assign: torch.Tensor, indices: torch.Tensor, offset: torch.Tensor, capacity: int
 ) -> torch.Tensor:
