@@ -5,15 +5,21 @@ dispatch: permute the kept (token, expert) assignments by expert, exchange the p
 unequal splits) and regroup what arrives by local expert. combine: the reverse, then weight each
 expert output by its router probability and sum the k outputs of every token. Experts are owned
 in contiguous blocks: EP rank r holds experts r·E/ep ... (r+1)·E/ep - 1.
+
+Every data-dependent size comes from the counts, read on the host once per dispatch
+(`host.read`); the ops themselves have static shapes given those sizes, so a dry run (fake
+tensors, no counts to read) runs the same code on balanced routing's counts.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
-from megatron_lite.parallel import mappings
+from megatron_lite.moe.router import balanced_counts
+from megatron_lite.parallel import host, mappings
 
 
 @dataclass
@@ -35,6 +41,7 @@ class AllToAllTokenDispatcher:
     def __init__(self, num_experts: int, ep_group):
         self.ep_group = ep_group
         self.ep = mappings.size(ep_group)
+        self.ep_rank = torch.distributed.get_rank(ep_group) if self.ep > 1 else 0
         self.num_experts, self.num_local = num_experts, num_experts // self.ep
 
     def dispatch(
@@ -43,36 +50,53 @@ class AllToAllTokenDispatcher:
         indices: torch.Tensor,
         weights: torch.Tensor,
         keep: torch.Tensor | None,
+        nominal_limit: int | None = None,
     ):
         """tokens [T, h], indices/weights [T, k], keep [T, k] bool or None (dropless) ->
-        (expert_tokens [N_recv, h] grouped by local expert, tokens_per_local_expert, handle)."""
+        (expert_tokens [N_recv, h] grouped by local expert, tokens_per_local_expert, handle).
+        A real run counts the assignments per expert; a dry run assumes balanced routing on
+        every EP rank: T·k/E each, at most `nominal_limit` kept."""
         T, k = indices.shape
+        E = self.num_experts
         expert_ids = indices.reshape(-1)  # [T·k]
-        token_ids = torch.arange(T, device=tokens.device).repeat_interleave(k)  # [T·k]
-        flat_w = weights.reshape(-1)
-        if keep is not None:
-            kept = keep.reshape(-1)
-            expert_ids, token_ids, flat_w = expert_ids[kept], token_ids[kept], flat_w[kept]
-        order = torch.argsort(expert_ids, stable=True)  # token order within each expert
-        token_ids, flat_w = token_ids[order], flat_w[order]
+        if keep is not None:  # dropped assignments get id E: they sort last and are cut off
+            expert_ids = torch.where(keep.reshape(-1), expert_ids, E)
+        ones = torch.ones_like(expert_ids)
+        counts = expert_ids.new_zeros(E + 1).scatter_add_(0, expert_ids, ones)[:E]  # [E] kept
+        nominal = functools.partial(self._nominal, T * k, nominal_limit)  # a dry run's
+        if self.ep == 1:
+            per_expert = host.read(counts, nominal)
+        else:
+            # [E] by destination -> [ep·E_local] by (source rank, local expert)
+            recv_counts = mappings.all_to_all(counts, 0, 0, self.ep_group)
+            both = host.read(torch.cat([counts, recv_counts]), nominal)  # one host sync
+            per_expert, arriving = both[:E], both[E:]
+        n = T * k if keep is None else sum(per_expert)
+        order = torch.argsort(expert_ids, stable=True)[:n]  # kept, token order within expert
+        token_ids, flat_w = order // k, weights.reshape(-1)[order]  # [N]
         permuted = tokens.index_select(0, token_ids)  # [N, h] sorted by expert
-        counts = torch.bincount(expert_ids, minlength=self.num_experts)  # [E]
         if self.ep == 1:
             handle = DispatchHandle(T, token_ids, flat_w, [], [], None)
-            return permuted, counts.tolist(), handle
-        # [E] by destination -> [ep·E_local] by (source rank, local expert)
-        recv_counts = mappings.all_to_all(counts, 0, 0, self.ep_group)
-        send = counts.view(self.ep, self.num_local).sum(1).tolist()
-        recv_table = recv_counts.view(self.ep, self.num_local)  # [ep, E_local]
-        recv = recv_table.sum(1).tolist()
+            return permuted, per_expert, handle
+        L = self.num_local
+        send = [sum(per_expert[r * L : (r + 1) * L]) for r in range(self.ep)]
+        recv = [sum(arriving[r * L : (r + 1) * L]) for r in range(self.ep)]
+        per_local = [sum(arriving[e::L]) for e in range(L)]
         received = mappings.all_to_all_uneven(permuted, recv, send, self.ep_group)  # [N_recv, h]
         # rows arrive as (source, local expert) blocks; experts want (local expert, source)
-        block = torch.arange(self.ep * self.num_local, device=tokens.device)
-        block_of_row = block.repeat_interleave(recv_table.reshape(-1))  # [N_recv]
-        source, local = block_of_row // self.num_local, block_of_row % self.num_local
+        block = torch.arange(self.ep * L, device=tokens.device)
+        block_of_row = block.repeat_interleave(recv_counts, output_size=sum(recv))  # [N_recv]
+        source, local = block_of_row // L, block_of_row % L
         regroup = torch.argsort(local * self.ep + source, stable=True)
         handle = DispatchHandle(T, token_ids, flat_w, send, recv, regroup)
-        return received.index_select(0, regroup), recv_table.sum(0).tolist(), handle
+        return received.index_select(0, regroup), per_local, handle
+
+    def _nominal(self, assignments: int, limit: int | None) -> list[int]:
+        """A dry run's counts: this rank's [E] kept assignments per expert under balanced
+        routing, then (ep > 1) the [ep·E_local] that arrive, every EP rank routing alike."""
+        mine = balanced_counts(assignments, self.num_experts, limit)
+        local = mine[self.ep_rank * self.num_local :][: self.num_local]
+        return mine if self.ep == 1 else mine + local * self.ep
 
     def combine(self, expert_out: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """expert_out [N_recv, h] (dispatch's order) -> [T, h]: Σ over kept assignments of

@@ -10,6 +10,8 @@ dp×cp (and over TP under sequence parallelism) by the gradient finalizer like a
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -17,7 +19,7 @@ from torch import nn
 from megatron_lite.moe.dispatcher import AllToAllTokenDispatcher
 from megatron_lite.moe.experts import LocalExperts
 from megatron_lite.moe.router import MoEAuxLossAutoScaler, TopKRouter
-from megatron_lite.parallel import mappings
+from megatron_lite.parallel import host, mappings
 from megatron_lite.parallel.recompute import is_recomputing
 
 
@@ -82,24 +84,25 @@ class MoELayer(nn.Module):
         )
         self.dispatcher = AllToAllTokenDispatcher(num_experts, ep_group)
         self.aux_scale = aux_loss_scale
-        self.stats: list[torch.Tensor] = []  # float64 [E + 3] per forward since the last pop
+        # per forward since the last pop: float64 [E + 3] and what a dry run assumes it holds
+        self.stats: list[tuple[torch.Tensor, Callable[[], list[float]]]] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         s, b, h = x.shape
         tokens = x.reshape(s * b, h)  # [T, h], T = s/cp(/tp)·b in (s, b) order
         route = self.router(tokens)
         expert_in, counts, handle = self.dispatcher.dispatch(
-            tokens, route.indices, route.weights, route.keep
+            tokens, route.indices, route.weights, route.keep, route.nominal_limit
         )
         expert_out = self.experts(expert_in, counts).to(x.dtype)  # [N_recv, h]
         out = self.dispatcher.combine(expert_out, handle).view(s, b, h)
         if route.objective is not None and out.requires_grad:
             out = MoEAuxLossAutoScaler.apply(out, route.objective, self.aux_scale)
         if not is_recomputing():  # a backward-time recompute must not count the tokens again
-            self.stats.append(route.stats)
+            self.stats.append((route.stats, route.nominal_stats))
         return out
 
-    def pop_stats(self) -> list[torch.Tensor]:
+    def pop_stats(self) -> list[tuple[torch.Tensor, Callable[[], list[float]]]]:
         stats, self.stats = self.stats, []
         return stats
 
@@ -138,22 +141,41 @@ def moe_metrics(
     # [L] 1 where a rank holds that MoE layer (so dense layers stay out of the min/max)
     vec = torch.zeros(L * E + 4 + L, dtype=torch.float64, device=device)
     totals, held = vec[L * E : L * E + 4], vec[L * E + 4 :]
+    forwards = []  # (layer number, a dry run's stats) of each forward here
     for layer in layers:
         i = layer.layer_number
         held[i] = 1.0
-        for st in layer.pop_stats():
+        for st, nominal in layer.pop_stats():
+            forwards.append((i, nominal))
             if count_here:
                 vec[i * E : (i + 1) * E] += st[:E]
                 totals += torch.stack([st[E], st[E + 1], st.new_ones(()), st[E + 2]])
     mappings.all_reduce(vec, group or dist.group.WORLD, kind="all_reduce_report")
-    counts = vec[: L * E].view(L, E).cpu()[(held > 0).cpu()]
-    aux, z, entries, dropped = totals.tolist()
+    here = [layer.layer_number for layer in layers]
+    values = host.read(vec, lambda: _own_share(L, E, here, forwards))
+    counts = [c for i in range(L) if values[L * E + 4 + i] > 0 for c in values[i * E : (i + 1) * E]]
+    aux, z, entries, dropped = values[L * E : L * E + 4]
     out = {
         "aux_loss": aux / max(entries, 1.0),
-        "tokens_per_expert_min": int(counts.min().item()),
-        "tokens_per_expert_max": int(counts.max().item()),
+        "tokens_per_expert_min": int(min(counts, default=0.0)),
+        "tokens_per_expert_max": int(max(counts, default=0.0)),
         "dropped_tokens": int(dropped),
     }
     if with_z_loss:
         out["z_loss"] = z / max(entries, 1.0)
     return out
+
+
+def _own_share(L: int, E: int, held: list[int], forwards: list) -> list[float]:
+    """A dry run's `vec` in moe_metrics (no other rank to sum): this rank's layers and the
+    nominal stats of its own forwards, whether or not it is the rank that counts them."""
+    vec = [0.0] * (L * E + 4 + L)
+    for i in held:
+        vec[L * E + 4 + i] = 1.0
+    for i, nominal in forwards:
+        st = nominal()  # [E + 3]
+        for e in range(E):
+            vec[i * E + e] += st[e]
+        for j, v in enumerate([st[E], st[E + 1], 1.0, st[E + 2]]):
+            vec[L * E + j] += v
+    return vec

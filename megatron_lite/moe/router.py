@@ -9,14 +9,16 @@ every number, and every dropping decision, identical to a single-rank run.
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_lite.parallel import mappings
+from megatron_lite.parallel import host, mappings
 from megatron_lite.parallel.params import set_meta
 
 
@@ -44,6 +46,14 @@ def load_balancing_loss(
 def expert_capacity(num_tokens: int, num_experts: int, topk: int, factor: float) -> int:
     """Assignments an expert accepts from one microbatch: ceil(factor · T · k / E)."""
     return math.ceil(factor * num_tokens * topk / num_experts)
+
+
+def balanced_counts(assignments: int, num_experts: int, limit: int | None = None) -> list[int]:
+    """Balanced routing, what a dry run assumes: `assignments` spread over the experts as evenly
+    as integers allow (the first experts take the remainder), each capped at `limit`."""
+    share, extra = divmod(assignments, num_experts)
+    counts = [share + (e < extra) for e in range(num_experts)]
+    return counts if limit is None else [min(c, limit) for c in counts]
 
 
 def capacity_keep(
@@ -85,6 +95,9 @@ class Routing:
     keep: torch.Tensor | None  # [T, k] bool, False = dropped over capacity; None = dropless
     objective: torch.Tensor | None  # local term whose grads, summed over shards, are d(aux)
     stats: torch.Tensor  # float64 [E + 3]: tokens per expert, aux loss, z-loss, dropped
+    # what a dry run assumes (balanced routing; see TopKRouter.nominal_stats)
+    nominal_limit: int | None  # kept assignments per expert of the T local tokens (None: all)
+    nominal_stats: Callable[[], list[float]]  # [E + 3] the values of `stats`
 
 
 class TopKRouter(nn.Module):
@@ -134,9 +147,11 @@ class TopKRouter(nn.Module):
         ).double()  # [2E + 2]
         total, before = gather_token_shards(local, self.token_groups)  # [2E + 2]
         counts, prob_sum, z_sum, n_tokens = total[:E], total[E : 2 * E], total[2 * E], total[-1]
-        n = n_tokens.item()
+        shards = math.prod(mappings.size(g) for g in self.token_groups)
+        n = host.read(n_tokens, float(x.shape[0] * shards))  # a dry run: even sequence shards
         aux = load_balancing_loss(prob_sum, counts, n, k)
         keep, dropped = None, torch.zeros((), dtype=torch.float64, device=x.device)
+        cap = None
         if self.capacity_factor is not None:
             cap = expert_capacity(round(n), E, k, self.capacity_factor)
             keep = capacity_keep(assign, indices, before[:E].to(assign.dtype), cap)
@@ -150,7 +165,17 @@ class TopKRouter(nn.Module):
             z_term = self.z_loss_coeff * lse_sq.sum() / n
             objective = z_term if objective is None else objective + z_term
         stats = torch.cat([counts, aux.reshape(1), (z_sum / n).reshape(1), dropped.reshape(1)])
-        return Routing(weights, indices, keep, objective, stats)
+        share = None if cap is None else cap * x.shape[0] // round(n)  # this shard's
+        nominal = functools.partial(self.nominal_stats, round(n), cap)
+        return Routing(weights, indices, keep, objective, stats, share, nominal)
+
+    def nominal_stats(self, num_tokens: int, capacity: int | None) -> list[float]:
+        """`stats` of a microbatch of `num_tokens` under a dry run's routing: balanced counts,
+        and uniform probabilities (aux loss 1; zero logits, so every logsumexp is log E)."""
+        E = self.num_experts
+        counts = balanced_counts(num_tokens * self.topk, E)
+        dropped = 0 if capacity is None else sum(max(c - capacity, 0) for c in counts)
+        return [*map(float, counts), 1.0, math.log(E) ** 2, float(dropped)]
 
 
 class MoEAuxLossAutoScaler(torch.autograd.Function):

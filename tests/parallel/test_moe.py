@@ -121,10 +121,8 @@ def _dispatch(rank, world):
     out = dispatcher.combine(experts(expert_in, counts), handle)
     (out * grad_out).sum().backward()
     # plain lists: tensors sent through the result queue would outlive their sender's memory
-    return [
-        t.tolist()
-        for t in (out.detach(), x.grad, weights.grad, experts.weight1.grad, experts.weight2.grad)
-    ]
+    tensors = (out.detach(), x.grad, weights.grad, experts.weight1.grad, experts.weight2.grad)
+    return [t.tolist() for t in tensors], counts, expert_in.shape[0]
 
 
 def _dense_reference():
@@ -153,7 +151,12 @@ def test_dispatcher_matches_dense_reference_float64():
     ref, w1_grad, w2_grad = _dense_reference()
     import torch
 
-    for rank, lists in enumerate(got):
+    per_rank = _inputs()[2]
+    for rank, (lists, counts, rows) in enumerate(got):
+        # a real run sizes each expert's block by the kept assignments routed to it (all ranks)
+        local = range(rank * E // 2, (rank + 1) * E // 2)
+        want = [sum(int((i[k] == e).sum()) for _, i, _, k, _ in per_rank) for e in local]
+        assert counts == want and rows == sum(want), f"rank {rank}: {counts}, {rows} != {want}"
         out, x_grad, w_grad, g1, g2 = (torch.tensor(v, dtype=torch.float64) for v in lists)
         r_out, r_x, r_w = ref[rank]
         for name, a, b in (
