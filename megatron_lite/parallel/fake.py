@@ -5,10 +5,10 @@ and devices but no data, and this module answers the few questions the code asks
 from __future__ import annotations
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-__all__ = ["FakeTensorMode", "active", "is_fake"]
+__all__ = ["FakeTensorMode", "active", "is_fake", "real_tensors"]
 
 
 def is_fake(t: torch.Tensor) -> bool:
@@ -19,3 +19,9 @@ def is_fake(t: torch.Tensor) -> bool:
 def active() -> bool:
     """Whether the code runs under a FakeTensorMode (a dry run)."""
     return any(isinstance(m, FakeTensorMode) for m in _get_current_dispatch_mode_stack())
+
+
+def real_tensors():
+    """A context in which tensors are real even under a dry run (a DeviceMesh's rank table
+    must be: it is read on the host); a no-op outside one."""
+    return unset_fake_temporarily()

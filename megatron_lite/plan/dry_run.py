@@ -120,6 +120,49 @@ def default_ranks(cfg: Config, world: int) -> list[int]:
     return [firsts[s] for s in sorted(firsts)]
 
 
+def tracked_steps(cfg: Config, mesh, dataset, vocab: int) -> dict:
+    """Build the Trainer and run its two steps under a MemoryTracker (see the module
+    docstring): what a dry run measures on fake tensors and a real run on real ones, by the
+    same code. Returns the figures of RankResult."""
+    from megatron_lite.parallel.comm_stats import STATS
+    from megatron_lite.training.memory_tracker import MemoryTracker
+    from megatron_lite.training.trainer import Trainer
+
+    with MemoryTracker() as tracker:
+        trainer = Trainer(cfg, mesh, dataset, vocab)
+        init_peak = tracker.peak.total
+        tracker.label([b for c in trainer.chunks for b in c.buffers()], "buffers")
+        tracker.attach_layers(trainer.chunks)
+        _phase_methods(trainer, tracker)
+        trainer.train_step()  # creates the optimizer states (and FSDP2's lazy state)
+        tracker.label_model_states(trainer.dp)
+        tracker.attach_fsdp(m for c in trainer.chunks for m in c.modules())
+        tracker.reset_peak()
+        trainer.train_step()  # the steady state
+        peak = tracker.peak
+        return {
+            "peak": peak.total,
+            "by_category": dict(peak.by_category),
+            "phase": peak.phase,
+            "init_peak": init_peak,
+            "comm": dict(STATS.summary()),
+            "peaks_by_phase": dict(tracker.peaks_by_phase),
+        }
+
+
+def _result(cfg: Config, world: int, rank: int, kernels: str, figures: dict, t0: float):
+    p = cfg.parallel
+    coords = RankLayout(world, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, order=p.order).coords(rank)
+    return RankResult(
+        rank=rank,
+        coords=coords,
+        microbatches=num_microbatches(cfg.train, p.dp),
+        wall_s=time.perf_counter() - t0,
+        predicted=rank_memory(cfg, world, coords["pp"], kernels),
+        **figures,
+    )
+
+
 def run_rank(cfg: Config, world: int, rank: int, kernels: str = "fused") -> RankResult:
     """The dry run of one rank (see the module docstring); `cfg` from dry_run_config;
     kernels: "fused" (the GPU's Triton kernels: their allocations, no launches) or "torch"
@@ -128,11 +171,8 @@ def run_rank(cfg: Config, world: int, rank: int, kernels: str = "fused") -> Rank
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from megatron_lite.data import build_dataset
-    from megatron_lite.parallel.comm_stats import STATS
     from megatron_lite.parallel.fake import FakeTensorMode
     from megatron_lite.parallel.mesh import ParallelMesh
-    from megatron_lite.training.memory_tracker import MemoryTracker
-    from megatron_lite.training.trainer import Trainer
 
     p = cfg.parallel
     t0 = time.perf_counter()
@@ -143,29 +183,54 @@ def run_rank(cfg: Config, world: int, rank: int, kernels: str = "fused") -> Rank
     try:
         layout = RankLayout(world, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, order=p.order)
         mesh = ParallelMesh(layout, timeout_s=p.timeout_s)  # DeviceMesh needs real tensors
-        with FakeTensorMode(allow_non_fake_inputs=True), MemoryTracker() as tracker:
-            trainer = Trainer(cfg, mesh, dataset, vocab)
-            init_peak = tracker.peak.total
-            tracker.label([b for c in trainer.chunks for b in c.buffers()], "buffers")
-            tracker.attach_layers(trainer.chunks)
-            _phase_methods(trainer, tracker)
-            trainer.train_step()  # creates the optimizer states
-            tracker.label_model_states(trainer.dp)
-            tracker.reset_peak()
-            trainer.train_step()  # the steady state
-            peak = tracker.peak
-            comm = dict(STATS.summary())
-            phases = dict(tracker.peaks_by_phase)
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            figures = tracked_steps(cfg, mesh, dataset, vocab)
     finally:
         dist.destroy_process_group()
         if forced is None:
             os.environ.pop(KERNELS_ENV, None)
         else:
             os.environ[KERNELS_ENV] = forced
-    m, coords = num_microbatches(cfg.train, p.dp), layout.coords(rank)
-    predicted = rank_memory(cfg, world, coords["pp"], kernels)
-    return RankResult(rank, coords, m, peak.total, peak.by_category, peak.phase, init_peak,
-                      comm, time.perf_counter() - t0, predicted, phases)  # fmt: skip
+    return _result(cfg, world, rank, kernels, figures, t0)
+
+
+def _real_rank(cfg: Config) -> tuple[int, dict, float]:
+    """tracked_steps on this gloo rank of a real run (plan.measure.run_local's child)."""
+    import torch.distributed as dist
+
+    from megatron_lite.data import build_dataset
+    from megatron_lite.parallel.mesh import ParallelMesh
+
+    p, t0 = cfg.parallel, time.perf_counter()
+    layout = RankLayout(dist.get_world_size(), tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, order=p.order)
+    mesh = ParallelMesh(layout, timeout_s=p.timeout_s)
+    dataset, vocab = build_dataset(cfg)
+    figures = tracked_steps(cfg, mesh, dataset, vocab)
+    return dist.get_rank(), figures, time.perf_counter() - t0
+
+
+def real_run(cfg: Config, world: int, ranks: list[int] | None = None,
+             microbatches: int | str = "steady") -> list[RankResult]:  # fmt: skip
+    """The same two tracked steps on `world` real gloo ranks on this machine (CPU, plain-torch
+    kernels), for checking a dry run against what really is allocated; results of `ranks`
+    (default: default_ranks)."""
+    from megatron_lite.plan.measure import run_local
+
+    ranks = ranks or default_ranks(cfg, world)
+    with tempfile.TemporaryDirectory() as tmp:
+        run_cfg = dry_run_config(cfg, tmp, _count(cfg, microbatches))
+        out = run_local(run_cfg, world, _real_rank, one_step=False)
+    now = time.perf_counter()
+    by_rank = {rank: (figures, now - wall) for rank, figures, wall in out}
+    return [_result(run_cfg, world, r, "torch", *by_rank[r]) for r in ranks]
+
+
+def _count(cfg: Config, microbatches: int | str) -> int | None:
+    if microbatches == "steady":
+        return steady_microbatches(cfg)
+    if microbatches == "all":
+        return None
+    return int(microbatches)
 
 
 def _phase_methods(trainer, tracker) -> None:
@@ -191,12 +256,7 @@ def dry_run(cfg: Config, world: int, ranks: list[int] | None = None,
     """Dry-run `ranks` (default: default_ranks) of `cfg` (validated for `world`), `workers`
     processes at a time; microbatches: "steady" (steady_microbatches), "all" (the config's
     M) or a count."""
-    if microbatches == "steady":
-        count = steady_microbatches(cfg)
-    elif microbatches == "all":
-        count = None
-    else:
-        count = int(microbatches)
+    count = _count(cfg, microbatches)
     ranks = ranks or default_ranks(cfg, world)
     with tempfile.TemporaryDirectory() as tmp:
         run_cfg = dry_run_config(cfg, tmp, count)

@@ -58,7 +58,7 @@ def predicted_layer(cfg: Config, kernels: str) -> float:
     return sum(layer_bytes(cfg, layer_shape(cfg, kernels)).values())
 
 
-def _child(rank: int, world: int, store_path: str, cfg: Config, queue) -> None:
+def _child(rank: int, world: int, store_path: str, cfg: Config, queue, fn=None) -> None:
     import datetime
 
     # CPU ranks on gloo, also on a GPU machine (gloo lacks CUDA send/recv; the meter is the
@@ -72,21 +72,22 @@ def _child(rank: int, world: int, store_path: str, cfg: Config, queue) -> None:
         store = dist.FileStore(store_path, world)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=300))  # fmt: skip
-        queue.put((rank, pickle.dumps(measure_on_rank(cfg))))
+        queue.put((rank, pickle.dumps((fn or measure_on_rank)(cfg))))
         dist.destroy_process_group()
     except BaseException as e:  # the parent prints it
         queue.put((rank, pickle.dumps(f"{type(e).__name__}: {e}")))
 
 
-def run_local(cfg: Config, world: int) -> list[dict]:
-    """measure_on_rank on `world` forked gloo ranks (from a clean forkserver)."""
+def run_local(cfg: Config, world: int, fn=None, one_step: bool = True) -> list:
+    """`fn(cfg)` (default measure_on_rank; a module-level function) on `world` forked gloo
+    ranks (from a clean forkserver); one_step: run it on one_step_config(cfg)."""
     import multiprocessing as mp
 
     ctx = mp.get_context("forkserver")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
-        run_cfg = one_step_config(cfg, os.path.join(tmp, "run"))
-        args = (world, os.path.join(tmp, "store"), run_cfg, queue)
+        run_cfg = one_step_config(cfg, os.path.join(tmp, "run")) if one_step else cfg
+        args = (world, os.path.join(tmp, "store"), run_cfg, queue, fn)
         procs = [ctx.Process(target=_child, args=(r, *args), daemon=True) for r in range(world)]
         for proc in procs:
             proc.start()
@@ -96,7 +97,7 @@ def run_local(cfg: Config, world: int) -> list[dict]:
     out = [pickle.loads(results[r]) for r in range(world)]
     errors = [o for o in out if isinstance(o, str)]
     if errors:
-        raise RuntimeError(f"--measure failed on a rank: {errors[0]}")
+        raise RuntimeError(f"a rank failed: {errors[0]}")
     return out
 
 

@@ -86,6 +86,7 @@ class MemoryTracker(TorchDispatchMode):
         self.peaks_by_phase: dict[str, int] = {}
         self._phases: list[str] = ["build"]
         self._optimizer = 0  # > 0 inside the optimizer step
+        self._categories: list[str] = []  # the category of new storages inside attach_fsdp's
         self._lock = threading.RLock()  # storages are freed on autograd's threads too
         self._resize = None
         self._handles: list = []
@@ -140,6 +141,37 @@ class MemoryTracker(TorchDispatchMode):
                     m.register_forward_pre_hook(lambda *_, n=fwd, b=bwd: self._enter_layer(n, b))
                 )
                 self._handles.append(m.register_forward_hook(lambda *_: self._leave_layer()))
+
+    def attach_fsdp(self, modules: Iterable[torch.nn.Module]) -> None:
+        """Name FSDP2's allocations (ZeRO-3; call after its lazy init, i.e. after a step):
+        what its all-gathers unshard is "gathered", what its post-backward reduce-scatters
+        (the flat input and the sharded gradients it leaves) is "grads", and the unsharded
+        gradients autograd accumulates across microbatches are "grads" from their first
+        accumulation. FSDP2's param groups are private: this is their one reader."""
+        for m in modules:
+            get_state = getattr(m, "_get_fsdp_state", None)
+            group = get_state()._fsdp_param_group if get_state is not None else None
+            if group is None:
+                continue
+            group.unshard = self._as(group.unshard, "gathered")
+            group.post_backward = self._as(group.post_backward, "grads")
+            for fp in group.fsdp_params:
+                param = getattr(fp, "_unsharded_param", None)
+                if param is not None:
+                    hook = param.register_post_accumulate_grad_hook(
+                        lambda q: self.label([q.grad], "grads")
+                    )
+                    self._handles.append(hook)
+
+    def _as(self, fn, category: str):
+        def run(*a, **kw):
+            self._categories.append(category)
+            try:
+                return fn(*a, **kw)
+            finally:
+                self._categories.pop()
+
+        return run
 
     def _enter_layer(self, fwd: str, bwd: str) -> None:
         self._phases.append(bwd.replace("backward", "recompute") if in_backward() else fwd)
@@ -200,6 +232,8 @@ class MemoryTracker(TorchDispatchMode):
         return out
 
     def _default_category(self) -> str:
+        if self._categories:
+            return self._categories[-1]
         if self._optimizer or in_backward():
             return "temporaries"
         return "activations"

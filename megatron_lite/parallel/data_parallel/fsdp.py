@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from megatron_lite.parallel import fake
 from megatron_lite.parallel.data_parallel import finalize
 from megatron_lite.parallel.data_parallel.ddp import hybrid_groups
 from megatron_lite.parallel.data_parallel.finalize import LocalGrad, data_replicas, tied_params
@@ -53,13 +54,14 @@ def sharding_mesh(mesh: ParallelMesh, name: str, dp_shard: int | None, device_ty
     """The DeviceMesh FSDP2 shards over: this rank's `name` group (dp_cp or edp) as a 1-D mesh,
     or, with dp_shard smaller than the group, a 2-D (replicate, shard) mesh (HSDP)."""
     full = getattr(mesh, name)
-    if dp_shard is None or dp_shard == full.size:
-        return DeviceMesh.from_group(full.group, device_type, mesh_dim_names=("shard",))
-    shard, replica = hybrid_groups(mesh, name, dp_shard)
-    ranks = torch.tensor(full.ranks).reshape(-1, dp_shard)  # row: one shard group
-    return DeviceMesh.from_group(
-        [replica, shard], device_type, mesh=ranks, mesh_dim_names=("replicate", "shard")
-    )
+    with fake.real_tensors():  # the rank table is real even in a dry run
+        if dp_shard is None or dp_shard == full.size:
+            return DeviceMesh.from_group(full.group, device_type, mesh_dim_names=("shard",))
+        shard, replica = hybrid_groups(mesh, name, dp_shard)
+        ranks = torch.tensor(full.ranks).reshape(-1, dp_shard)  # row: one shard group
+        return DeviceMesh.from_group(
+            [replica, shard], device_type, mesh=ranks, mesh_dim_names=("replicate", "shard")
+        )
 
 
 def _expert_modules(layer: torch.nn.Module) -> list[torch.nn.Module]:
