@@ -14,9 +14,10 @@ all-reduced input gradient); "none" is the row-parallel layer (its collective fo
 
 Gradient accumulation fusion: when the weight has `main_grad` (data_parallel/buffers.py), g_W
 is added into it and no weight gradient is returned; the buffer's post-accumulate-grad hook
-still fires once per backward (with `p.grad` None). FSDP2 parameters have no `main_grad`, and
-a weight with gradient hooks (`register_hook`) must show them its gradient: for both g_W is
-returned as usual.
+still fires once per backward (with `p.grad` None). A weight with `ensure_main_grad` (ZeRO-2,
+whose buckets have storage only while they accumulate) gets it called before every write.
+FSDP2 parameters have no `main_grad`, and a weight with gradient hooks (`register_hook`) must
+show them its gradient: for both g_W is returned as usual.
 
 Deferred wgrad: with a `wgrad_queue` (a caller-owned list) captured at forward, backward does not
 run the wgrad GEMM but appends a closure that does; `run_wgrads(queue)` runs them later. While
@@ -55,6 +56,9 @@ def _weight_grad(weight: torch.Tensor, g2d: torch.Tensor, x2d: torch.Tensor, fus
     main = getattr(weight, "main_grad", None) if fuse else None
     if main is None:
         return g2d.t().mm(x2d).to(weight.dtype)
+    ensure = getattr(weight, "ensure_main_grad", None)
+    if ensure is not None:  # ZeRO-2: the bucket gets storage, no reduce-scatter of it in flight
+        ensure()
     if g2d.dtype == main.dtype:
         main.addmm_(g2d.t(), x2d)  # the GEMM accumulates straight into the fp32 buffer
     else:  # bf16 GEMM, fp32 accumulation (what the buffer's hook does with p.grad)

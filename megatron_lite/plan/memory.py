@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megatron_lite.config import Config
-from megatron_lite.parallel.data_parallel.memory import TERMS, formula_bytes
+from megatron_lite.parallel.data_parallel.memory import TERMS, formula_bytes, zero2_in_flight
 from megatron_lite.pipeline.schedules import virtual_stage
 from megatron_lite.plan.activations import (
     chunk_bytes,
@@ -72,17 +72,53 @@ def rank_params(cfg: Config, pp_rank: int) -> tuple[int, int]:
     return dense, expert
 
 
+def largest_params(cfg: Config, pp_rank: int) -> tuple[int, int]:
+    """(dense, expert) elements of the largest parameter this pipeline rank holds on one TP/EP
+    rank (a gradient bucket holds fewer than bucket_size + it)."""
+    m, p = cfg.model, cfg.parallel
+    h, n, t = m.hidden_size, m.num_attention_heads, p.tp
+    d, g, up = h // n, num_query_groups(m), 1 if m.arch == "gpt" else 2  # fc1: [up·f/tp, h]
+    layers = [i for first, count in rank_layers(cfg, pp_rank) for i in range(first, first + count)]
+    moe = [is_moe_layer(m.num_experts, m.moe_layer_freq, i) for i in layers]
+    dense, expert = [h * (n + 2 * g) * d // t, n * d * h // t], 0
+    if not all(moe):
+        dense.append(up * m.ffn_hidden_size * h // t)
+    if any(moe):
+        dense.append(m.num_experts * h)  # the router
+        expert = m.num_experts // p.ep * up * moe_ffn_hidden_size(m) * h
+    vocab = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, p.tp) * h // p.tp
+    if pp_rank == 0:
+        dense.append(vocab)
+        if m.arch == "gpt":
+            dense.append((m.max_position_embeddings or m.seq_length) * h)
+    if pp_rank == p.pp - 1 and not (m.tie_embeddings and p.pp == 1):
+        dense.append(vocab)
+    return max(dense), expert
+
+
 def model_states(cfg: Config, pp_rank: int) -> dict[str, float]:
     """{weights, grads, master, optimizer} bytes on this rank: memory.formula_bytes for the
-    dense parameters sharded over dp·cp (or dp_shard) and the experts over dp·cp/ep."""
+    dense parameters sharded over dp·cp (or dp_shard) and the experts over dp·cp/ep, with the
+    gradients of the step's peak: ZeRO-2's buckets in flight (two per reduction group, over
+    all model chunks), ZeRO-3's unsharded gradients under gradient accumulation."""
     p = cfg.parallel
     dense, expert = rank_params(cfg, pp_rank)
     n_dense = p.dp_shard or p.dp * p.cp
     n_expert = p.dp_shard or max(p.dp * p.cp // p.ep, 1)
+    extra = dict(
+        microbatches=num_microbatches(cfg.train, p.dp),
+        reduce_bytes=2 if p.grad_reduce_dtype == "bf16" else 4,
+    )
     out = dict.fromkeys(TERMS, 0.0)
-    for count, n in ((dense, n_dense), (expert, n_expert)):
+    for count, n, largest in zip(
+        (dense, expert), (n_dense, n_expert), largest_params(cfg, pp_rank), strict=True
+    ):
         if count:
-            for k, v in formula_bytes(count, cfg.train.precision, p.zero_stage, n).items():
+            in_flight = zero2_in_flight(count, p.ddp_bucket_size, largest)
+            terms = formula_bytes(
+                count, cfg.train.precision, p.zero_stage, n, in_flight=in_flight, **extra
+            )
+            for k, v in terms.items():
                 out[k] += v
     return out
 
@@ -127,6 +163,8 @@ def rank_memory(cfg: Config, world: int, pp_rank: int, kernels: str = "fused") -
         dense, _ = rank_params(r, pp_rank)
         per_layer_w = dense / max(sum(c for _, c in chunks), 1)
         zero3 = 2 * per_layer_w * (2 if r.train.precision == "bf16" else 4)
+        if m == 1:  # the unit's unsharded gradients until its reduce-scatter (m > 1: in grads)
+            zero3 += per_layer_w * (2 if p.grad_reduce_dtype == "bf16" else 4)
     terms["working"] = max(working, logits_working) + zero3
     return RankMemory(pp_rank, terms, held, layer_bytes(r, shape))
 

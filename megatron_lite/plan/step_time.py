@@ -8,8 +8,9 @@ Overlap model (what our code overlaps):
 - CP (Ulysses) and EP (MoE) all-to-alls are exposed.
 - PP: each send/receive batch costs its p2p time on the schedule's critical path (simulator).
 - DP: gradient buckets reduce during the last microbatch's backward, all but the last bucket
-  hidden; the ZeRO-1/2 weight all-gather hides behind the next forward but the first bucket;
-  ZeRO-3 gathers are prefetched behind compute, the first unit exposed. Off when
+  hidden (ZeRO-2 reduce-scatters every microbatch: the earlier ones hide behind their backward
+  and the next forward); the ZeRO-1/2 weight all-gather hides behind the next forward but the
+  first bucket; ZeRO-3 gathers are prefetched behind compute, the first unit exposed. Off when
   parallel.overlap_grad_reduce=false.
 Compute: hardware FLOPs (model FLOPs plus recompute) / (peak · mfu).
 """
@@ -184,12 +185,16 @@ def _dp_time(r: Config, world: int, gpu, links, m: int, t_fwd: float, layers: in
             reduce = collective_time("reduce_scatter", g_bytes * count, n, link, gpu)
             gather = 2 * m * collective_time("all_gather", w_bytes * count, n, link, gpu)
             last = 1.0 / max(layers, 1)
+        # ZeRO-2 reduce-scatters every microbatch (buffers.py): the earlier ones hide behind
+        # their own backward and the next forward, the last one as ZeRO-1's
+        earlier = m - 1 if p.zero_stage == 2 else 0
         if not p.overlap_grad_reduce:
-            exposed += reduce + gather
+            exposed += (1 + earlier) * reduce + gather
             continue
         window_b = 2 * t_fwd * layers  # the last microbatch's backward
         window_f = t_fwd * layers * (m if p.zero_stage == 3 else 1)
         e = max(reduce * last, reduce - window_b) + max(gather * last, gather - window_f)
+        e += earlier * max(0.0, reduce - window_b - t_fwd * layers)
         exposed += e
-        hidden += reduce + gather - e
+        hidden += (1 + earlier) * reduce + gather - e
     return exposed, hidden

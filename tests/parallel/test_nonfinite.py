@@ -60,20 +60,30 @@ def test_nan_gradient_names_the_parameter(tmp_path):
     assert "layers.3.mlp.linear_fc1.weight on rank 1" in message
 
 
-@pytest.mark.parametrize("zero_stage", [2, 3])
-def test_nan_gradient_under_sharded_gradients_is_the_named_error(zero_stage, tmp_path):
-    """dp2: the guard reads the reduced gradients the wrapper holds (ZeRO-2 frees the full
-    buffer after the sync: reading `main_grad` there crashed the process); stage 3 reads the
-    FSDP2 shards. Stages 0 and 1 take stage 2's path (DataParallel.local_grads) and the
-    unsharded case is test_nan_gradient_names_the_parameter."""
-    args = [*TINY, f"data.paths=[{structured_dataset()}]", "train.steps=4",
-            f"parallel.zero_stage={zero_stage}"]  # fmt: skip
-    results = run_ranks(2, _train, args, str(tmp_path), "fc1 output grad", timeout=120)
-    for status, message, step in results:
-        assert status == "stopped" and step == 2, message
-        assert message.startswith("step 2: the gradient norm is nan: non-finite gradient in ")
-        # the NaN flows back through every earlier layer: the first few are named, per rank
-        assert re.search(r"non-finite gradient in [\w.]+\.weight on rank [01]", message), message
+def _train_each_stage(rank, world, args, out_dir, poison):
+    """One launch for every ZeRO stage (a launch costs seconds on 2 cores)."""
+    return {
+        stage: _train(rank, world, [*args, f"parallel.zero_stage={stage}"], f"{out_dir}/{stage}",
+                      poison)
+        for stage in (0, 1, 2, 3)
+    }  # fmt: skip
+
+
+def test_nan_gradient_under_every_zero_stage_is_the_named_error(tmp_path):
+    """dp2: the guard reads the reduced gradients the wrapper holds (`dp.local_grads()`):
+    whole gradients (ZeRO-0), views of the full buffer's shards (ZeRO-1), the persistent shard
+    (ZeRO-2, whose buckets are freed after each reduction: reading `main_grad` there crashed
+    the process), the FSDP2 shards (ZeRO-3)."""
+    args = [*TINY, f"data.paths=[{structured_dataset()}]", "train.steps=4"]
+    results = run_ranks(2, _train_each_stage, args, str(tmp_path), "fc1 output grad", timeout=180)
+    for rank, by_stage in enumerate(results):
+        for stage, (status, message, step) in by_stage.items():
+            where = f"ZeRO-{stage} rank {rank}"
+            assert status == "stopped" and step == 2, f"{where}: {message}"
+            assert message.startswith("step 2: the gradient norm is nan: non-finite gradient in ")
+            # the NaN flows back through every earlier layer: the first few are named, per rank
+            pattern = r"non-finite gradient in [\w.]+\.weight on rank [01]"
+            assert re.search(pattern, message), f"{where}: {message}"
 
 
 def test_skip_nonfinite_steps_skips_then_stops(tmp_path):

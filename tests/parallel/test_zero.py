@@ -1,6 +1,7 @@
 """ZeRO-1/2 (the distributed optimizer), hybrid sharding and optimizer offload give the losses
 of a single rank (fp32, 6 steps), on the layouts that can break them: several buckets, DP
-alone, TP+SP replicas, pipeline chunks with tied embeddings, CP, experts."""
+alone, TP+SP replicas, pipeline chunks with tied embeddings, CP, experts; ZeRO-2 with two
+microbatches per step (its per-microbatch reduce-scatters) on dp2, pp2 vpp2 and hybrid."""
 
 import pytest
 
@@ -21,10 +22,11 @@ LAYOUTS = {
     "zero2_dp2": (2, LLAMA, ["parallel.zero_stage=2"]),
     "zero2_tp2_sp_dp2": (4, LLAMA, ["parallel.zero_stage=2", "parallel.tp=2",
                                     "parallel.sequence_parallel=true"]),
-    "zero1_pp2_vpp2_dp2": (4, LLAMA, ["parallel.zero_stage=1", "parallel.pp=2", "parallel.vpp=2"]),
+    "zero2_pp2_vpp2_dp2": (4, LLAMA, ["parallel.zero_stage=2", "parallel.pp=2", "parallel.vpp=2"]),
     "zero2_cp2_dp2": (4, LLAMA, ["parallel.zero_stage=2", "parallel.cp=2"]),
     "zero1_ep2_dp2": (2, MOE, ["parallel.zero_stage=1", "parallel.ep=2"]),
-    "zero2_dp4_shard2": (4, LLAMA, ["parallel.zero_stage=2", "parallel.dp_shard=2"]),
+    "zero2_dp4_shard2": (4, LLAMA, ["parallel.zero_stage=2", "parallel.dp_shard=2",
+                                    "train.micro_batch_size=1"]),  # 2 microbatches
     "zero1_offload_dp2": (2, LLAMA, ["parallel.zero_stage=1", "train.optimizer_offload=cpu"]),
 }  # fmt: skip
 

@@ -3,21 +3,47 @@ are final, overlapping the rest of the backward (Megatron's ParamAndGradBuffer).
 
 One `GradBuffer` holds the parameters of one model chunk that reduce over the same group (dense:
 dp×cp; experts: expert-data-parallel). Each parameter's data is a view into `param_data` and
-its `main_grad` (fp32) a view into `grad_data`, laid out in backward order (the last layers
-first) and cut into buckets of about `bucket_size` elements. A hook after each gradient
-accumulation adds `p.grad` into `main_grad` and frees `p.grad`; when every parameter of a bucket
-has received its gradient from the last microbatch of the step, the bucket's reduction is
-launched asynchronously: an all-reduce (ZeRO-0), or a reduce-scatter into this rank's shard
-(ZeRO-1/2; with hybrid sharding followed by an all-reduce of the shard across replicas).
-`finish()` launches what is left (parameters that got no gradient this step) and waits.
+its `main_grad` (fp32) a view into its bucket's gradient storage, laid out in backward order
+(the last layers first) and cut into buckets of about `bucket_size` elements. A hook after each
+gradient accumulation adds `p.grad` into `main_grad` and frees `p.grad` (linear_async adds the
+weight gradient into `main_grad` itself); the bucket's reduction is launched asynchronously
+once every parameter of it has its gradient: an all-reduce (ZeRO-0), or a reduce-scatter into
+this rank's shard (ZeRO-1/2; with hybrid sharding followed by an all-reduce of the shard
+across replicas). `finish()` launches what is left (parameters that got no gradient) and waits.
 
 Shards: a bucket is padded to a multiple of the shard group's size s; shard r of it is the
-r-th 1/s of it. For ZeRO-2 the full-size gradient buffer exists only from the first gradient of
-a step to the end of its reduction: between steps only the shard is kept.
+r-th 1/s of it.
+
+ZeRO-0/1: one fp32 buffer `grad_data` (4Ψ) holds every bucket for the whole step; gradients
+accumulate in it over the microbatches and each bucket is reduced once, when its parameters
+have the step's last microbatch's gradients.
+
+ZeRO-2 (`keep_full_grads=False`, s > 1): only the shard `grad_shard` (4Ψ/s fp32) persists.
+Each bucket has its own full-size storage, allocated when the bucket's first gradient of a
+microbatch is about to be written (`ensure`, which every writer of `main_grad` calls first:
+the hook, and linear_async through `p.ensure_main_grad`), reduce-scattered as soon as every
+parameter of it has its gradient of the microbatch, the reduced shard added into `grad_shard`,
+then freed. So gradients are reduced every microbatch, as DeepSpeed's ZeRO-2 does, and memory
+does not grow with the microbatches: M reduce-scatters of 4Ψ bytes per step where ZeRO-1 sends
+one (M microbatches; the weight all-gather and the hybrid all-reduce of the shard stay once
+per step). A bucket never takes a write while its reduce-scatter is in flight: `ensure` waits
+for it and adds it into the shard first (the next microbatch writing into a bucket still in
+flight, a deferred wgrad). With overlap, one reduce-scatter per reduction group is in flight at
+a time (`in_flight`, a list the buffers of one group share: the dense buffers of all model
+chunks, or their expert buffers): launching a bucket completes the one before it, which had the
+accumulation of this one to finish. Only the running chunk's backward writes gradients, in the
+layout's (backward) order, so the full-size bucket storage alive at once is at most two buckets
+per group, the one reduce-scattering and the one accumulating: `in_flight_bound`, 4 bytes per
+element (under bf16 reduction the one in flight
+is its 2-byte copy, the fp32 storage freed at launch). Without overlap (`overlap=False`) a
+bucket is reduce-scattered and waited for as soon as it is ready. A bucket whose parameters
+wait for a deferred wgrad (`wgrad_pending`) or got no gradient in a microbatch keeps
+accumulating (beyond the bound) and is reduced by `finish()`.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -27,15 +53,20 @@ from megatron_lite.parallel import mappings
 from megatron_lite.parallel.data_parallel.finalize import data_replicas
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity (the in-flight list)
 class Bucket:
     params: list[torch.nn.Parameter]
     start: int  # [start, end) of the buffers; end - start is a multiple of the shard size
     end: int
-    ready: int = 0  # parameters whose last gradient of the step has arrived
-    work: object | None = None  # the in-flight reduction
+    ready: int = 0  # parameters with `target` gradients counted
+    target: int = 1  # ZeRO-0/1: the step's microbatches; ZeRO-2: the round being accumulated
+    work: object | None = None  # the in-flight reduction: (payload, handle)
     gather: object | None = None  # the in-flight parameter all-gather (ZeRO-1/2)
-    reduced: bool = False
+    reduced: bool = False  # ZeRO-0/1: reduced this step
+    grad: torch.Tensor | None = field(default=None, repr=False)  # [end - start] fp32
+    shard_at: int = 0  # ZeRO-2: where this rank's shard of the bucket starts in grad_shard
+    dirty: bool = False  # ZeRO-2: written since its last reduce-scatter
+    launches: int = 0  # ZeRO-2: reduce-scatters this step
 
     def shard_range(self, rank: int, size: int) -> tuple[int, int]:
         n = (self.end - self.start) // size
@@ -54,7 +85,8 @@ class ParamRange:
 class GradBuffer:
     """See the module docstring. `shard_group` is the group a bucket is sharded over (None:
     replicated, ZeRO-0: all-reduce over `group`); `replica_group` all-reduces the shards across
-    replicas (hybrid sharding)."""
+    replicas (hybrid sharding); `keep_full_grads=False` is ZeRO-2, whose buckets in flight
+    are listed in `in_flight` (shared by the buffers of one reduction group; default: its own)."""
 
     def __init__(
         self,
@@ -68,6 +100,7 @@ class GradBuffer:
         reduce_dtype: torch.dtype = torch.float32,
         keep_full_grads: bool = True,
         overlap: bool = True,
+        in_flight: list | None = None,
     ):
         self.group, self.shard_group, self.replica_group = group, shard_group, replica_group
         self.shard_size = mappings.size(shard_group) if shard_group is not None else 1
@@ -79,21 +112,41 @@ class GradBuffer:
             keep_full_grads,
             overlap,
         )
+        # ZeRO-2: per-bucket gradient storage, only while a bucket accumulates and reduces
+        self.sharded_grads = not keep_full_grads and self.shard_size > 1
         self.ranges: dict[int, ParamRange] = {}
         self.buckets = self._layout(params, bucket_size, own_bucket)
-        total = self.buckets[-1].end if self.buckets else 0
+        self.numel = self.buckets[-1].end if self.buckets else 0
         device, dtype = params[0].device, params[0].dtype
-        self.param_data = torch.zeros(total, dtype=dtype, device=device)
-        self.grad_data = torch.zeros(total, dtype=torch.float32, device=device)
+        self.param_data = torch.zeros(self.numel, dtype=dtype, device=device)
+        self.grad_data = None  # ZeRO-0/1: the whole fp32 gradient buffer
+        if not self.sharded_grads:
+            self.grad_data = torch.zeros(self.numel, dtype=torch.float32, device=device)
+        for b in self.buckets:
+            n = b.end - b.start
+            b.grad = (
+                self.grad_data[b.start : b.end]
+                if self.grad_data is not None
+                else torch.empty(n, dtype=torch.float32, device=device)
+            )
         for r in self.ranges.values():
-            p, n = r.param, r.param.numel()
+            p, n, b = r.param, r.param.numel(), r.bucket
             self.param_data[r.start : r.start + n].copy_(p.data.reshape(-1))
             p.data = self.param_data[r.start : r.start + n].view_as(p)
-            p.main_grad = self.grad_data[r.start : r.start + n].view_as(p)
+            p.main_grad = b.grad[r.start - b.start : r.start - b.start + n].view_as(p)
+            if self.sharded_grads:  # every writer of main_grad calls it first (linear_async)
+                p.ensure_main_grad = functools.partial(self.ensure, p)
         self.counts: dict[int, int] = {}
         self.expected = 1
         self.pending_gathers = 0  # all-gathers launched by gather_params, not yet waited for
-        self.grad_shard = self._make_grad_shard(total)
+        self.grad_shard = self._make_grad_shard(self.numel)
+        for b, _, (c, _) in self.shard_slices():
+            b.shard_at = c
+        # ZeRO-2: (buffer, bucket) launched and not yet added into its shard, over the group
+        self.in_flight: list[tuple[GradBuffer, Bucket]] = [] if in_flight is None else in_flight
+        if self.sharded_grads:
+            for b in self.buckets:
+                b.grad.untyped_storage().resize_(0)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
 
     def _layout(self, params, bucket_size: int, own_bucket) -> list[Bucket]:
@@ -125,12 +178,10 @@ class GradBuffer:
 
     def _make_grad_shard(self, total: int) -> torch.Tensor:
         """This rank's shard of every bucket, concatenated in bucket order."""
-        if self.shard_size == 1:
-            return self.grad_data
-        if self.keep_full_grads:  # ZeRO-1: the shard is a view per bucket (see shard_grad)
+        if not self.sharded_grads:  # ZeRO-0/1: the shard is a view per bucket (shard_slices)
             return self.grad_data
         return torch.zeros(
-            total // self.shard_size, dtype=torch.float32, device=self.grad_data.device
+            total // self.shard_size, dtype=torch.float32, device=self.param_data.device
         )
 
     def shard_slices(self):
@@ -138,7 +189,7 @@ class GradBuffer:
         out, pos = [], 0
         for b in self.buckets:
             a, e = b.shard_range(self.shard_rank, self.shard_size)
-            if self.keep_full_grads or self.shard_size == 1:
+            if not self.sharded_grads:
                 out.append((b, (a, e), (a, e)))
             else:
                 out.append((b, (a, e), (pos, pos + e - a)))
@@ -149,28 +200,69 @@ class GradBuffer:
     def start_step(self, num_microbatches: int) -> None:
         """Called before the first backward of a step: gradients are final after this many."""
         self.expected, self.counts = num_microbatches, {}
-        if self.grad_data.untyped_storage().size() == 0:  # ZeRO-2 freed it after the last step
-            self.grad_data.untyped_storage().resize_(self.grad_data.numel() * 4)
-        self.grad_data.zero_()
+        if self.sharded_grads:
+            for b in self.buckets:  # nothing left from a step that did not finish
+                if b.work is not None:
+                    b.work[1].wait()
+                self._free(b)
+            self.in_flight[:] = [x for x in self.in_flight if x[0] is not self]
+            self.grad_shard.zero_()
+        else:
+            self.grad_data.zero_()
         for b in self.buckets:
-            b.ready, b.work, b.reduced = 0, None, False
+            b.ready, b.work, b.reduced, b.dirty, b.launches = 0, None, False, False, 0
+            b.target = 1 if self.sharded_grads else num_microbatches
+
+    def ensure(self, p: torch.nn.Parameter) -> None:
+        """ZeRO-2, before anything writes into `p.main_grad`: its bucket has storage (zeros
+        when new) and no reduce-scatter of it in flight (waited for, added into the shard)."""
+        b = self.ranges[id(p)].bucket
+        if b.work is not None:
+            self._complete(b)
+        if not b.grad.untyped_storage().nbytes():
+            self._allocate(b)
+        b.dirty = True
 
     def _on_grad(self, p: torch.nn.Parameter) -> None:
         if p.grad is not None:  # None: linear_async added the weight gradient into main_grad
+            if self.sharded_grads:
+                self.ensure(p)
             p.main_grad.add_(p.grad)  # accumulate in fp32, whatever the parameter dtype
             p.grad = None
         if getattr(p, "wgrad_pending", 0):  # its wgrad GEMM is queued: finish() reduces it
             return
         key = id(p)
         self.counts[key] = self.counts.get(key, 0) + 1
-        if self.counts[key] == self.expected:
-            bucket = self.ranges[key].bucket
+        bucket = self.ranges[key].bucket
+        if self.counts[key] == bucket.target:
             bucket.ready += 1
-            if bucket.ready == len(bucket.params) and self.overlap:
-                self._launch(bucket)
+            if bucket.ready == len(bucket.params):
+                self._on_ready(bucket)
+
+    def _on_ready(self, b: Bucket) -> None:
+        """Every parameter of `b` has its gradient of the step (ZeRO-0/1) or of the current
+        microbatch (ZeRO-2, whose next round counts the parameters already past it)."""
+        if not self.sharded_grads:
+            if self.overlap:
+                self._launch(b)
+            return
+        b.target += 1
+        b.ready = sum(self.counts.get(id(q), 0) >= b.target for q in b.params)
+        self._launch(b)
+        if not self.overlap:
+            self._complete(b)
+            return
+        for buf, other in [x for x in self.in_flight if x[1] is not b]:  # one at a time
+            buf._complete(other)
 
     def _launch(self, b: Bucket) -> None:
-        grad = self.grad_data[b.start : b.end]
+        if self.sharded_grads:
+            if b.work is not None:  # (a write completes it first) never two at once
+                self._complete(b)
+            if not b.grad.untyped_storage().nbytes():  # no gradient since: zeros
+                self._allocate(b)
+            b.dirty, b.launches = False, b.launches + 1
+        grad = b.grad
         payload = grad if self.reduce_dtype == torch.float32 else grad.to(self.reduce_dtype)
         if self.shard_size == 1:
             b.work = (payload, mappings.all_reduce_async(payload, self.group, "all_reduce_dp"))
@@ -179,18 +271,31 @@ class GradBuffer:
             out = payload[a - b.start : e - b.start]
             kind = "reduce_scatter_dp"
             b.work = (payload, mappings.reduce_scatter_async(out, payload, self.shard_group, kind))
+        if self.sharded_grads:
+            self.in_flight.append((self, b))
+            if payload is not grad:  # the low-precision copy carries the sums: free the fp32
+                self._free(b)
 
     def _complete(self, b: Bucket):
         """Wait for a bucket's reduction; with hybrid sharding, start the all-reduce of this
-        rank's shard across replicas and return its handle (None otherwise)."""
+        rank's shard across replicas and return its handle (None otherwise). ZeRO-2: add the
+        reduced shard into `grad_shard` and free the bucket (the replicas sum in finish())."""
         payload, work = b.work
         work.wait()
+        b.work = None
+        if self.sharded_grads:
+            a, e = b.shard_range(self.shard_rank, self.shard_size)
+            reduced = payload[a - b.start : e - b.start]
+            self.grad_shard[b.shard_at : b.shard_at + e - a].add_(reduced)
+            self._free(b)
+            self.in_flight[:] = [x for x in self.in_flight if x[1] is not b]
+            return None
         a, e = b.start, b.end  # what the reduction filled: the bucket, or this rank's shard
         if self.shard_size > 1:
             a, e = b.shard_range(self.shard_rank, self.shard_size)
         if payload.dtype != self.grad_data.dtype:  # reduced in bf16: back into fp32
             self.grad_data[a:e].copy_(payload[a - b.start : e - b.start])
-        b.reduced, b.work = True, None
+        b.reduced = True
         if self.shard_size > 1 and mappings.size(self.replica_group) > 1:  # hybrid: over replicas
             shard = self.grad_data[a:e]
             return mappings.all_reduce_async(shard, self.replica_group, "all_reduce_dp")
@@ -198,6 +303,9 @@ class GradBuffer:
 
     def finish(self) -> None:
         """After the last backward of the step: every bucket reduced (launch what is left)."""
+        if self.sharded_grads:
+            self._finish_sharded()
+            return
         for b in self.buckets:
             if b.work is None and not b.reduced:
                 self._launch(b)
@@ -205,10 +313,32 @@ class GradBuffer:
         for work in across_replicas:  # all in flight together, not one bucket at a time
             if work is not None:
                 work.wait()
-        if not self.keep_full_grads and self.shard_size > 1:  # ZeRO-2: keep only the shard
-            for _, (a, e), (c, d) in self.shard_slices():
-                self.grad_shard[c:d].copy_(self.grad_data[a:e])
-            self.grad_data.untyped_storage().resize_(0)
+
+    def _finish_sharded(self) -> None:
+        """ZeRO-2: reduce-scatter the buckets written since their last reduction (and those no
+        gradient reached this step, as zeros: every rank sends the same collectives), add them
+        into the shard, then sum the shard across replicas (hybrid sharding), once."""
+        for b in self.buckets:
+            if b.work is None and (b.dirty or not b.launches):
+                self._launch(b)
+        for b in self.buckets:
+            if b.work is not None:
+                self._complete(b)
+        if mappings.size(self.replica_group) > 1:
+            works = [
+                mappings.all_reduce_async(self.grad_shard[c:d], self.replica_group, "all_reduce_dp")
+                for _, _, (c, d) in self.shard_slices()
+            ]
+            for work in works:  # all in flight together
+                work.wait()
+
+    def _allocate(self, b: Bucket) -> None:
+        b.grad.untyped_storage().resize_(4 * (b.end - b.start))
+        b.grad.zero_()
+
+    @staticmethod
+    def _free(b: Bucket) -> None:
+        b.grad.untyped_storage().resize_(0)  # the parameters' main_grad views stay valid
 
     # ------------------------------------------------------------ parameters (ZeRO-1/2)
     def gather_params(self, wait: bool) -> None:
@@ -241,3 +371,16 @@ class GradBuffer:
                 b.gather.wait()
                 b.gather = None
                 self.pending_gathers -= 1
+
+
+def in_flight_bound(buffers: list[GradBuffer]) -> int:
+    """ZeRO-2: the most bytes of full-size bucket storage alive at once over `buffers` (see
+    the module docstring): per reduction group (buffers sharing `in_flight`), its two largest
+    buckets, one reduce-scattering and one accumulating (one bucket: itself). 0 for ZeRO-0/1,
+    whose `grad_data` holds every bucket."""
+    groups: dict[int, list[int]] = {}
+    for buf in buffers:
+        if buf.sharded_grads:
+            sizes = groups.setdefault(id(buf.in_flight), [])
+            sizes += [4 * (b.end - b.start) for b in buf.buckets]
+    return sum(sum(sorted(sizes)[-2:]) for sizes in groups.values())

@@ -1,18 +1,19 @@
 """`DataParallel`: gradient buffers, overlapped bucketed reduction and the (distributed) AdamW
 for one rank's model chunks, for ZeRO stages 0, 1 and 2 and hybrid sharding.
 
-| stage | master weights, AdamW states | gradients between steps | per bucket |
-|-------|------------------------------|-------------------------|------------|
-| 0     | replicated                   | full                    | all-reduce |
-| 1     | 1/N of them per rank         | full                    | reduce-scatter; gather |
-| 2     | 1/N                          | 1/N                     | as 1       |
+| stage | masters, AdamW states | gradients               | per bucket                          |
+|-------|-----------------------|-------------------------|-------------------------------------|
+| 0     | replicated            | full                    | all-reduce once per step            |
+| 1     | 1/N per rank          | full                    | reduce-scatter once per step; gather |
+| 2     | 1/N                   | 1/N + buckets in flight | reduce-scatter each microbatch; gather |
 
 N is the sharding degree: the gradient's reduction group (dp×cp for dense parameters,
 expert-data-parallel for experts), or `dp_shard` ranks of it with hybrid sharding (shards are
 then all-reduced across the replicas). Gradients that need another sum first (sequence-parallel
 replicas over TP, tied embeddings over the first/last stage) are summed after the data-parallel
 reduction on this rank's shard: every TP rank (every holder of the tied weight) lays its buffer
-out alike, so their shards cover the same elements.
+out alike, so their shards cover the same elements. ZeRO-2's memory and communication with
+gradient accumulation: buffers.py.
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ class DataParallel:
                 self.groups[name] = (full.group, *hybrid_groups(mesh, name, n))
         self.tied = [] if mesh.pp.size == 1 or not tie_embeddings else tied_params(chunks)
         self.buffers: list[GradBuffer] = []
+        in_flight = {"dp_cp": [], "edp": []}  # ZeRO-2: one reduce-scatter per group at a time
         for chunk in chunks:
             params = [p for p in chunk.parameters() if p.requires_grad]
             for name, expert in (("dp_cp", False), ("edp", True)):
@@ -105,6 +107,7 @@ class DataParallel:
                     reduce_dtype=grad_reduce_dtype,
                     keep_full_grads=zero_stage < 2,
                     overlap=overlap_grad_reduce,
+                    in_flight=in_flight[name],
                 )
                 self.buffers.append(buf)
         self.pieces = make_pieces(self.buffers, offload)
@@ -147,7 +150,7 @@ class DataParallel:
 
     def grad_square_sum(self) -> torch.Tensor:
         """This rank's share of the global Σg² (fp64), see `finalize.grad_square_sum`."""
-        device = self.buffers[0].grad_data.device if self.buffers else torch.device("cpu")
+        device = self.buffers[0].param_data.device if self.buffers else torch.device("cpu")
         return finalize.grad_square_sum(self.local_grads(), self.mesh.tp.size, device)
 
     def clip(self, norm: float, max_norm: float) -> None:

@@ -20,7 +20,10 @@ rows) or a checkpoint load, and recompute the buffers that were on meta.
 Gradients are summed (the loss is already the mean over the global batch). Over microbatches
 they accumulate unsharded, in `reduce_dtype`, without communication: each chunk reduce-scatters
 once, in the backward of the step's last microbatch (a hook on the chunk's output counts its
-backwards, which run in microbatch order under every pipeline schedule). Then, as in
+backwards, which run in microbatch order under every pipeline schedule). So with M > 1
+microbatches a rank holds the unsharded gradients of its whole model (Ψ in the reduce dtype)
+from the first microbatch's backward to the last's, beside the 4Ψ/N shards: one reduce-scatter
+per step instead of M, for that memory (memory.py and the planner count it). Then, as in
 `DataParallel`, sequence-parallel replicas are summed over TP and the tied embedding over the
 first/last pipeline stage, on the local shards (every such rank shards alike).
 """
@@ -179,7 +182,7 @@ class FullyShardedDataParallel:
                 f"parallel.zero_stage=3 needs torch >= 2.6 (torch.distributed.fsdp.fully_shard); "
                 f"this is torch {torch.__version__}. Fix: upgrade torch or use zero_stage 1 or 2"
             )
-        self.mesh, self.chunks = mesh, chunks
+        self.mesh, self.chunks, self.reduce_dtype = mesh, chunks, reduce_dtype
         layers_of = layers_of or chunk_layers
         # chunks on the meta device are sharded there first: the whole model never has storage
         storage_on = _storage_device(chunks, device)
@@ -260,8 +263,11 @@ class FullyShardedDataParallel:
 
     def memory(self, device_type: str | None = None) -> dict[str, int]:
         """This rank's model-state bytes by term (see memory.py), optionally only those on
-        devices of `device_type`."""
-        return sharded_state_bytes(self.params, self.optimizer.inner, device_type)
+        devices of `device_type`; grads include the unsharded gradients of the step's peak."""
+        # with gradient accumulation FSDP2 keeps the unsharded gradients in the reduce dtype
+        # from the first microbatch's backward to the last's reduce-scatter (memory.py)
+        unsharded = self.reduce_dtype.itemsize if self.expected > 1 else 0
+        return sharded_state_bytes(self.params, self.optimizer.inner, device_type, unsharded)
 
     def wait_params(self) -> None:
         """Nothing in flight between steps: FSDP2 all-gathers per unit in the forward."""

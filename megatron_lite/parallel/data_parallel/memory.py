@@ -16,6 +16,20 @@ Bytes per parameter held by this rank (its TP/PP/EP shard), with N the sharding 
 fp32 masters are the parameters themselves (0 extra) unless the optimizer is offloaded (then
 4/N on the host). Buckets are padded to a multiple of N, so a measurement can exceed the formula
 by at most N - 1 elements per bucket.
+
+Gradients that exist only during the step are part of the grads term, since the step's peak
+holds them:
+- ZeRO-2: the full-size fp32 buckets alive at once (buffers.py reduce-scatters every microbatch,
+  one bucket per reduction group in flight while the next one accumulates): at most two
+  buckets per group (dense, experts), 4 bytes per element. `buffer_state_bytes`: the two
+  largest buckets of each group (`buffers.in_flight_bound`); the formula (`zero2_in_flight`):
+  two buckets of fewer than bucket_size + the largest parameter's elements, at most the group's
+  parameters. So grads = 4Ψ/N + 4·min(Ψ, 2·(bucket_size + largest − 1)) per group.
+- ZeRO-3 with M > 1 microbatches: FSDP2 reduce-scatters once per step, in the last
+  microbatch's backward (fsdp.py: `set_requires_gradient_sync` off before), so it keeps every
+  unsharded gradient from the first microbatch's backward on, in the reduce dtype (r bytes:
+  4 fp32, 2 bf16): grads = 4Ψ/N + r·Ψ. With M = 1 only the unit being reduced holds one (the
+  planner's working set).
 """
 
 from __future__ import annotations
@@ -23,7 +37,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from megatron_lite.parallel.data_parallel.buffers import GradBuffer
+from megatron_lite.parallel.data_parallel.buffers import GradBuffer, in_flight_bound
 from megatron_lite.parallel.data_parallel.optimizer import Piece
 
 TERMS = ("weights", "grads", "master", "optimizer")
@@ -71,7 +85,7 @@ def buffer_state_tensors(
     buffers (and ZeRO-2 shards), the pieces' fp32 masters, the AdamW states."""
     return {
         "weights": [b.param_data for b in buffers],
-        "grads": [b.grad_data for b in buffers] + [b.grad_shard for b in buffers],
+        "grads": [t for b in buffers for t in (b.grad_data, b.grad_shard) if t is not None],
         "master": [pc.master for pc in pieces],
         "optimizer": _optimizer_states(optimizer),
     }
@@ -84,9 +98,19 @@ def state_bytes(tensors: dict[str, list[torch.Tensor]], device_type: str | None 
     return {k: storage_bytes(tensors[k], seen, device_type) for k in TERMS}
 
 
-def sharded_state_bytes(params, optimizer, device_type: str | None = None) -> dict[str, int]:
-    """{term: bytes} of sharded_state_tensors, optionally only on devices of `device_type`."""
-    return state_bytes(sharded_state_tensors(params, optimizer), device_type)
+def sharded_state_bytes(
+    params: list[torch.nn.Parameter],
+    optimizer: torch.optim.Optimizer,
+    device_type: str | None = None,
+    unsharded_grad_bytes: int = 0,
+) -> dict[str, int]:
+    """{term: bytes} of sharded_state_tensors, optionally only on devices of `device_type`;
+    plus, with `unsharded_grad_bytes` (the reduce dtype's size under gradient accumulation, see
+    the module docstring), the unsharded gradients FSDP2 keeps between microbatches."""
+    out = state_bytes(sharded_state_tensors(params, optimizer), device_type)
+    mine = [p for p in params if device_type is None or p.device.type == device_type]
+    out["grads"] += unsharded_grad_bytes * sum(p.numel() for p in mine)  # DTensor: whole
+    return out
 
 
 def buffer_state_bytes(
@@ -95,20 +119,52 @@ def buffer_state_bytes(
     optimizer: torch.optim.Optimizer,
     device_type: str | None = None,
 ) -> dict[str, int]:
-    """{term: bytes} of buffer_state_tensors, optionally only on devices of `device_type`."""
-    return state_bytes(buffer_state_tensors(buffers, pieces, optimizer), device_type)
+    """{term: bytes} of buffer_state_tensors (ZeRO-2: the shards, plus the buckets that can
+    be alive at once, see the module docstring), optionally only on devices of `device_type`."""
+    out = state_bytes(buffer_state_tensors(buffers, pieces, optimizer), device_type)
+    mine = [b for b in buffers if device_type is None or b.param_data.device.type == device_type]
+    out["grads"] += in_flight_bound(mine)
+    return out
 
 
-def formula_bytes(num_params: int, precision: str, zero_stage: int, n: int) -> dict[str, float]:
-    """The table above for `num_params` parameters on a rank (no padding)."""
+BUCKETS_IN_FLIGHT = 2  # ZeRO-2, per reduction group: one reduce-scattering, one accumulating
+
+
+def zero2_in_flight(num_params: int, bucket_size: int, largest_param: int = 0) -> int:
+    """Elements of ZeRO-2's full-size gradient buckets alive at once for a reduction group of
+    `num_params` on a rank (an upper bound): BUCKETS_IN_FLIGHT buckets, each fewer than
+    bucket_size + largest_param elements (a bucket closes at the parameter that takes it to
+    bucket_size), never more than the group's parameters."""
+    per_bucket = bucket_size + max(largest_param - 1, 0)
+    return min(num_params, BUCKETS_IN_FLIGHT * per_bucket)
+
+
+def formula_bytes(
+    num_params: int,
+    precision: str,
+    zero_stage: int,
+    n: int,
+    *,
+    in_flight: float = 0.0,
+    microbatches: int = 1,
+    reduce_bytes: int = 4,
+) -> dict[str, float]:
+    """The table above for `num_params` parameters on a rank (no padding), with the step's
+    transient gradients (module docstring): ZeRO-2's `in_flight` bucket elements (fp32,
+    `zero2_in_flight`); ZeRO-3 with `microbatches` > 1 the unsharded gradients, `reduce_bytes`
+    per parameter."""
     shard = 1.0 / n if zero_stage >= 1 else 1.0
     if zero_stage == 3:  # the fp32 shards are the weights and the masters
-        return {"weights": 4 * num_params * shard, "grads": 4 * num_params * shard,
+        unsharded = reduce_bytes * num_params if microbatches > 1 else 0.0
+        return {"weights": 4 * num_params * shard, "grads": 4 * num_params * shard + unsharded,
                 "master": 0.0, "optimizer": 8 * num_params * shard}  # fmt: skip
     weight = 2 if precision == "bf16" else 4
+    grads = 4 * num_params * shard if zero_stage == 2 else 4.0 * num_params
+    if zero_stage == 2 and n > 1:  # (one shard: the whole buffer, nothing extra)
+        grads += 4 * in_flight
     return {
         "weights": weight * num_params,
-        "grads": 4 * num_params * (shard if zero_stage >= 2 else 1.0),
+        "grads": grads,
         "master": (4 * num_params * shard) if precision == "bf16" else 0.0,
         "optimizer": 8 * num_params * shard,
     }

@@ -137,7 +137,8 @@ class ShardedAdamW:
         kinds = (*MOMENTS, "master") if with_master else MOMENTS
         out, step = {}, None
         for buf in {id(pc.buffer): pc.buffer for pc in self.pieces}.values():
-            full = {k: torch.zeros_like(buf.grad_data) for k in kinds}
+            device = buf.param_data.device
+            full = {k: torch.zeros(buf.numel, dtype=torch.float32, device=device) for k in kinds}
             for pc in (pc for pc in self.pieces if pc.buffer is buf):
                 state = self.inner.state.get(pc.master, {})
                 step = state.get("step", step)
