@@ -36,13 +36,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch.distributed.checkpoint as dcp  # noqa: E402
 
 from megatron_lite.checkpoint import files  # noqa: E402
+from megatron_lite.checkpoint.chunks import ShardLoadPlanner, ShardSavePlanner  # noqa: E402
 from megatron_lite.checkpoint.dcp_metadata import SafeFileSystemReader  # noqa: E402
 from megatron_lite.checkpoint.errors import CheckpointError  # noqa: E402
-from megatron_lite.checkpoint.state import (  # noqa: E402
-    Piece,
-    ShardLoadPlanner,
-    ShardSavePlanner,
-)
+from megatron_lite.checkpoint.state import Piece  # noqa: E402
 from megatron_lite.config import ModelConfig  # noqa: E402
 
 LAYER = {  # ours (under layers.<i>.) -> HF (under model.layers.<i>.)

@@ -25,12 +25,14 @@ collective for one that failed) in rank_agreement.py; loading in load.py. Resume
 - init_from: model weights only (step 0, fresh optimizer), e.g. a Hugging Face Llama converted
   with tools/convert_checkpoint.py. A resumable checkpoint in ckpt_dir takes precedence.
 
-Async save (train.async_save) stages a CPU copy at the step boundary and writes on a thread
-(DCP's thread executor) over its own gloo group; each rank then checksums what it wrote on a
-thread of its own, and rank 0 commits on another. Checksums are per stored tensor chunk, and
-resume checks on each rank exactly the chunks it reads; each rank reads its share of its
-replica group's tensors and receives the rest (exchange.py). The time the step was blocked is
-what `save` returns (logged as ckpt_blocked_s).
+Saves and loads stream (holdings.py states the bound): each rank writes the chunks it holds,
+as views of its weights and AdamW shards (nothing is gathered), and a load reads into them in
+place. Async save (train.async_save) stages a CPU copy of exactly the chunks this rank writes
+at the step boundary and writes on a thread (DCP's thread executor) over its own gloo group;
+each rank then checksums what it wrote on a thread of its own, and rank 0 commits on another.
+Checksums are per stored tensor chunk, and resume checks on each rank exactly the chunks it
+reads; each rank reads its share of its replica group's tensors and receives the rest
+(exchange.py). The time the step was blocked is what `save` returns (logged as ckpt_blocked_s).
 
 Safety (see run_dir.py, dcp_metadata.py): the run directory is locked for one run (held until
 the last async save is committed); DCP's pickled `.metadata` is read through an allow-list, so
@@ -52,6 +54,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_lite.checkpoint import files
+from megatron_lite.checkpoint.chunks import ShardSavePlanner, StagingWriter
 from megatron_lite.checkpoint.dcp_metadata import listing_with_dcp_files, storage_ranges
 from megatron_lite.checkpoint.directory import CheckpointDir
 from megatron_lite.checkpoint.errors import (
@@ -59,9 +62,9 @@ from megatron_lite.checkpoint.errors import (
     CheckpointReadError,
     CheckpointWriteError,
 )
+from megatron_lite.checkpoint.holdings import save_state
 from megatron_lite.checkpoint.load import Loader, LoadJob, layout_of
 from megatron_lite.checkpoint.rank_agreement import describe_error
-from megatron_lite.checkpoint.state import ShardSavePlanner, save_state
 from megatron_lite.parallel.mappings import CollectiveError, guarded
 
 __all__ = ["Checkpointer"]
@@ -189,7 +192,8 @@ class Checkpointer:
             "config": self.cfg.to_dict(),
             "torch": torch.__version__,
         }
-        writer = dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True)
+        writer_type = StagingWriter if async_save else dcp.FileSystemWriter
+        writer = writer_type(tmp, single_file_per_rank=True, sync_files=True)
         planner = ShardSavePlanner(pieces)
         if async_save:
             future = _async_save(state, writer, planner, self.directory.async_group)

@@ -125,7 +125,9 @@ def _check_contents(file: str, meta) -> None:
 
 
 class SafeFileSystemReader(dcp.FileSystemReader):
-    """dcp.FileSystemReader whose read_metadata never runs pickled code (see module doc)."""
+    """dcp.FileSystemReader whose read_metadata never runs pickled code (see module doc), and
+    whose read_data holds one stored item at a time: torch's reads a file's items in one loop
+    that keeps the last item it read while it loads the next, so it is called per item."""
 
     def __init__(self, path: str):
         super().__init__(path)
@@ -143,6 +145,13 @@ class SafeFileSystemReader(dcp.FileSystemReader):
                 meta.storage_meta.load_id = getattr(self, "load_id", None)
             self._metadata = meta
         return self._metadata
+
+    def read_data(self, plan, planner):
+        for item in plan.items:  # one call per item: each is freed before the next is read
+            super().read_data(dataclasses.replace(plan, items=[item]), planner).wait()
+        done = torch.futures.Future()
+        done.set_result(None)
+        return done
 
 
 def listing_with_dcp_files(tmp: str) -> tuple[list[str], dict[str, list[tuple[int, int]]]]:

@@ -1,13 +1,14 @@
 """Fully parallel load: every checkpoint tensor a replica group needs is read from disk by one
-of its members, then broadcast to the others, so each rank reads about 1/replicas of its
-model shard instead of all of it (the load side of Megatron's fully parallel save).
+of its members, then broadcast to the others, so each rank reads about 1/replicas of what its
+group holds instead of all of it (the load side of Megatron's fully parallel save).
 
-The replica group of a dense parameter is `mesh.dp_cp` (the ranks of one TP rank and pipeline
-stage: they hold the same weights and, whole, the same optimizer state), of an expert one
-`mesh.edp`. Each member computes the same assignment from the parameters' names and local
-sizes (every member has the same), largest first to the least-loaded member, so the reads
-are balanced without a collective to agree on them. Each member then broadcasts what it read,
-one flat tensor per dtype, to the rest of its group.
+What is shared is a list of `Shared` per family (holdings.py): the tensors of one parameter
+(its weights, or one range of its AdamW state) that the ranks of `replicas` hold identically,
+and the load targets that fill them. Each member computes the same assignment from the sizes
+(every member holds the same units in the same order), largest first to the least-loaded
+member, so the reads are balanced without a collective to agree on them. Each member then
+broadcasts what it read, tensor by tensor and in place (nothing is concatenated), to the rest
+of its group.
 """
 
 from __future__ import annotations
@@ -18,13 +19,17 @@ import torch
 import torch.distributed as dist
 
 from megatron_lite.parallel.mappings import guarded
+from megatron_lite.parallel.mesh import Group
 
 
 @dataclass(frozen=True)
-class ParamKeys:
-    """The load buffers (checkpoint keys) of one parameter and whether it is an expert's."""
+class Shared:
+    """`tensors` (contiguous), filled by the load targets `keys`, held identically by every
+    rank of `replicas`."""
 
     keys: tuple[str, ...]
+    tensors: tuple[torch.Tensor, ...]
+    replicas: Group
     is_expert: bool
 
 
@@ -41,62 +46,51 @@ def assign_readers(sizes: list[int], members: int) -> list[int]:
 
 
 class ParallelRead:
-    """Which of this rank's load buffers it reads itself (`mine`), and `exchange()`, which
-    fills in the others from the members that read them (collective over the replica
-    groups). Keys outside `params` (the RNG states) are always read by their own rank."""
+    """Which load targets this rank reads itself (`mine`), and `exchange()`, which fills in the
+    others from the members that read them (collective over the replica groups). Targets in no
+    `Shared` (step counts, RNG states) are always read by their own rank."""
 
-    def __init__(self, buffers: dict[str, torch.Tensor], params: list[ParamKeys], mesh):
-        self.plans = []  # (Group, [(member, [keys])]) for each replica group with > 1 member
-        listed = {k for p in params for k in p.keys}
+    def __init__(self, buffers: dict[str, torch.Tensor], families: list[list[Shared]]):
+        self.plans = []  # (Group, [(member, tensors)]) for each replica group with > 1 member
+        listed = {k for family in families for s in family for k in s.keys}
         self.mine = {k for k in buffers if k not in listed}
-        for is_expert in (False, True):
-            group = mesh.edp if is_expert else mesh.dp_cp
-            mine = [p for p in params if p.is_expert == is_expert]
-            if not mine:
-                continue
-            if group.size == 1:
-                self.mine.update(k for p in mine for k in p.keys)
-                continue
-            sizes = [sum(buffers[k].nbytes for k in p.keys) for p in mine]
-            owners = assign_readers(sizes, group.size)
-            per_member = [[] for _ in range(group.size)]
-            for p, owner in zip(mine, owners, strict=True):
-                per_member[owner].extend(p.keys)
-            self.mine.update(per_member[group.rank])
-            self.plans.append((group, list(enumerate(per_member))))
+        for family in families:
+            for is_expert in (False, True):
+                units = [s for s in family if s.is_expert == is_expert]
+                if not units:
+                    continue
+                group = units[0].replicas  # one group per family and kind (holdings.py)
+                if group.size == 1:
+                    self.mine.update(k for s in units for k in s.keys)
+                    continue
+                sizes = [sum(t.nbytes for t in s.tensors) for s in units]
+                owners = assign_readers(sizes, group.size)
+                for s, owner in zip(units, owners, strict=True):
+                    if owner == group.rank:
+                        self.mine.update(s.keys)
+                pairs = zip(owners, (s.tensors for s in units), strict=True)
+                self.plans.append((group, list(pairs)))
 
     def read_bytes(self, buffers: dict[str, torch.Tensor]) -> int:
         return sum(buffers[k].nbytes for k in self.mine)
 
-    def exchange(self, buffers: dict[str, torch.Tensor], device: torch.device) -> None:
-        """Broadcast every member's reads to the rest of its group: one flat tensor per
-        (member, dtype), on `device` (NCCL groups need CUDA tensors)."""
-        for group, per_member in self.plans:
-            for member, keys in per_member:
-                by_dtype: dict[torch.dtype, list[str]] = {}
-                for k in keys:
-                    by_dtype.setdefault(buffers[k].dtype, []).append(k)
-                for dtype in sorted(by_dtype, key=str):
-                    self._broadcast(group, member, by_dtype[dtype], buffers, dtype, device)
+    def exchange(self, device: torch.device) -> None:
+        """Broadcast every member's reads to the rest of its group, each tensor in place (on
+        `device`: a host tensor under NCCL goes through a device copy of itself)."""
+        for group, items in self.plans:
+            for member, tensors in items:
+                for t in tensors:
+                    _broadcast(group, member, t, device)
 
-    @staticmethod
-    def _broadcast(group, member: int, keys, buffers, dtype, device) -> None:
-        total = sum(buffers[k].numel() for k in keys)
-        if group.rank == member:
-            flat = torch.cat([buffers[k].reshape(-1) for k in keys]).to(device)
-        else:
-            flat = torch.empty(total, dtype=dtype, device=device)
-        src = group.ranks[member]
-        guarded(
-            f"broadcast_checkpoint_reads from rank {src}",
-            group.group,
-            lambda: dist.broadcast(flat, src=src, group=group.group),
-        )
-        if group.rank == member:
-            return
-        flat = flat.cpu()
-        offset = 0
-        for k in keys:
-            n = buffers[k].numel()
-            buffers[k].copy_(flat[offset : offset + n].view_as(buffers[k]))
-            offset += n
+
+@torch.no_grad()
+def _broadcast(group: Group, member: int, t: torch.Tensor, device: torch.device) -> None:
+    payload = t if t.device.type == device.type else t.to(device)
+    src = group.ranks[member]
+    guarded(
+        f"broadcast_checkpoint_reads from rank {src}",
+        group.group,
+        lambda: dist.broadcast(payload, src=src, group=group.group),
+    )
+    if payload is not t:
+        t.copy_(payload)

@@ -1,10 +1,11 @@
 """Loading one checkpoint into the model chunks and the optimizer, exactly or resharded.
 
-`Loader.verify(path)` reads the checkpoint's metadata, sets up this rank's load buffers and
-checks the sha256 of exactly the bytes this rank will read; `Loader.load(job)` reads them with
-DCP (each rank its share of its replica group's tensors, the rest received over the group, see
-exchange.py) and hands them to the parameters, the optimizer and, in the same layout, the RNG
-tracker. What the Checkpointer's resume means in each case is in checkpointer.py.
+`Loader.verify(path)` reads the checkpoint's metadata, sets up this rank's load targets (views
+of the weights and AdamW shards it holds, holdings.py) and checks the sha256 of exactly the
+bytes this rank will read; `Loader.load(job)` reads them with DCP straight into place (each
+rank its share of its replica group's tensors, the rest received over the group, see
+exchange.py), then sets the step counts, the masters and, in the same layout, the RNG tracker.
+What the Checkpointer's resume means in each case is in checkpointer.py.
 """
 
 from __future__ import annotations
@@ -17,18 +18,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_lite.checkpoint import files
+from megatron_lite.checkpoint.chunks import ShardLoadPlanner
 from megatron_lite.checkpoint.dcp_metadata import SafeFileSystemReader, planned_reads
 from megatron_lite.checkpoint.directory import CheckpointDir
 from megatron_lite.checkpoint.errors import CheckpointError, CheckpointReadError
-from megatron_lite.checkpoint.exchange import ParallelRead
+from megatron_lite.checkpoint.holdings import LoadTargets, load_targets
 from megatron_lite.checkpoint.rank_agreement import describe_error
-from megatron_lite.checkpoint.state import (
-    ShardLoadPlanner,
-    add_rng_targets,
-    load_targets,
-    loaded_rng_states,
-    set_rng_states,
-)
+from megatron_lite.checkpoint.state import add_rng_targets, loaded_rng_states, set_rng_states
 from megatron_lite.parallel.mappings import guarded
 from megatron_lite.resolve import stage_layers
 
@@ -65,16 +61,13 @@ def consumed_samples(meta: dict, train) -> tuple[int, str | None]:
 
 @dataclasses.dataclass
 class LoadJob:
-    """A checkpoint being loaded: its metadata, reader and this rank's buffers (see load)."""
+    """A checkpoint being loaded: its metadata, reader and this rank's targets (see load)."""
 
     path: str
     meta: dict
     reader: SafeFileSystemReader
     metadata: object  # DCP's Metadata
-    buffers: dict
-    pieces: dict
-    apply: object
-    parallel: ParallelRead
+    targets: LoadTargets
     with_optim: bool
     same_layout: bool
 
@@ -99,14 +92,15 @@ class Loader:
         job = self._prepare(path, model_only)
 
         def check():
-            stored = job.metadata.state_dict_metadata
+            stored, pieces = job.metadata.state_dict_metadata, job.targets.pieces
             ok = {  # a missing or misshapen tensor is reported by _check_keys at load time
                 k
-                for k in job.parallel.mine
-                if k in stored and tuple(stored[k].size) == job.pieces[k].global_shape
+                for k in job.targets.parallel.mine
+                if pieces[k].key in stored
+                and tuple(stored[pieces[k].key].size) == pieces[k].global_shape
             }
-            planner = ShardLoadPlanner({k: job.pieces[k] for k in ok})
-            planner.set_up_planner({k: job.buffers[k] for k in ok}, job.metadata)
+            planner = ShardLoadPlanner({k: pieces[k] for k in ok})
+            planner.set_up_planner({k: job.targets.buffers[k] for k in ok}, job.metadata)
             reads = planned_reads(job.metadata, planner.create_local_plan())
             files.verify_reads(path, reads, job.meta)
 
@@ -114,7 +108,7 @@ class Loader:
         return job
 
     def _prepare(self, path: str, model_only: bool) -> LoadJob:
-        """Read the checkpoint's metadata and set up the buffers this rank loads into."""
+        """Read the checkpoint's metadata and set up the targets this rank loads into."""
 
         def read():
             reader = SafeFileSystemReader(path)
@@ -125,25 +119,22 @@ class Loader:
         with_optim = meta["kind"] == "train" and not model_only
         same_layout = with_optim and meta["layout"] == layout_of(self.cfg)
         with_master = any(k.startswith("optim/master/") for k in stored)
-        buffers, pieces, apply, per_param = load_targets(
-            self.chunks, self.optimizer, with_optim, with_master
-        )
-        if same_layout:
-            add_rng_targets(buffers, pieces, stored, self.rank)
-        parallel = ParallelRead(buffers, per_param, self.mesh)
-        return LoadJob(
-            path, meta, reader, metadata, buffers, pieces, apply, parallel, with_optim, same_layout
-        )
+        targets = load_targets(self.chunks, self.optimizer, self.mesh, with_optim, with_master)
+        if same_layout:  # read by this rank itself (ParallelRead: keys no unit lists)
+            add_rng_targets(targets.buffers, targets.pieces, stored, self.rank)
+            targets.parallel.mine.update(k for k in targets.buffers if k.startswith("rng/"))
+        return LoadJob(path, meta, reader, metadata, targets, with_optim, same_layout)
 
     def load(self, job: LoadJob) -> tuple[int, int]:
         """Load a checkpoint that verify() prepared (collective): see the Checkpointer's
         module doc. Returns (step, consumed samples) to continue from: the checkpoint's, or
         (0, 0) for model weights only."""
-        path, meta, buffers, pieces = job.path, job.meta, job.buffers, job.pieces
+        path, meta, targets = job.path, job.meta, job.targets
         self._check_model_config(path, meta["config"].get("model", {}))
-        self._check_keys(path, buffers, pieces, job.metadata.state_dict_metadata)
+        self._check_keys(path, targets.pieces, job.metadata.state_dict_metadata)
+        targets.begin()
         self._read(job)
-        job.apply()
+        targets.finish()
         step, consumed = 0, 0
         if job.with_optim:
             step = meta["step"]
@@ -151,7 +142,7 @@ class Loader:
             if note:
                 self.directory.say(note)
         if job.same_layout:
-            set_rng_states(self.tracker, loaded_rng_states(buffers, self.rank))
+            set_rng_states(self.tracker, loaded_rng_states(targets.buffers, self.rank))
         what = "model weights from" if not job.with_optim else "resumed from"
         share = f"read {self.read_bytes / 2**20:.1f} of {self.loaded_bytes / 2**20:.1f} MiB here"
         self.directory.say(f"{what} {path} (step {meta['step']}, {share}); now at step {step}")
@@ -165,8 +156,9 @@ class Loader:
 
     def _read(self, job: LoadJob) -> None:
         """This rank's share of the tensors from disk, the rest from its replica group."""
-        path, buffers, pieces = job.path, job.buffers, job.pieces
-        mine = sorted(job.parallel.mine)
+        path, buffers, pieces = job.path, job.targets.buffers, job.targets.pieces
+        parallel = job.targets.parallel
+        mine = sorted(parallel.mine)
         io_group = self.directory.io_group
         try:
             guarded(
@@ -181,8 +173,8 @@ class Loader:
             )
         except CheckpointException as e:  # raised on every rank
             raise CheckpointReadError(f"reading {path}: {describe_error(e, self.rank)}") from None
-        job.parallel.exchange(buffers, self.device)
-        self.read_bytes = job.parallel.read_bytes(buffers)
+        parallel.exchange(self.device)
+        self.read_bytes = parallel.read_bytes(buffers)
         self.loaded_bytes = sum(t.nbytes for t in buffers.values())
 
     def _check_model_config(self, path: str, saved: dict) -> None:
@@ -195,21 +187,25 @@ class Loader:
                     f"with {saved[key]!r}. Fix: set model.{key}={saved[key]!r}"
                 )
 
-    def _check_keys(self, path: str, buffers: dict, pieces: dict, stored: dict) -> None:
+    def _check_keys(self, path: str, pieces: dict, stored: dict) -> None:
         """Clear errors for missing/mismatched tensors, and for stored model tensors no rank
         loads (the model config differs from the checkpoint's)."""
-        error = None
-        for key in buffers:
+        error, tensors = None, {}
+        for piece in pieces.values():  # the logical tensors, each with one of its pieces
+            tensors.setdefault(piece.key, piece)
+        for key, piece in tensors.items():
             if key not in stored:
                 error = f"checkpoint {path} has no tensor {key!r}"
-            elif tuple(stored[key].size) != pieces[key].global_shape:
+            elif tuple(stored[key].size) != piece.global_shape:
                 error = (
                     f"checkpoint tensor {key!r} in {path} has shape {tuple(stored[key].size)}, "
-                    f"this model needs {pieces[key].global_shape}"
+                    f"this model needs {piece.global_shape}"
                 )
             if error:
                 break
-        mine = sorted(k for k in buffers if k.startswith("model/"))
+        # the model tensors this rank loads (stage 3 reads the fp32 masters in their place)
+        model = (k.replace("optim/master/", "model/", 1) for k in tensors)
+        mine = sorted({k for k in model if k.startswith("model/")})
         gathered = self.ranks.all_gather((error, mine), "key check")
         errors = [e for e, _ in gathered if e]
         used = {k for _, keys in gathered for k in keys}

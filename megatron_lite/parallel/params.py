@@ -224,6 +224,19 @@ def fsdp_rows(p: torch.Tensor) -> tuple[int, int] | None:
     return start, start + n
 
 
+def fsdp_replicas(p: torch.Tensor):
+    """The process group over which a DTensor parameter's shard is replicated (HSDP's
+    replicate mesh dim), or None: sharded only, or a plain tensor."""
+    if not isinstance(p, DTensor):
+        return None
+    dims = [i for i, placement in enumerate(p.placements) if isinstance(placement, Replicate)]
+    if not dims:
+        return None
+    if len(dims) > 1:
+        raise ValueError(f"parameter placed {p.placements}: one replicate mesh dim expected")
+    return p.device_mesh.get_group(dims[0])
+
+
 def shard(full: torch.Tensor, meta: ParamMeta) -> torch.Tensor:
     """This rank's piece of `full`: pad `tp_dim` to `padded`, then take chunk tp_rank of each
     segment along it."""

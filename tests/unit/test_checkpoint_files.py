@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from megatron_lite.checkpoint import files
+from megatron_lite.checkpoint.chunks import chunks_of, flat_boxes
 from megatron_lite.checkpoint.errors import CheckpointError
 from megatron_lite.checkpoint.state import param_pieces, writer_names
 from megatron_lite.parallel.mesh import RankLayout
@@ -153,6 +154,56 @@ def test_pieces_reassemble_the_full_tensor(tp):
     )
     for key, seen in count.items():
         assert torch.all(seen == 1), f"{key}: elements stored {seen.unique().tolist()} times"
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_chunks_of_any_flat_ranges_tile_the_logical_tensors(tp):
+    """Cut each rank's flattened shard at arbitrary points (ZeRO's bucket shards, FSDP2's
+    rows): the chunks of the ranges, as views of the ranges' tensors, land at their offsets of
+    the logical tensors and cover each exactly once (padding in none)."""
+    gen = torch.Generator().manual_seed(0)
+    logical, count, fulls = {}, {}, {}
+    for rank in range(tp):
+        for name, meta in metas(tp, rank).items():
+            if meta.tp_dim is None and rank > 0:
+                continue
+            full = fulls.setdefault(name, torch.randn(meta.full_shape))
+            local = shard(full, meta)
+            n = local.numel()
+            cuts = sorted({0, n, *torch.randint(0, n, (3,), generator=gen).tolist()})
+            for lo, hi in zip(cuts, cuts[1:], strict=False):
+                held = local.reshape(-1)[lo:hi].clone()  # what a rank holds of the range
+                for c in chunks_of(name, meta, tuple(local.shape), lo, hi):
+                    out = logical.setdefault(c.key, torch.full(c.global_shape, float("nan")))
+                    seen = count.setdefault(c.key, torch.zeros(c.global_shape))
+                    box = tuple(slice(o, o + z) for o, z in zip(c.offsets, c.sizes, strict=True))
+                    out[box] = c.view(held, lo)  # as_strided refuses a view past `held`
+                    seen[box] += 1
+    for name, full in fulls.items():
+        if name.endswith("qkv.weight"):
+            got = torch.cat([logical[f"{name}/{s}"] for s in "qkv"])
+        elif name.endswith("fc1.bias"):
+            got = torch.cat([logical[f"{name}/{s}"] for s in ("gate", "up")])
+        else:
+            got = logical[name]
+        assert torch.equal(got, full), f"{name}: chunks do not reassemble the logical tensor"
+    for key, seen in count.items():
+        assert torch.all(seen == 1), f"{key}: elements stored {seen.unique().tolist()} times"
+
+
+def test_flat_boxes_are_few_and_in_order():
+    """A flat range of a [4, 3, 5] tensor is at most 2·ndim - 1 boxes, in element order."""
+    shape = (4, 3, 5)
+    for lo in range(60):
+        for hi in range(lo + 1, 61):
+            boxes = flat_boxes(shape, lo, hi)
+            assert len(boxes) <= 5, (lo, hi, boxes)
+            flat = []
+            for start, sizes in boxes:
+                idx = torch.arange(60).reshape(shape)
+                block = idx[tuple(slice(s, s + z) for s, z in zip(start, sizes, strict=True))]
+                flat += block.reshape(-1).tolist()
+            assert flat == list(range(lo, hi)), (lo, hi, boxes)
 
 
 def _mesh(tp_rank: int, dp_cp_rank: int, edp_rank: int, tp=2, dp_cp=2, edp=1) -> SimpleNamespace:

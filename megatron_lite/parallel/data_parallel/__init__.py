@@ -17,6 +17,7 @@ from megatron_lite.parallel.data_parallel.fsdp import FullyShardedDataParallel
 from megatron_lite.parallel.data_parallel.interface import (
     DataParallelOptimizer,
     DataParallelWrapper,
+    StateShard,
 )
 from megatron_lite.parallel.data_parallel.optimizer import ShardedAdamW
 
@@ -28,6 +29,7 @@ __all__ = [
     "FullyShardedDataParallel",
     "GradBuffer",
     "ShardedAdamW",
+    "StateShard",
     "build_data_parallel",
     "clip_grads",
     "finalize_grads",

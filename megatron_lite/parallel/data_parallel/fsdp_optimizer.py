@@ -1,35 +1,21 @@
-"""AdamW over FSDP2's sharded (DTensor) parameters, and the logical per-parameter states that
-checkpoints hold whatever the stage (ZeRO-3's side of `ShardedAdamW.full_states`).
+"""AdamW over FSDP2's sharded (DTensor) parameters, with the checkpoint interface of
+`ShardedAdamW` (ZeRO-3's side of `state_shards`).
 
-The sharded fp32 parameters are the master weights. Checkpoints see whole local tensors (this
-rank's TP/EP shard of each parameter, gathered over the FSDP mesh): `full_weights()` hands them
-out keyed by id(parameter), in the compute dtype the other stages store the model in (bf16
-under train.precision=bf16, with the fp32 masters beside them), and `load_full_weights()` takes
-them back into the shards.
+The sharded fp32 parameters are the master weights. Checkpoints write and read this rank's
+rows of each parameter and of its moments where they are (nothing is gathered): the weights in
+`weight_dtype`, the compute dtype the other stages store the model in (bf16 under
+train.precision=bf16, with the fp32 masters beside them).
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
-from torch.distributed.tensor import DTensor
 
+from megatron_lite.parallel.data_parallel.interface import StateShard
 from megatron_lite.parallel.data_parallel.optimizer import MOMENTS, adamw
-from megatron_lite.parallel.params import fsdp_rows
-
-
-def _shard_of(full: torch.Tensor, p: torch.nn.Parameter) -> torch.Tensor:
-    """This rank's shard of `full` (a whole local tensor) for the DTensor parameter `p`, the
-    rows FSDP2 gives this rank (`params.fsdp_rows`), with no communication. Cut where `full`
-    lives (the host, after a load): only the shard moves to the parameter's device."""
-    start, end = fsdp_rows(p)
-    return full[start:end].to(p.device, torch.float32)
-
-
-def _like(p: torch.nn.Parameter, local: torch.Tensor) -> DTensor:
-    """A DTensor laid out as `p` holding this rank's shard `local` (an AdamW moment)."""
-    return DTensor.from_local(
-        local.clone(), p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
-    )
+from megatron_lite.parallel.params import fsdp_replicas, fsdp_rows
 
 
 class FSDPAdamW:
@@ -55,55 +41,29 @@ class FSDPAdamW:
         return self.param_dtype != torch.float32
 
     # ------------------------------------------------------------ checkpoints
-    @torch.no_grad()
-    def full_weights(self, gather: bool = True) -> dict[int, torch.Tensor]:
-        """id(param) -> the whole local tensor in the compute dtype (collective); with
-        gather=False uninitialized tensors of that shape, for a load to fill."""
-        if not gather:
-            return {id(p): torch.empty(p.shape, dtype=self.param_dtype) for p in self.params}
-        # to the host one parameter at a time: the whole model never sits on the device
-        return {id(p): p.full_tensor().to("cpu", self.param_dtype) for p in self.params}
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        return self.param_dtype
 
     @torch.no_grad()
-    def load_full_weights(self, weights: dict[int, torch.Tensor]) -> None:
-        """The inverse of full_weights (masters then start from the loaded weights)."""
-        for p in self.params:
-            if id(p) in weights:
-                p.to_local().copy_(_shard_of(weights[id(p)], p))
-
-    @torch.no_grad()
-    def full_states(self, with_master: bool) -> dict[int, dict[str, torch.Tensor]]:
-        """id(param) -> {"exp_avg", "exp_avg_sq", "step"[, "master"]}, whole local tensors
-        gathered from the shards (collective). The fp32 master is included when asked or when
-        the weights compute in bf16 (the parameters the caller sees are the fp32 shards)."""
-        out = {}
-        for p in self.params:  # gathered one parameter at a time, kept on the host
-            state = self.inner.state.get(p, {})
-            mine = {
-                k: state[k].full_tensor().cpu() if k in state else torch.zeros(p.shape)
-                for k in MOMENTS
-            }
-            if with_master or self.keeps_masters:
-                mine["master"] = p.full_tensor().cpu()
-            if "step" in state:
-                mine["step"] = state["step"].detach().clone()
-            out[id(p)] = mine
-        return out
-
-    @torch.no_grad()
-    def load_full_states(self, states: dict[int, dict[str, torch.Tensor]]) -> None:
-        """The inverse of full_states: each parameter takes its shard of the moments and, when
-        the checkpoint has one, of the fp32 master (else it keeps the loaded weights)."""
+    def state_shards(self) -> list[StateShard]:
+        """Each parameter's moments over this rank's rows of it (`params.fsdp_rows`), created
+        as torch's AdamW would at its first step when no step has run yet. The fp32 masters
+        are the parameters themselves (checkpoints read them from there)."""
         fused = bool(self.inner.param_groups[0].get("fused"))
+        out = []
         for p in self.params:
-            state = states.get(id(p))
-            if state is None:
-                continue
-            mine = {k: _like(p, _shard_of(state[k], p)) for k in MOMENTS}
-            mine["step"] = state["step"].to(p.device if fused else "cpu", copy=True)
-            self.inner.state[p] = mine
-            if "master" in state:
-                p.to_local().copy_(_shard_of(state["master"], p))
+            state = self.inner.state[p]
+            if not state:  # what torch.optim.AdamW's first step would create
+                step = torch.zeros((), dtype=torch.float32, device=p.device if fused else "cpu")
+                state.update(step=step, **{k: torch.zeros_like(p) for k in MOMENTS})
+            start, end = fsdp_rows(p)
+            inner = math.prod(p.shape[1:])
+            states = {k: state[k].to_local().view(-1) for k in MOMENTS}
+            out.append(
+                StateShard(p, start * inner, end * inner, states, state["step"], fsdp_replicas(p))
+            )
+        return out
 
     @torch.no_grad()
     def sync_masters_from_params(self) -> None:

@@ -14,19 +14,38 @@ One step, on every rank:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+import torch.distributed as dist
 
 from megatron_lite.parallel.data_parallel.finalize import LocalGrad
 from megatron_lite.parallel.mesh import ParallelMesh
 
 
+@dataclass
+class StateShard:
+    """Elements [lo, hi) of parameter `param`'s flattened (TP-local) tensor whose AdamW state
+    this rank holds: `states` maps "exp_avg", "exp_avg_sq" (and "master", an fp32 copy kept
+    apart from the parameter) to contiguous tensors of hi - lo elements; `step` is the step
+    count (0-d). `replicas`: the process group whose ranks hold identical copies (ZeRO-0's
+    data-parallel group, hybrid sharding's replica group), None when no other rank of this
+    TP rank does. Stage 3 (FSDP2): [lo, hi) are this rank's rows of the DTensor parameter."""
+
+    param: torch.nn.Parameter
+    lo: int
+    hi: int
+    states: dict[str, torch.Tensor]
+    step: torch.Tensor
+    replicas: dist.ProcessGroup | None
+
+
 @runtime_checkable
 class DataParallelOptimizer(Protocol):
     """The wrapper's AdamW (`ShardedAdamW`, `FSDPAdamW`) as the trainer and the checkpointer
-    use it. Checkpoints hold logical per-parameter tensors whatever the stage: the states are
-    keyed by id(parameter) and hold this rank's whole TP/EP shard of each parameter."""
+    use it. Checkpoints hold logical per-parameter tensors whatever the stage; each rank
+    writes them from, and loads them into, the shards it holds (`state_shards`)."""
 
     inner: torch.optim.Optimizer  # the torch AdamW stepping this rank's shards
 
@@ -40,20 +59,15 @@ class DataParallelOptimizer(Protocol):
     def sync_masters_from_params(self) -> None:
         """After the parameters were loaded: fp32 masters kept apart from them follow."""
 
-    def full_states(self, with_master: bool) -> dict[int, dict[str, torch.Tensor]]:
-        """id(param) -> {"exp_avg", "exp_avg_sq", "step"[, "master"]}, whole local tensors
-        (collective over the shard group)."""
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        """The dtype the weights compute in, which checkpoints store them in (stage 3: the
+        sharded parameters are the fp32 masters, their compute copies this dtype)."""
 
-    def load_full_states(self, states: dict[int, dict[str, torch.Tensor]]) -> None:
-        """The inverse of `full_states`: each rank takes its shard."""
-
-    def full_weights(self, gather: bool = True) -> dict[int, torch.Tensor]:
-        """id(param) -> the whole local weight where the parameters are themselves sharded
-        (ZeRO-3, collective); {} where they are whole (stages 0-2). gather=False: empty
-        tensors of those shapes, for a load to fill."""
-
-    def load_full_weights(self, weights: dict[int, torch.Tensor]) -> None:
-        """The inverse of `full_weights` (nothing to do where the parameters are whole)."""
+    def state_shards(self) -> list[StateShard]:
+        """The AdamW state this rank holds, one `StateShard` per (parameter, range): the
+        optimizer's own tensors (no copy, no communication), so a checkpoint writes from them
+        and a load reads into them."""
 
 
 @runtime_checkable

@@ -17,6 +17,7 @@ import torch
 
 from megatron_lite.parallel import fake, mappings
 from megatron_lite.parallel.data_parallel.buffers import GradBuffer
+from megatron_lite.parallel.data_parallel.interface import StateShard
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -122,58 +123,25 @@ class ShardedAdamW:
                 pc.master.copy_(pc.param_slice)
 
     # ------------------------------------------------------------ checkpoints
-    def full_weights(self, gather: bool = True) -> dict[int, torch.Tensor]:
-        """{}: the parameters are whole on every rank (only ZeRO-3 shards them)."""
-        return {}
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        """The parameters' dtype (one for all of them, see builder._param_dtype)."""
+        return self.pieces[0].param.dtype if self.pieces else torch.float32
 
-    def load_full_weights(self, weights: dict[int, torch.Tensor]) -> None:
-        """Nothing to do: the checkpoint loads the whole parameters directly."""
-
-    @torch.no_grad()
-    def full_states(self, with_master: bool) -> dict[int, dict[str, torch.Tensor]]:
-        """id(param) -> {"exp_avg", "exp_avg_sq", "step"[, "master"]}: whole (this rank's TP/EP
-        shard of the) parameter's state, assembled from the shards of its buffer's shard group,
-        so checkpoints hold logical per-parameter tensors whatever the stage."""
-        kinds = (*MOMENTS, "master") if with_master else MOMENTS
-        out, step = {}, None
-        for buf in {id(pc.buffer): pc.buffer for pc in self.pieces}.values():
-            device = buf.param_data.device
-            full = {k: torch.zeros(buf.numel, dtype=torch.float32, device=device) for k in kinds}
-            for pc in (pc for pc in self.pieces if pc.buffer is buf):
-                state = self.inner.state.get(pc.master, {})
-                step = state.get("step", step)
-                for k in MOMENTS:
-                    if k in state:
-                        full[k][pc.lo : pc.hi].copy_(state[k])
-                if with_master:
-                    full["master"][pc.lo : pc.hi].copy_(pc.master)
-            if buf.shard_size > 1:  # each element is held by one rank of the shard group
-                for k in kinds:
-                    mappings.all_reduce(full[k], buf.shard_group, kind="all_reduce_ckpt")
-            full = {k: t.cpu() for k, t in full.items()}  # one buffer on the device at a time
-            for r in buf.ranges.values():
-                n = r.param.numel()
-                out[id(r.param)] = {
-                    k: full[k][r.start : r.start + n].view_as(r.param) for k in kinds
-                }
-        if step is not None:
-            for state in out.values():
-                state["step"] = step.detach().clone()
-        return out
-
-    @torch.no_grad()
-    def load_full_states(self, states: dict[int, dict[str, torch.Tensor]]) -> None:
-        """The inverse of full_states: each piece takes its range; masters that are copies take
-        the saved fp32 master when there is one, else the (loaded) parameter."""
+    def state_shards(self) -> list[StateShard]:
+        """Each piece's moments (and master, when it is a copy) over its range of the
+        parameter. Identical copies: ZeRO-0's whole state on every rank of the buffer's group;
+        with hybrid sharding, the shard on every rank of the replica group."""
+        out = []
         for pc in self.pieces:
-            state = states.get(id(pc.param))
-            if state is None:
-                continue
-            a, b = pc.offset(), pc.offset() + pc.hi - pc.lo
-            mine = {k: state[k].reshape(-1)[a:b].to(pc.master.device).clone() for k in MOMENTS}
-            fused = self.inner.param_groups[0].get("fused")  # its kernel wants the step there
-            mine["step"] = state["step"].to(pc.master.device if fused else "cpu", copy=True)
-            self.inner.state[pc.master] = mine
+            state = self.inner.state[pc.master]
+            states = {k: state[k] for k in MOMENTS}
             if not pc.aliased:
-                source = state["master"].reshape(-1)[a:b] if "master" in state else pc.param_slice
-                pc.master.copy_(source)
+                states["master"] = pc.master.data
+            buf = pc.buffer
+            replicas = buf.group if buf.shard_size == 1 else buf.replica_group
+            if replicas is not None and mappings.size(replicas) == 1:
+                replicas = None
+            lo, hi = pc.offset(), pc.offset() + pc.hi - pc.lo
+            out.append(StateShard(pc.param, lo, hi, states, state["step"], replicas))
+        return out
