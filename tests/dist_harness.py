@@ -123,3 +123,28 @@ def run_ranks(world_size: int, fn, *args, timeout: float = 120.0, settle: float 
         for p in procs:
             p.join(timeout=10)
     return [results[r] for r in range(world_size)]
+
+
+def _alone_child(fn, args, queue):
+    try:
+        queue.put(("ok", pickle.dumps(fn(*args))))
+    except BaseException:
+        queue.put(("error", traceback.format_exc()))
+
+
+def run_alone(fn, *args, timeout: float = 120.0):
+    """`fn(*args)` in one child forked from the clean forkserver, with no process group: for
+    code that sets up process-global state of its own (a dry run's fake process group)."""
+    ctx = _context()
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_alone_child, args=(fn, args, queue), daemon=True)
+    proc.start()
+    try:
+        status, value = queue.get(timeout=timeout)
+    except queue_module.Empty:
+        proc.kill()
+        raise TimeoutError(f"{fn.__name__} did not finish within {timeout:.0f}s") from None
+    proc.join(timeout=10)
+    if status == "error":
+        raise RuntimeError(f"{fn.__name__} failed: {value}")
+    return pickle.loads(value)

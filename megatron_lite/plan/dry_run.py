@@ -15,9 +15,9 @@ For each chosen rank, one after another in this process:
   initialization memory.
 
 The data are mock token ids (the step's shapes do not depend on them). By default the step
-runs the fewest microbatches that reach the schedule's steady state (min(M, 2·pp): the same
-activations in flight at the peak as M, see plan/activations.py `in_flight`), so a dry run of
-a 256-microbatch step takes seconds; `microbatches=None` runs all M. The fused kernels
+runs the fewest microbatches that reach the schedule's steady state (`steady_microbatches`:
+the same activations in flight at the peak as M), so a dry run of a 256-microbatch step takes
+seconds; `microbatches=None` runs all M. The fused kernels
 (kernels="fused", the default) run as on a GPU but without their launches: their autograd
 functions allocate and save what they do on a GPU (kernels/dispatch.py `launch` skips fake
 tensors); kernels="torch" runs the plain-torch references a CPU run uses. The prediction is the
@@ -69,6 +69,7 @@ class RankResult:
     wall_s: float
     predicted: RankMemory | None = None
     peaks_by_phase: dict[str, int] = field(default_factory=dict)
+    category_peaks: dict[str, int] = field(default_factory=dict)  # each one's own maximum
 
     def grouped(self) -> dict[str, int]:
         """The categories summed the way PLANNER_TERMS compares them."""
@@ -85,11 +86,13 @@ class RankResult:
 
 
 def steady_microbatches(cfg: Config) -> int:
-    """The fewest microbatches whose pipeline peak equals the full step's: min(M, 2·pp)
-    (1F1B holds min(pp - rank, m) at its peak, interleaved its warmup + 1 <= 2·pp·vpp; pp = 1
-    keeps 2, so gradient accumulation runs)."""
+    """The fewest microbatches whose pipeline peak equals the full step's (plan/activations.py
+    `in_flight`): 1F1B holds min(pp - rank, m), so pp; interleaved holds its warmup + 1 <
+    2·pp·vpp and needs a multiple of pp, so 2·pp; pp = 1 takes 2, so gradient accumulation
+    runs. Never more than the config's M."""
     p = cfg.parallel
-    return min(num_microbatches(cfg.train, p.dp), 2 * p.pp)
+    wanted = 2 if p.pp == 1 else (p.pp if p.vpp == 1 else 2 * p.pp)
+    return min(num_microbatches(cfg.train, p.dp), wanted)
 
 
 def dry_run_config(cfg: Config, out_dir: str, microbatches: int | None) -> Config:
@@ -147,6 +150,7 @@ def tracked_steps(cfg: Config, mesh, dataset, vocab: int) -> dict:
             "init_peak": init_peak,
             "comm": dict(STATS.summary()),
             "peaks_by_phase": dict(tracker.peaks_by_phase),
+            "category_peaks": dict(tracker.category_peaks),
         }
 
 

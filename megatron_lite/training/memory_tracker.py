@@ -8,7 +8,10 @@ How it sees memory:
   until it is freed (a weakref finalizer on the storage, whose Python object torch keeps while
   the storage lives); a DTensor counts its local tensor;
 - `UntypedStorage.resize_` is wrapped while the tracker is active, because the code frees and
-  re-allocates storage that way (ZeRO-2 gradient buckets, FSDP2's unsharded parameters), and
+  re-allocates storage that way (ZeRO-2 gradient buckets, FSDP2's unsharded parameters);
+- what a collective's `Work.wait` allocates is not counted: gloo finishes a reduce-scatter by
+  copying out of a staging buffer of the whole input there, memory of the CPU backend that
+  NCCL (in place) and a dry run's fake group do not have; and
   tensors created outside the mode's view (factory calls of C++ code) are counted when
   `label` names them.
 
@@ -19,7 +22,8 @@ outside the optimizer step) and "temporaries" otherwise: a forward tensor still 
 peak is held for the backward (saved by autograd, or a pipeline stage's input or output),
 everything else is a working buffer. `phase(name)` says where the step is (the driver names
 forward_backward, grad_sync, optimizer, save; transformer-layer hooks name forward/backward of
-layer k), and the peak records the phase it happened in.
+layer k), and the peak records the phase it happened in. `category_peaks` holds each
+category's own maximum (which need not be at the same instant as the peak of the total).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -84,8 +89,10 @@ class MemoryTracker(TorchDispatchMode):
         self.total = 0
         self.peak = Peak()
         self.peaks_by_phase: dict[str, int] = {}
+        self.category_peaks = dict.fromkeys(CATEGORIES, 0)  # each category's own maximum
         self._phases: list[str] = ["build"]
         self._optimizer = 0  # > 0 inside the optimizer step
+        self._untracked = 0  # > 0 inside a collective's wait (see __enter__)
         self._categories: list[str] = []  # the category of new storages inside attach_fsdp's
         self._lock = threading.RLock()  # storages are freed on autograd's threads too
         self._resize = None
@@ -103,10 +110,21 @@ class MemoryTracker(TorchDispatchMode):
 
         self._resize = original
         torch.UntypedStorage.resize_ = resize_
+        wait = self._wait = dist.Work.wait
+
+        def untracked_wait(work, *a, **kw):
+            tracker._untracked += 1
+            try:
+                return wait(work, *a, **kw)
+            finally:
+                tracker._untracked -= 1
+
+        dist.Work.wait = untracked_wait
         return super().__enter__()
 
     def __exit__(self, *exc) -> None:
         torch.UntypedStorage.resize_ = self._resize
+        dist.Work.wait = self._wait
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -221,6 +239,7 @@ class MemoryTracker(TorchDispatchMode):
         with self._lock:
             self.peak = Peak(self.total, dict(self.current), self.where())
             self.peaks_by_phase = {}
+            self.category_peaks = dict(self.current)
 
     # ------------------------------------------------------------ counting
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -239,7 +258,7 @@ class MemoryTracker(TorchDispatchMode):
         return "activations"
 
     def _track(self, s: torch.UntypedStorage) -> None:
-        if s.device.type not in (self.device_type, "meta"):
+        if self._untracked or s.device.type not in (self.device_type, "meta"):
             return
         key, size = s._cdata, s.nbytes()
         with self._lock:
@@ -265,6 +284,8 @@ class MemoryTracker(TorchDispatchMode):
         self.current[category] += delta
         self.total += delta
         if delta > 0:
+            if self.current[category] > self.category_peaks[category]:
+                self.category_peaks[category] = self.current[category]
             where = self.where()
             if self.total > self.peaks_by_phase.get(where, 0):
                 self.peaks_by_phase[where] = self.total
