@@ -136,7 +136,7 @@ def tracked_steps(cfg: Config, mesh, dataset, vocab: int) -> dict:
         init_peak = tracker.peak.total
         tracker.label([b for c in trainer.chunks for b in c.buffers()], "buffers")
         tracker.attach_layers(trainer.chunks)
-        _phase_methods(trainer, tracker)
+        trainer.memory_tracker = tracker  # the trainer names its phases in it
         trainer.train_step()  # creates the optimizer states (and FSDP2's lazy state)
         tracker.label_model_states(trainer.dp)
         tracker.attach_fsdp(m for c in trainer.chunks for m in c.modules())
@@ -235,22 +235,6 @@ def _count(cfg: Config, microbatches: int | str) -> int | None:
     if microbatches == "all":
         return None
     return int(microbatches)
-
-
-def _phase_methods(trainer, tracker) -> None:
-    """Name the step's phases: the wrapper's methods on this one Trainer's instance."""
-    dp = trainer.dp
-
-    def named(fn, name: str, optimizer: bool = False):
-        def run(*a, **kw):
-            with tracker.phase(name, optimizer):
-                return fn(*a, **kw)
-
-        return run
-
-    dp.finish_grad_sync = named(dp.finish_grad_sync, "grad sync")
-    dp.step = named(dp.step, "optimizer", optimizer=True)
-    trainer._forward_backward = named(trainer._forward_backward, "forward")
 
 
 def dry_run(cfg: Config, world: int, ranks: list[int] | None = None,

@@ -18,12 +18,13 @@ How it sees memory:
 Categories. `label(tensors, category)` names storages: the model states (weights, grads,
 master, optimizer: `label_model_states`) and FSDP2's gathered weights (`gathered`). An unnamed
 storage is "activations" when it was allocated in a forward (outside autograd's backward and
-outside the optimizer step) and "temporaries" otherwise: a forward tensor still alive at the
-peak is held for the backward (saved by autograd, or a pipeline stage's input or output),
-everything else is a working buffer. `phase(name)` says where the step is (the driver names
-forward_backward, grad_sync, optimizer, save; transformer-layer hooks name forward/backward of
-layer k), and the peak records the phase it happened in. `category_peaks` holds each
-category's own maximum (which need not be at the same instant as the peak of the total).
+outside a working phase: the gradient sync, the optimizer step) and "temporaries" otherwise:
+a forward tensor still alive at the peak is held for the backward (saved by autograd, or a
+pipeline stage's input or output), everything else is a working buffer. `phase(name)` says
+where the step is (the trainer names forward, grad sync and optimizer; transformer-layer hooks
+name forward/backward of layer k), and the peak records the phase it happened in.
+`category_peaks` holds each category's own maximum (which need not be at the same instant as
+the peak of the total).
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ class MemoryTracker(TorchDispatchMode):
         self.peaks_by_phase: dict[str, int] = {}
         self.category_peaks = dict.fromkeys(CATEGORIES, 0)  # each category's own maximum
         self._phases: list[str] = ["build"]
-        self._optimizer = 0  # > 0 inside the optimizer step
+        self._working = 0  # > 0 inside a working phase (see phase)
         self._untracked = 0  # > 0 inside a collective's wait (see __enter__)
         self._categories: list[str] = []  # the category of new storages inside attach_fsdp's
         self._lock = threading.RLock()  # storages are freed on autograd's threads too
@@ -132,16 +133,17 @@ class MemoryTracker(TorchDispatchMode):
 
     # ------------------------------------------------------------ phases
     @contextlib.contextmanager
-    def phase(self, name: str, optimizer: bool = False) -> Iterator[None]:
-        """The step is in `name` inside the block (innermost wins); optimizer=True marks the
-        optimizer step, whose new storages are temporaries (or later-labelled states)."""
+    def phase(self, name: str, working: bool = False) -> Iterator[None]:
+        """The step is in `name` inside the block (innermost wins); working=True marks a part
+        outside the forward (gradient sync, optimizer step) whose new storages are
+        temporaries (or states labelled later)."""
         self._phases.append(name)
-        self._optimizer += optimizer
+        self._working += working
         try:
             yield
         finally:
             self._phases.pop()
-            self._optimizer -= optimizer
+            self._working -= working
 
     def attach_layers(self, chunks: Iterable[torch.nn.Module]) -> None:
         """Name forward and backward of each transformer layer as phases ("forward layer k",
@@ -253,7 +255,7 @@ class MemoryTracker(TorchDispatchMode):
     def _default_category(self) -> str:
         if self._categories:
             return self._categories[-1]
-        if self._optimizer or in_backward():
+        if self._working or in_backward():
             return "temporaries"
         return "activations"
 

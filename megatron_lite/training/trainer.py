@@ -3,6 +3,7 @@ finalization -> clipping -> AdamW, with per-step metrics."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -28,10 +29,13 @@ from megatron_lite.training.activation_memory import SavedTensorMeter
 from megatron_lite.training.flops import model_flops_per_token, peak_tflops
 from megatron_lite.training.lm_step import lm_forward_step
 from megatron_lite.training.logging import MetricsLogger, reports_at
+from megatron_lite.training.memory_tracker import CATEGORIES, MemoryTracker
 from megatron_lite.training.nonfinite import NonFiniteGuard
 from megatron_lite.training.optimizer import build_data_parallel, lr_at, set_lr
 from megatron_lite.training.profiling import StepProfiler
 from megatron_lite.training.signals import StopSignals
+
+TRACKED_STEPS = 2  # the run's first steps, measured by a MemoryTracker (mem/* step peaks)
 
 
 class Trainer:
@@ -70,6 +74,9 @@ class Trainer:
         self._prefetch: Prefetcher | None = None  # reads the next batches during train()
         self.stop_requested = False  # a rank got SIGTERM/SIGINT/SIGUSR1 (agreed every step)
         self._memory: dict[str, int] | None = None  # mem/* of the steps (see _step_memory)
+        self._step_peak: dict[str, int] | None = None  # the last tracked step's peak
+        self.memory_tracker = None  # a MemoryTracker while a step is tracked (or a dry run's)
+        self._tracked = 0  # steps this trainer ran under its own tracker
         self._activations: int | None = None  # this rank's activation peak of the last step
         self._activations_reduced: int | None = None  # ... as it was when last reduced
         self._cuda_peaks = [0, 0]  # allocated, reserved: the run's peaks (reset every step)
@@ -209,6 +216,29 @@ class Trainer:
         return [mb.to(self.device, non_blocking=True) for mb in batches]
 
     def train_step(self) -> dict:
+        """One optimizer step -> its metrics record. The run's first TRACKED_STEPS steps run
+        under a MemoryTracker (unless one is attached already, as a dry run's): their mem/*
+        are the step's peak by category (see _step_memory)."""
+        own = self.memory_tracker is None and self._tracked < TRACKED_STEPS
+        if not own:
+            return self._train_step()
+        buffers = [b for c in self.chunks for b in c.buffers()]
+        with MemoryTracker(self.device.type) as tracker:
+            tracker.label_model_states(self.dp)
+            tracker.label(buffers, "buffers")
+            self.memory_tracker = tracker
+            try:
+                return self._train_step()
+            finally:
+                self.memory_tracker = None
+                self._tracked += 1
+
+    def _phase(self, name: str, working: bool = False):
+        """The tracker's phase `name` (working: new storages are temporaries), if tracked."""
+        t = self.memory_tracker
+        return t.phase(name, working) if t is not None else contextlib.nullcontext()
+
+    def _train_step(self) -> dict:
         cfg, mesh = self.cfg, self.mesh
         t0 = time.perf_counter()
         STATS.start_step(self.step)
@@ -222,7 +252,10 @@ class Trainer:
         lr = lr_at(self.step, cfg.train)
         set_lr(self.optimizer, lr)
         self.dp.start_step(len(micro))
-        loss_sum = self._measured_forward_backward(micro, 1.0 / n_tokens)
+        with self._phase("forward"):  # and the backward (the tracker tells them apart)
+            loss_sum = self._measured_forward_backward(micro, 1.0 / n_tokens)
+        sync = self._phase("grad sync", working=True)
+        sync.__enter__()
         self.dp.finish_grad_sync()  # the buckets the backward did not already reduce
         # one world all-reduce for [Σg², loss sum, stop signals, activation changes]: the loss
         # lives on the last stage (tp rank 0 reports it), each CP rank holds a slice of the sum;
@@ -237,6 +270,7 @@ class Trainer:
         flags = [torch.full_like(grad_sq, signalled), torch.full_like(grad_sq, changed)]
         sums = torch.stack([grad_sq, loss_part, *flags])
         mappings.all_reduce(sums, dist.group.WORLD, kind="all_reduce_norm_loss")
+        sync.__exit__(None, None, None)
         nominal = [1.0, n_tokens, 0.0, 0.0]  # a dry run's: unit norm, loss 1, no signals
         grad_sq, loss_total, signals, act_changes = host.read(sums, nominal)
         self.stop_requested = signals > 0
@@ -244,8 +278,11 @@ class Trainer:
         loss = loss_total / n_tokens
         skipped = self.guard.check(self.step, loss, grad_norm, loss_part, self._named_grads)
         if skipped is None:
-            self.dp.clip(grad_norm, cfg.train.grad_clip)
-            self.dp.step()  # AdamW on this rank's shards, then the weights all-gathered
+            with self._phase("optimizer", working=True):
+                self.dp.clip(grad_norm, cfg.train.grad_clip)
+                self.dp.step()  # AdamW on this rank's shards, then the weights all-gathered
+            if self.memory_tracker is not None:  # the AdamW states exist from the first step
+                self.memory_tracker.label_model_states(self.dp)
         elif dist.get_rank() == 0:
             print(skipped, flush=True)
         moe = self._moe_metrics()
@@ -280,22 +317,50 @@ class Trainer:
         return [(names[id(g.param)], g.grad) for g in self.dp.local_grads()]
 
     def _step_memory(self, activations_changed: bool) -> dict[str, int]:
-        """The step's mem/* figures. The model states are allocated once and a dense model's
-        saved activations have the same shapes every step, so on CPU the report after the
-        first step is kept (no collective per step) until some rank's activation peak changes
-        (MoE routing; flagged in the step's SUM all-reduce); on CUDA the allocator's peaks
-        change, so it is reduced every step."""
-        if self._memory is None or self.device.type == "cuda" or activations_changed:
+        """The step's mem/* figures (max over ranks). A tracked step (the run's first
+        TRACKED_STEPS, or a dry run's) measures the step's peak by category; the model states
+        keep their shapes and a dense model's activations too, so later steps keep the last
+        report (no collective per step) until some rank's activation peak changes (MoE
+        routing; flagged in the step's SUM all-reduce); on CUDA the allocator's peaks change,
+        so it is reduced every step."""
+        tracker = self.memory_tracker
+        if tracker is not None:
+            self._step_peak = {**tracker.peak.by_category, "step_peak": tracker.peak.total}
+        if (
+            self._memory is None
+            or tracker is not None
+            or self.device.type == "cuda"
+            or activations_changed
+        ):
             self._memory = self.memory_report()
+        if tracker is not None and self._tracked == TRACKED_STEPS - 1 and dist.get_rank() == 0:
+            print(self.peak_line(self._memory), flush=True)
         return self._memory
 
+    @staticmethod
+    def peak_line(mem: dict[str, int]) -> str:
+        """The start-up report of the step's peak (rank 0 prints it after the tracked steps)."""
+        parts = ", ".join(
+            f"{k} {mem[f'mem/{k}'] / 2**20:.1f}" for k in CATEGORIES if mem.get(f"mem/{k}")
+        )
+        return (
+            f"[memory] step peak per rank (max over ranks, MiB): {parts}; "
+            f"total {mem['mem/step_peak'] / 2**20:.1f}"
+        )
+
     def memory_report(self) -> dict[str, int]:
-        """mem/<term>: model-state bytes per rank (weights, grads, master, optimizer), the max
-        over ranks; once a step has run, mem/activations_peak (see _measured_forward_backward);
-        on CUDA also the allocator's peak allocated and reserved bytes over the run."""
-        mem = self.dp.memory()
-        values = [float(mem[k]) for k in TERMS]
-        names = list(TERMS)
+        """mem/<category>, max over ranks: after a tracked step the bytes of each category at
+        the step's peak (weights, grads, master, optimizer, buffers, gathered, activations,
+        temporaries) and mem/step_peak, the peak itself; before any, the model-state bytes as
+        allocated (weights, grads, master, optimizer). Once a step has run also
+        mem/activations_peak (the saved-tensor peak, see _measured_forward_backward); on CUDA
+        also the allocator's peak allocated and reserved bytes over the run."""
+        if self._step_peak is not None:
+            names = [*CATEGORIES, "step_peak"]
+            values = [float(self._step_peak[k]) for k in names]
+        else:
+            mem = self.dp.memory()
+            names, values = list(TERMS), [float(mem[k]) for k in TERMS]
         if self._activations is not None:
             values.append(float(self._activations))
             names.append("activations_peak")
