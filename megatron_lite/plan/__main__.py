@@ -3,7 +3,9 @@
 Prints per-rank memory by term (model states per ZeRO stage and precision, activations by
 schedule and recompute mode, embedding/logits/loss, working sets) and whether it fits, the
 predicted step time split into compute, exposed communication and bubble; `--search` ranks
-every valid layout of `--world` GPUs; `--measure` runs one step here beside the prediction.
+every valid layout of `--world` GPUs (`--verify`: and dry-runs the ones it prints);
+`--dry-run` runs the real step of chosen ranks at full size on this CPU (fake process group and
+tensors) beside the prediction; `--measure` runs one small step here beside the prediction.
 """
 
 from __future__ import annotations
@@ -38,6 +40,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     search_help = "rank every valid layout of the world size that fits (exit 1 when none does)"
     ap.add_argument("--search", action="store_true", help=search_help)
     ap.add_argument("--top", type=int, default=5, help="layouts --search prints")
+    verify_help = (
+        "with --search: dry-run each printed layout (see --dry-run) and mark it confirmed when "
+        "its measured peak fits, else show the measured peak"
+    )
+    ap.add_argument("--verify", action="store_true", help=verify_help)
     ap.add_argument("--chart", default=None, help="PNG of memory per rank by term")
     ap.add_argument("--measure", action="store_true", help="one step here beside the prediction")
     dry_help = (
@@ -126,6 +133,19 @@ def main(argv=None) -> int:
     return 0
 
 
+def _verify(cfg, world: int, budget: float, kernels: str) -> str:
+    """--verify: the layout's dry run (one rank per pipeline stage) against the budget."""
+    from megatron_lite.plan.dry_run import dry_run
+
+    results = dry_run(cfg, world, kernels=kernels)
+    worst = max(results, key=lambda r: r.peak)
+    where = f"rank {worst.rank} (pp {worst.coords['pp']}), in {worst.phase}"
+    gib = f"{worst.peak / 2**30:.2f} GiB"
+    if worst.peak <= budget:
+        return f"confirmed: dry run peak {gib} at {where} fits {budget / 2**30:.2f} GiB"
+    return f"does NOT fit: dry run peak {gib} at {where} > {budget / 2**30:.2f} GiB usable"
+
+
 def _layout(r, short: bool = False) -> str:
     p = r.parallel
     gran = r.model.recompute_granularity or "none"
@@ -150,6 +170,8 @@ def _search(args, cfg, world, gpu, budget) -> int:
     for i, c in enumerate(best, 1):
         print(f"{i}. {c.line(cfg)}")
         print(f"   peak {c.peak_bytes / 2**30:.1f} GiB; " + time_table(c.time, world))
+        if args.verify:
+            print("   " + _verify(c.cfg, world, budget, args.kernels), flush=True)
     if args.chart and best:
         from megatron_lite.plan.chart import memory_chart
 

@@ -126,3 +126,21 @@ def test_full_size_stage(tmp_path):
     assert c["grads"] == 4 * params  # ZeRO-1: the full fp32 buffer
     assert res.microbatches == 8 and c["activations"] > 8 * 4 * 8192 * h * 2 / 8
     assert res.peak == sum(c.values())
+
+
+def _verify_both(out_dir):
+    """plan --search --verify's verdict on a layout whose dry-run peak is known, with a
+    budget just above and just below it."""
+    from megatron_lite.plan.__main__ import _verify
+
+    cfg = _config(2, ["parallel.dp=2", f"train.out_dir={out_dir}"])
+    from megatron_lite.plan.dry_run import dry_run
+
+    peak = dry_run(cfg, 2)[0].peak
+    return peak, _verify(cfg, 2, peak + 1, "fused"), _verify(cfg, 2, peak - 1, "fused")
+
+
+def test_search_verify_marks_what_fits(tmp_path):
+    peak, above, below = run_alone(_verify_both, str(tmp_path), timeout=120)
+    assert above.startswith("confirmed: dry run peak") and "rank 0 (pp 0)" in above
+    assert below.startswith("does NOT fit: dry run peak"), below
