@@ -70,6 +70,7 @@ class RankResult:
     predicted: RankMemory | None = None
     peaks_by_phase: dict[str, int] = field(default_factory=dict)
     category_peaks: dict[str, int] = field(default_factory=dict)  # each one's own maximum
+    save_extra: int = 0  # bytes a checkpoint save's state adds (see _save_state_extra)
 
     def grouped(self) -> dict[str, int]:
         """The categories summed the way PLANNER_TERMS compares them."""
@@ -143,6 +144,7 @@ def tracked_steps(cfg: Config, mesh, dataset, vocab: int) -> dict:
         tracker.reset_peak()
         trainer.train_step()  # the steady state
         peak = tracker.peak
+        save_extra = _save_state_extra(trainer, mesh, tracker)
         return {
             "peak": peak.total,
             "by_category": dict(peak.by_category),
@@ -151,7 +153,26 @@ def tracked_steps(cfg: Config, mesh, dataset, vocab: int) -> dict:
             "comm": dict(STATS.summary()),
             "peaks_by_phase": dict(tracker.peaks_by_phase),
             "category_peaks": dict(tracker.category_peaks),
+            "save_extra": save_extra,
         }
+
+
+def _save_state_extra(trainer, mesh, tracker) -> int:
+    """The bytes a checkpoint save adds to this rank while it builds what it writes (the real
+    `checkpoint.holdings.save_state`: views of the chunks this rank holds; DCP's file writer,
+    which needs data, is not run)."""
+    import torch.distributed as dist
+
+    from megatron_lite.checkpoint.holdings import save_state
+
+    tracker.reset_peak()
+    before = tracker.total
+    with tracker.phase("save", working=True):
+        state = save_state(trainer.chunks, trainer.dp.optimizer, mesh, trainer.tracker,
+                           dist.get_rank())  # fmt: skip
+        extra = tracker.peak.total - before
+        del state
+    return extra
 
 
 def _result(cfg: Config, world: int, rank: int, kernels: str, figures: dict, t0: float):
@@ -286,6 +307,7 @@ def report(results: list[RankResult]) -> str:
             + (f"{res.peak / total:6.3f}" if total else "")
         )
         lines.append(f"  {'initialization peak':24s} {res.init_peak / scale:9.2f}")
+        lines.append(f"  {'checkpoint save extra':24s} {res.save_extra / scale:9.2f}")
     return "\n".join(lines)
 
 
@@ -314,7 +336,8 @@ def to_json(results: list[RankResult]) -> list[dict]:
             "by_category": r.by_category, "compared": r.grouped(),
             "predicted": {k: sum(pred.get(t, 0.0) for t in v) for k, v in PLANNER_TERMS.items()},
             "predicted_peak_bytes": sum(pred.values()), "peaks_by_phase": r.peaks_by_phase,
-            "comm": r.comm, "wall_s": r.wall_s,
+            "comm": r.comm, "wall_s": r.wall_s, "save_extra_bytes": r.save_extra,
+            "category_peaks": r.category_peaks,
         })  # fmt: skip
     return out
 
