@@ -308,7 +308,22 @@ def report(results: list[RankResult]) -> str:
         )
         lines.append(f"  {'initialization peak':24s} {res.init_peak / scale:9.2f}")
         lines.append(f"  {'checkpoint save extra':24s} {res.save_extra / scale:9.2f}")
+        comm = _comm_line(res.comm)
+        if comm:
+            lines.append(f"  collectives of the step (bytes per rank, calls): {comm}")
     return "\n".join(lines)
+
+
+def _comm_line(comm: dict[str, float]) -> str:
+    """comm_stats' summary as "kind 1.23 GiB ×n" per kind (the kind names the group: all_gather
+    and reduce_scatter TP/SP, *_dp data parallel, p2p_* pipeline, all_to_all* CP/EP)."""
+    kinds = sorted(k[len("comm_bytes/") :] for k in comm if k.startswith("comm_bytes/"))
+    parts = []
+    for k in kinds:
+        n, calls = comm[f"comm_bytes/{k}"], int(comm.get(f"comm_calls/{k}", 0))
+        size = f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+        parts.append(f"{k} {size} ×{calls}")
+    return ", ".join(parts)
 
 
 def parse_ranks(text: str | None, world: int) -> list[int] | None:
