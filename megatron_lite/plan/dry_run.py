@@ -103,7 +103,10 @@ def dry_run_config(cfg: Config, out_dir: str, microbatches: int | None) -> Confi
     t = c.train
     if microbatches is not None:
         t.global_batch_size = microbatches * t.micro_batch_size * c.parallel.dp
-    t.steps, t.save_interval, t.eval_interval = 2, 0, 0
+    # 3 steps configured (2 run), so neither is the run's last: the trainer's saved-tensor
+    # meter, which a progress line reads, runs on the first step only
+    t.steps, t.save_interval, t.eval_interval = 3, 0, 0
+    c.log.interval = 1000
     t.out_dir, t.ckpt_dir, t.resume, t.init_from = out_dir, None, "none", None
     t.profile_steps, t.profile_pipeline = [], False
     c.log.progress = False
@@ -138,7 +141,15 @@ def tracked_steps(cfg: Config, mesh, dataset, vocab: int) -> dict:
         tracker.label([b for c in trainer.chunks for b in c.buffers()], "buffers")
         tracker.attach_layers(trainer.chunks)
         trainer.memory_tracker = tracker  # the trainer names its phases in it
-        trainer.train_step()  # creates the optimizer states (and FSDP2's lazy state)
+        t = cfg.train  # the first step only creates the lazy state: its fewest microbatches
+        full, t.global_batch_size = (
+            t.global_batch_size,
+            _fewest_microbatches(cfg) * (t.micro_batch_size * cfg.parallel.dp),
+        )
+        try:
+            trainer.train_step()  # creates the optimizer states (and FSDP2's lazy state)
+        finally:
+            t.global_batch_size = full
         tracker.label_model_states(trainer.dp)
         tracker.attach_fsdp(m for c in trainer.chunks for m in c.modules())
         tracker.reset_peak()
@@ -155,6 +166,16 @@ def tracked_steps(cfg: Config, mesh, dataset, vocab: int) -> dict:
             "category_peaks": dict(tracker.category_peaks),
             "save_extra": save_extra,
         }
+
+
+def _fewest_microbatches(cfg: Config) -> int:
+    """The fewest microbatches the pipeline schedule accepts (pipeline/schedules.py)."""
+    from megatron_lite.pipeline.schedules import microbatches_problem
+
+    p = cfg.parallel
+    return next(
+        m for m in range(1, 2 * p.pp * p.vpp + 2) if not microbatches_problem(p.pp, m, p.vpp)
+    )
 
 
 def _save_state_extra(trainer, mesh, tracker) -> int:
