@@ -111,14 +111,13 @@ def _draw(
     sharded along another dim holds one block at a time, never the whole tensor)."""
     full, n = meta.full_shape, meta.full_shape[dim]
     step, parts = _block_length(full, dim), []
+    if fake.active() and end > start:
+        return _draw_nothing(meta, dim, start, end, rows, step)
     for b in range(start // step, -(-end // step)):
         lo, hi = b * step, min((b + 1) * step, n)
         shape = list(full)
         shape[dim] = hi - lo
-        if fake.active():  # a dry run: the same allocations, nothing to draw
-            block = torch.empty(shape) * meta.std
-        else:
-            block = torch.randn(shape, generator=_generator(seed, f"{key}#{b}")) * meta.std
+        block = torch.randn(shape, generator=_generator(seed, f"{key}#{b}")) * meta.std
         if rows is not None:
             block = block[rows[0] : rows[1]]
         a, e = max(start, lo), min(end, hi)
@@ -126,6 +125,21 @@ def _draw(
     if not parts:
         return torch.empty(_shape(meta, dim, 0, rows))
     return torch.cat(parts, dim=dim)
+
+
+def _draw_nothing(meta: ParamMeta, dim: int, start: int, end: int, rows, step: int):
+    """_draw's allocations without its ops per block, for a dry run (fake tensors, nothing to
+    draw): every block the range touches (all alive until the cat), one block's raw draw
+    beside them for a moment (it is scaled into a new block), then the cat's copy."""
+    b0, b1 = start // step, -(-end // step)
+    extent = min(b1 * step, meta.full_shape[dim]) - b0 * step
+    blocks = torch.empty(_shape(meta, dim, extent, None))
+    raw = torch.empty(_shape(meta, dim, min(step, extent), None))
+    del raw
+    kept = blocks.narrow(dim, start - b0 * step, end - start)
+    if rows is not None:
+        kept = kept[rows[0] : rows[1]]
+    return torch.cat([kept], dim=dim)
 
 
 def _shape(meta: ParamMeta, dim: int, length: int, rows: tuple[int, int] | None) -> list[int]:

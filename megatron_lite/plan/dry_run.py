@@ -154,16 +154,17 @@ def tracked_steps(cfg: Config, mesh, dataset, vocab: int) -> dict:
         tracker.attach_fsdp(m for c in trainer.chunks for m in c.modules())
         tracker.reset_peak()
         trainer.train_step()  # the steady state
-        peak = tracker.peak
-        save_extra = _save_state_extra(trainer, mesh, tracker)
+        peak, phases = tracker.peak, dict(tracker.peaks_by_phase)
+        category_peaks = dict(tracker.category_peaks)
+        save_extra = _save_state_extra(trainer, mesh, tracker)  # resets the peaks
         return {
             "peak": peak.total,
             "by_category": dict(peak.by_category),
             "phase": peak.phase,
             "init_peak": init_peak,
             "comm": dict(STATS.summary()),
-            "peaks_by_phase": dict(tracker.peaks_by_phase),
-            "category_peaks": dict(tracker.category_peaks),
+            "peaks_by_phase": phases,
+            "category_peaks": category_peaks,
             "save_extra": save_extra,
         }
 

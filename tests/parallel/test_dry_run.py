@@ -78,6 +78,9 @@ def test_dry_run_equals_real_run(name, dry, tmp_path):
         want = real[rank]
         assert abs(got.peak - want["peak"]) <= TOLERANCE * want["peak"], (name, rank)
         assert got.init_peak == pytest.approx(want["init_peak"], rel=TOLERANCE), (name, rank)
+        for figures in (want, vars(got)):  # each category's own maximum holds its peak share
+            peaks, at_peak = figures["category_peaks"], figures["by_category"]
+            assert all(peaks[k] >= at_peak[k] for k in at_peak), (name, rank, figures)
         for category, measured in want["category_peaks"].items():
             dry_bytes = got.category_peaks[category]
             # temporaries: within 2% of the peak, because the optimizer step differs by

@@ -85,7 +85,9 @@ def buffer_state_tensors(
     buffers (and ZeRO-2 shards), the pieces' fp32 masters, the AdamW states."""
     return {
         "weights": [b.param_data for b in buffers],
-        "grads": [t for b in buffers for t in (b.grad_data, b.grad_shard) if t is not None],
+        # ZeRO-2: each bucket's own gradient storage too (empty between its reductions)
+        "grads": [t for b in buffers for t in (b.grad_data, b.grad_shard) if t is not None]
+        + [bk.grad for b in buffers for bk in b.buckets if getattr(bk, "grad", None) is not None],
         "master": [pc.master for pc in pieces],
         "optimizer": _optimizer_states(optimizer),
     }
