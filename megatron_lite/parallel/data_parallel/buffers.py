@@ -129,11 +129,16 @@ class GradBuffer:
                 if self.grad_data is not None
                 else torch.empty(n, dtype=torch.float32, device=device)
             )
+            for p in b.params:
+                r = self.ranges[id(p)]
+                at = r.start - b.start
+                p.main_grad = b.grad[at : at + p.numel()].view_as(p)
+            if self.sharded_grads:  # ZeRO-2: storage only while the bucket reduces, so the
+                b.grad.untyped_storage().resize_(0)  # build never holds more than one bucket
         for r in self.ranges.values():
-            p, n, b = r.param, r.param.numel(), r.bucket
+            p, n = r.param, r.param.numel()
             self.param_data[r.start : r.start + n].copy_(p.data.reshape(-1))
             p.data = self.param_data[r.start : r.start + n].view_as(p)
-            p.main_grad = b.grad[r.start - b.start : r.start - b.start + n].view_as(p)
             if self.sharded_grads:  # every writer of main_grad calls it first (linear_async)
                 p.ensure_main_grad = functools.partial(self.ensure, p)
         self.counts: dict[int, int] = {}
@@ -144,9 +149,6 @@ class GradBuffer:
             b.shard_at = c
         # ZeRO-2: (buffer, bucket) launched and not yet added into its shard, over the group
         self.in_flight: list[tuple[GradBuffer, Bucket]] = [] if in_flight is None else in_flight
-        if self.sharded_grads:
-            for b in self.buckets:
-                b.grad.untyped_storage().resize_(0)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
 
     def _layout(self, params, bucket_size: int, own_bucket) -> list[Bucket]:
