@@ -1,8 +1,9 @@
 """Activation bytes saved for backward, per transformer layer and per pipeline stage.
 
 Derived from what our layers keep for backward (models/transformer.py, parallel/layers.py,
-kernels/, parallel/cross_entropy.py), per microbatch, on one rank, as unique storages (the
-SavedTensorMeter's unit). Notation: T = (s/cp)·b local tokens, u = 1/tp with sequence
+moe/, kernels/, parallel/cross_entropy.py), per microbatch, on one rank, as unique storages
+(the SavedTensorMeter's unit), and checked against the dry run (plan --dry-run,
+tools/bench_dry_run.py). Notation: T = (s/cp)·b local tokens, u = 1/tp with sequence
 parallelism (else 1), A = bytes of the compute dtype (bf16 2, fp32 4), R = bytes of the residual
 stream, n heads and g KV groups of width d, f the MLP width. Per layer:
 
@@ -14,10 +15,26 @@ stream, n heads and g KV groups of width d, f the MLP width. Per layer:
 | attn_in | RoPE'd q, k (cp = 1) | T·(n+g)·d/tp·A |
 | attn_in | Ulysses all-to-all outputs (cp > 1) | T·(n/tp + 2·max(g/tp, cp))·d·A |
 | attn_out, attn_stats | flash/SDPA output and fp32 log-sum-exp | T·n·d/tp·A, 4·T·n/tp |
-| proj_in | row-parallel input: a copy of flash's output (CPU SDPA: a view) | T·n·d/tp·A (0) |
+| proj_in | row-parallel input: Ulysses' all-to-all output (cp > 1; else attn_out's) | T·n·d/tp·A |
 | act | SwiGLU: contiguous gate and up (GeLU: its input) | 2·T·f/tp·A (GeLU T·f/tp·A) |
 | fc2_in | row-parallel linear's input | T·f/tp·A |
 | dropout | two bool masks (hidden_dropout > 0) | 2·T·h·u |
+
+flash-attn and SDPA return their output in q's [s, b, n, d] layout, so the reshape to
+[s, b, n·d] and the row-parallel linear's input are that storage (any micro batch size).
+
+An MoE layer (moe/layer.py; N = T·u·k rows of its T·u tokens, top-k, sent and received under
+a dry run's balanced dropless routing; E experts of width f_e) saves, instead of fc1_in, act
+and fc2_in:
+
+| term | saved by | bytes |
+|---|---|---|
+| router_in | the router's fp32 copy of its input (its GEMM's) | 4·T·u·h |
+| router | softmax probabilities and logits, top-k ids | 8·T·u·E + 8·T·u·k |
+| expert_in | the experts' input after the all-to-all and regrouping | N·h·A |
+| expert_act, expert_fc2_in | each expert's SwiGLU gate and up, its fc2 input | 2·N·f_e·A, N·f_e·A |
+| combine | all-to-all output (kept by the weighting), weighted rows (by index_add) | 2·N·h·A |
+| routing | token ids and the regroup order (int64), router weights (fp32) | 20·N |
 
 Kernels "torch" (the plain-torch references that run on CPU) save fp32 intermediates instead:
 RMSNorm its fp32 input and the normalized product (8·T·h·u + 4·T·u; bf16: + the weight's fp32
@@ -31,22 +48,25 @@ scores materialized) is the same engine with: A = R = 2, no norm statistics, no 
 attention internals replaced by softmax output (2), dropout mask (1) and dropout output (2)
 bytes per score, b·s²·n/tp scores. It reproduces their Table 2: s·b·h·(34 + 5·n·s/h) without
 parallelism, s·b·h·(10 + 24/t + 5·n·s/(h·t)) with TP, 34·s·b·h/t with TP+SP and selective
-recompute, 2·s·b·h with full recompute (tests/unit/test_plan_activations.py).
+recompute, 2·s·b·h with full recompute (tests/unit/test_plan_formulas.py).
 
 Recompute (model.recompute_granularity / recompute_modules / recompute_method /
 recompute_num_layers, Megatron's names): selective drops the internals of the listed modules
-(core_attn: attn_out and attn_stats, or the scores; mlp: act and fc2_in) and keeps their
-inputs; full keeps each recomputed group's
-input (T·h·u·R) and needs one group's full activations during its backward.
+(core_attn: attn_out and attn_stats, or the scores; mlp: act and fc2_in; moe: every MoE term,
+its input T·u·h·A kept by the recompute) and keeps their inputs; full keeps each recomputed
+group's input (T·h·u·R) and rebuilds the rest of the group's activations during its backward.
+
+What exists only for a moment (working sets) is plan/working.py's; the moment of a rank's peak,
+and every term then, is plan/peak.py's.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from megatron_lite.config import Config
 from megatron_lite.resolve import (
+    moe_ffn_hidden_size,
     num_query_groups,
     padded_vocab_size,
     recompute_modules,
@@ -76,6 +96,11 @@ class LayerShape:
     residual_bytes: int = 4
     dropout: bool = False  # hidden_dropout > 0
     kernels: str = "fused"  # fused (Triton, GPU) | torch (plain-torch references, CPU)
+    experts: int = 0  # experts per MoE layer (0: dense model)
+    topk: int = 0  # experts per token
+    moe_f: int = 0  # an expert's MLP width
+    ep: int = 1
+    gated: bool = True  # SwiGLU MLPs (llama); GeLU (gpt)
 
     @property
     def tokens(self) -> float:
@@ -100,8 +125,9 @@ def norm_bytes(x: LayerShape) -> float:
     return T * x.h * u * x.residual_bytes + (8 if x.arch == "gpt" else 4) * T * u
 
 
-def layer_terms(x: LayerShape) -> dict[str, float]:
-    """{term: bytes} one layer saves for backward on one rank, one microbatch, no recompute."""
+def layer_terms(x: LayerShape, moe: bool = False) -> dict[str, float]:
+    """{term: bytes} one layer saves for backward on one rank, one microbatch, no recompute
+    (moe: an MoE layer, whose MLP terms are moe_terms)."""
     T, u, A, t = x.tokens, x.u, x.act_bytes, x.tp
     d = x.h // x.n
     paper, torch_k = x.arch == "paper", x.kernels == "torch"
@@ -119,10 +145,11 @@ def layer_terms(x: LayerShape) -> dict[str, float]:
     else:
         out["attn_out"] = T * x.n * d / t * A
         out["attn_stats"] = 4 * T * x.n / t  # fp32 log-sum-exp per head and token
-    # flash's [b, s, n, d] output is copied by the reshape to [s, b, n·d]; CPU SDPA's output
-    # reshapes as a view (one storage); Ulysses' all-to-all makes a new tensor
-    copy = x.cp > 1 or x.kernels == "fused" or paper
-    out["proj_in"] = T * x.n * d / t * A if copy else 0.0
+    # flash-attn and SDPA give their output q's [s, b, n, d] layout, so the reshape to
+    # [s, b, n·d] is a view (one storage); Ulysses' all-to-all makes a new tensor
+    out["proj_in"] = T * x.n * d / t * A if x.cp > 1 or paper else 0.0
+    if moe:
+        return out | moe_terms(x)
     out["fc1_in"] = lin_in
     if x.arch == "llama":
         out["act"] = 3 * T * x.f / t * 4 if torch_k else 2 * T * x.f / t * A
@@ -131,6 +158,32 @@ def layer_terms(x: LayerShape) -> dict[str, float]:
     out["fc2_in"] = T * x.f / t * A
     out["dropout"] = 2 * T * x.h * u if (x.dropout or paper) else 0.0
     return out
+
+
+def moe_assignments(x: LayerShape) -> float:
+    """(token, expert) rows one rank sends and receives per MoE layer and microbatch: its
+    T·u tokens times top-k (a dry run's balanced, dropless routing)."""
+    return x.tokens * x.u * x.topk
+
+
+def moe_terms(x: LayerShape) -> dict[str, float]:
+    """What an MoE layer (moe/layer.py) saves instead of the MLP's terms, N = moe_assignments:
+    the router's fp32 input, the expert input after the all-to-all, each expert's SwiGLU inputs
+    and fc2 input, the combine's weighted rows (the all-to-all output and its product with the
+    router weights, which index_add keeps), and the routing indices and weights."""
+    T, A, h, f, n = x.tokens * x.u, x.act_bytes, x.h, x.moe_f, moe_assignments(x)
+    return {
+        "router_in": 4 * T * h,
+        "router": 2 * 4 * T * x.experts + 8 * T * x.topk,  # probs, logits; top-k ids
+        "expert_in": n * h * A,
+        "expert_act": (2 if x.gated else 1) * n * f * A,
+        "expert_fc2_in": n * f * A,
+        "combine": 2 * n * h * A,
+        "routing": n * (8 + 8 + 4),  # token ids, regroup order (int64), weights (fp32)
+    }
+
+
+MOE_TERMS = tuple(moe_terms(LayerShape("llama", 1, 1, 1, 1, 1, 1, topk=1)))
 
 
 def rope_table_bytes(x: LayerShape) -> float:
@@ -143,8 +196,11 @@ def layer_input_bytes(x: LayerShape) -> float:
     return x.tokens * x.h * x.u * x.residual_bytes
 
 
-def selective(terms: dict[str, float], modules: list[str] | tuple[str, ...]) -> dict[str, float]:
-    """Terms left when the listed modules are recomputed in backward (their inputs stay)."""
+def selective(
+    terms: dict[str, float], modules: list[str] | tuple[str, ...], moe_in: float = 0.0
+) -> dict[str, float]:
+    """Terms left when the listed modules are recomputed in backward (their inputs stay; an
+    MoE layer's input, `moe_in` bytes, is then kept by the recompute)."""
     unknown = [m for m in modules if m not in SELECTIVE_MODULES]
     if unknown:
         raise ValueError(
@@ -152,16 +208,15 @@ def selective(terms: dict[str, float], modules: list[str] | tuple[str, ...]) -> 
             f"{', '.join(SELECTIVE_MODULES)}"
         )
     out = dict(terms)
-    drop = {
-        "core_attn": ("attn_out", "attn_stats"),
-        "mlp": ("act", "fc2_in"),
-        "moe": (),
-    }  # MoE layers' internals are not itemized
+    drop = {"core_attn": ("attn_out", "attn_stats"), "mlp": ("act", "fc2_in"), "moe": MOE_TERMS}
     if "core_attn" in modules and not out["proj_in"]:  # the output doubled as proj's input
         out["proj_in"] = out["attn_out"]
+    if "moe" in modules and "router_in" in out:
+        out["moe_in"] = moe_in
     for m in modules:
         for k in drop[m]:
-            out[k] = 0.0
+            if k in out:
+                out[k] = 0.0
     return out
 
 
@@ -196,33 +251,40 @@ def layer_shape(cfg: Config, kernels: str = "fused") -> LayerShape:
         n=m.num_attention_heads, g=num_query_groups(m), f=m.ffn_hidden_size, tp=p.tp,
         sp=sequence_parallel(p), cp=p.cp, act_bytes=2 if cfg.train.precision == "bf16" else 4,
         residual_bytes=residual_bytes(cfg), dropout=m.hidden_dropout > 0, kernels=kernels,
+        experts=m.num_experts or 0, topk=m.moe_router_topk if m.num_experts else 0,
+        moe_f=moe_ffn_hidden_size(m) if m.num_experts else 0, ep=p.ep, gated=m.arch != "gpt",
     )  # fmt: skip
 
 
-def layer_bytes(cfg: Config, shape: LayerShape) -> dict[str, float]:
+def layer_bytes(cfg: Config, shape: LayerShape, moe: bool = False) -> dict[str, float]:
     """Per-layer terms under the config's recompute mode, and 'full' recompute's input."""
     gran, modules, _, _ = recompute_settings(cfg)
-    terms = layer_terms(shape)
+    terms = layer_terms(shape, moe)
     if gran == "selective":
-        return selective(terms, modules)
+        moe_in = shape.tokens * shape.u * shape.h * shape.act_bytes  # the recompute's input
+        return selective(terms, modules, moe_in)
     if gran == "full":
         return {"input": layer_input_bytes(shape)}
     return terms
 
 
-def chunk_bytes(cfg: Config, shape: LayerShape, layers: int) -> tuple[float, float]:
-    """(bytes kept per microbatch by `layers` layers of one model chunk, the working set one
-    recomputed group needs during its backward)."""
+def chunk_bytes(cfg: Config, shape: LayerShape, moe: list[bool]) -> tuple[float, float]:
+    """(bytes kept per microbatch by the layers of one model chunk, `moe[i]` whether its i-th
+    layer is an MoE layer; under full recompute the activations one recomputed group rebuilds
+    during its backward, all of its layers' but the kept input, else 0)."""
     gran, _, method, num = recompute_settings(cfg)
-    full = sum(layer_terms(shape).values())
+    kinds = set(moe)
     if gran != "full":
-        return layers * sum(layer_bytes(cfg, shape).values()), 0.0
+        kept = {e: sum(layer_bytes(cfg, shape, e).values()) for e in kinds}
+        return sum(kept[e] for e in moe), 0.0
+    whole = {e: sum(layer_terms(shape, e).values()) for e in kinds}
+    full = [whole[e] for e in moe]
     inp = layer_input_bytes(shape)
     if method == "block":
-        recomputed = min(num, layers)
-        return recomputed * inp + (layers - recomputed) * full, full if recomputed else 0.0
-    groups = math.ceil(layers / num)
-    return groups * inp, min(num, layers) * full
+        k = min(num, len(moe))
+        return k * inp + sum(full[k:]), max(full[:k], default=inp) - inp
+    groups = [sum(full[i : i + num]) for i in range(0, len(moe), num)]
+    return len(groups) * inp, max(groups, default=inp) - inp  # (the group's input is kept)
 
 
 def head_terms(cfg: Config, shape: LayerShape) -> dict[str, float]:
@@ -238,7 +300,9 @@ def head_terms(cfg: Config, shape: LayerShape) -> dict[str, float]:
         "final_norm": norm_bytes(shape),
         "output_in": lin_in,
         "logits": 4 * T * v_local + 12 * T,  # fp32 logits, lse (4) and int64 targets (8)
-        "logits_grad": (4 + (A if A != 4 else 0)) * T * v_local,  # transient in backward
+        # the loss backward's fp32 gradient beside the saved logits (torch: exp, then × dloss)
+        "logits_grad": (8 if shape.kernels == "torch" else 4) * T * v_local,
+        "embedding_grad": v_local * shape.h * A,  # its dense weight gradient, in backward
     }
 
 

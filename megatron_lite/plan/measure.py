@@ -16,7 +16,7 @@ import tempfile
 from megatron_lite.config import Config
 from megatron_lite.parallel.data_parallel.memory import TERMS
 from megatron_lite.plan.activations import layer_bytes, layer_shape
-from megatron_lite.plan.memory import model_states, rank_memory
+from megatron_lite.plan.memory import model_states, saved_activations
 from megatron_lite.resolve import num_microbatches
 
 
@@ -116,8 +116,7 @@ def measure_report(cfg: Config, world: int) -> str:
         pred = model_states(run_cfg, res["pp_rank"])
         for k in TERMS:
             lines.append(_row(f"pp{res['pp_rank']} {k}", res["states"][k], pred[k]))
-        rm = rank_memory(run_cfg, world, res["pp_rank"], kernels)
-        act = sum(rm.terms[k] for k in ("activations", "embedding", "logits_loss"))
+        act = saved_activations(run_cfg, world, res["pp_rank"], kernels)
         lines.append(_row(f"pp{res['pp_rank']} saved peak", res["peak"], act))
         pred = predicted_layer(run_cfg, kernels)
         for label, got in sorted(res["layers"].items()):

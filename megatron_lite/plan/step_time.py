@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from megatron_lite.config import Config
 from megatron_lite.plan.activations import layer_shape, recompute_settings, resolved
 from megatron_lite.plan.comm import collective_time, group_links
-from megatron_lite.plan.memory import rank_layers, rank_params
+from megatron_lite.plan.params import rank_layers, rank_params
 from megatron_lite.resolve import num_microbatches, stage_layers
 from megatron_lite.training.flops import model_flops_per_token
 

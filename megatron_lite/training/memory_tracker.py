@@ -176,6 +176,8 @@ class MemoryTracker(TorchDispatchMode):
             group.unshard = self._as(group.unshard, "gathered")
             group.post_backward = self._as(group.post_backward, "grads")
             for fp in group.fsdp_params:
+                # the unsharded weights' storage: created in step 1, resized in and out since
+                self.label(getattr(fp, "all_gather_outputs", []), "gathered")
                 param = getattr(fp, "_unsharded_param", None)
                 if param is not None:
                     hook = param.register_post_accumulate_grad_hook(

@@ -82,15 +82,20 @@ def buffer_state_tensors(
     buffers: list[GradBuffer], pieces: list[Piece], optimizer: torch.optim.Optimizer
 ) -> dict[str, list[torch.Tensor]]:
     """{term: tensors} of ZeRO-0/1/2 model states on this rank: the parameter and gradient
-    buffers (and ZeRO-2 shards), the pieces' fp32 masters, the AdamW states."""
+    buffers (and ZeRO-2 shards and the buckets' own storage, empty outside a backward), the
+    pieces' fp32 masters, the AdamW states."""
+    grads = [t for b in buffers for t in (b.grad_data, b.grad_shard) if t is not None]
     return {
         "weights": [b.param_data for b in buffers],
-        # ZeRO-2: each bucket's own gradient storage too (empty between its reductions)
-        "grads": [t for b in buffers for t in (b.grad_data, b.grad_shard) if t is not None]
-        + [bk.grad for b in buffers for bk in b.buckets if getattr(bk, "grad", None) is not None],
+        "grads": grads + _bucket_grads(buffers),
         "master": [pc.master for pc in pieces],
         "optimizer": _optimizer_states(optimizer),
     }
+
+
+def _bucket_grads(buffers: list[GradBuffer]) -> list[torch.Tensor]:
+    """ZeRO-2: each bucket's full-size gradient storage (resized to 0 while not in use)."""
+    return [k.grad for b in buffers if b.sharded_grads for k in b.buckets]
 
 
 def state_bytes(tensors: dict[str, list[torch.Tensor]], device_type: str | None = None):
@@ -123,7 +128,10 @@ def buffer_state_bytes(
 ) -> dict[str, int]:
     """{term: bytes} of buffer_state_tensors (ZeRO-2: the shards, plus the buckets that can
     be alive at once, see the module docstring), optionally only on devices of `device_type`."""
-    out = state_bytes(buffer_state_tensors(buffers, pieces, optimizer), device_type)
+    tensors = buffer_state_tensors(buffers, pieces, optimizer)
+    in_use = {id(t) for t in _bucket_grads(buffers)}  # counted by in_flight_bound
+    tensors["grads"] = [t for t in tensors["grads"] if id(t) not in in_use]
+    out = state_bytes(tensors, device_type)
     mine = [b for b in buffers if device_type is None or b.param_data.device.type == device_type]
     out["grads"] += in_flight_bound(mine)
     return out

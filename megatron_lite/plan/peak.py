@@ -1,0 +1,253 @@
+"""The moments a pipeline rank's memory can peak, walked along its own schedule, with every
+planner term at each: the peak is one instant, so the terms are those of the largest moment,
+not each term's own maximum.
+
+The walk runs the rank's action list (pipeline/schedules.py) for the fewest microbatches with
+the full step's steady state (min(M, 2·pp), what plan --dry-run runs), counting the
+(microbatch, chunk) pairs whose saved activations are held, and records:
+- forward: the end of a chunk's forward at its last layer's MLP (the held pairs, this one
+  complete, plus the layer's forward working set, plan/working.py);
+- backward: the start of a chunk's backward (the held pairs and the received output gradient),
+  then its first layer's backward moments (under full recompute, beside the group it rebuilds);
+- loss backward (the last virtual stage): the held pairs, the logits and the loss's fp32
+  gradient beside them, then the layers' backward as above.
+The model states change within a step too:
+- ZeRO-2 (data_parallel/buffers.py): the bucket launched last by the previous backward stays in
+  flight until the next backward launches one; a backward's first weight gradient allocates the
+  chunk's first bucket (in backward order);
+- ZeRO-3 (FSDP2): the sharded gradients exist only from the step's last reduce-scatter to the
+  optimizer step (none at these moments); with M > 1 each chunk keeps unsharded gradients (the
+  reduce dtype) from its first backward. Gathered weights (the compute dtype): a forward holds
+  the chunk root (embedding, final norm, output layer) and the running layer twice (its
+  weights and the all-gather buffer kept for the next copy-out); a backward starts by
+  gathering the root again (the flat all-gather output beside its copy), then holds the root,
+  the running layer and the prefetched next one; the loss backward holds the root and one
+  layer.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from megatron_lite.config import Config
+from megatron_lite.parallel.data_parallel.memory import formula_bytes
+from megatron_lite.pipeline.schedules import get_schedule, virtual_stage
+from megatron_lite.plan.activations import (
+    MOE_TERMS,
+    chunk_bytes,
+    head_terms,
+    layer_shape,
+    layer_terms,
+    recompute_settings,
+    rope_table_bytes,
+)
+from megatron_lite.plan.params import buckets, chunk_moe, fsdp_units, rank_params
+from megatron_lite.plan.working import backward_moments, forward_working
+from megatron_lite.resolve import num_microbatches
+
+
+@dataclass
+class Moment:
+    """One instant of the step: where (`phase`) and the planner's terms then (bytes)."""
+
+    phase: str
+    terms: dict[str, float]
+
+    @property
+    def total(self) -> float:
+        return sum(self.terms.values())
+
+
+@dataclass
+class _Chunk:
+    """What the walk needs of one model chunk of the rank."""
+
+    kept: float  # saved bytes per microbatch
+    rebuilt: float  # recompute: what a backward rebuilds first (full: the group, selective:
+    # the last layer's recomputed MLP or MoE)
+    rerun_offset: float  # its forward's working set against forward_working
+    last_moe: bool  # its last layer is an MoE layer
+    loss: bool  # the last virtual stage: the loss is computed here
+    embedding: bool  # virtual stage 0
+    root: float  # ZeRO-3: the chunk root's parameters
+    layer: float  # ZeRO-3: its largest layer unit's parameters
+    params: float  # its parameters (dense + expert)
+    first_bucket: tuple[int, int]  # ZeRO-2: (dense, expert) elements of its first bucket
+    first_count: tuple[int, int]  # and how many parameters it holds
+    single: tuple[bool, bool]  # the buffer is one bucket
+    before_last: int  # the dense bucket before its last, in flight as the last accumulates
+    last_bucket: tuple[int, int]  # ZeRO-2: and of its last (backward order)
+    backwarded: bool = False  # the walk has run a backward of it
+
+
+def static_states(cfg: Config, pp_rank: int) -> dict[str, float]:
+    """{weights, grads, master, optimizer} bytes that hold through the step's forward and
+    backward: formula_bytes without the transient gradients, and no ZeRO-3 gradient shards."""
+    p = cfg.parallel
+    dense, expert = rank_params(cfg, pp_rank)
+    n_dense = p.dp_shard or p.dp * p.cp
+    n_expert = p.dp_shard or max(p.dp * p.cp // p.ep, 1)
+    out = dict.fromkeys(("weights", "grads", "master", "optimizer"), 0.0)
+    for count, n in ((dense, n_dense), (expert, n_expert)):
+        if count:
+            for k, v in formula_bytes(count, cfg.train.precision, p.zero_stage, n).items():
+                out[k] += v
+    if p.zero_stage == 3:
+        out["grads"] = 0.0
+    return out
+
+
+def _chunks(cfg: Config, pp_rank: int, shape) -> list[_Chunk]:
+    p = cfg.parallel
+    _, modules, _, _ = recompute_settings(cfg)  # selective's (none otherwise)
+    shards = (p.dp_shard or p.dp * p.cp, p.dp_shard or max(p.dp * p.cp // p.ep, 1))
+    chunks = []
+    for c in range(p.vpp):
+        moe = chunk_moe(cfg, pp_rank, c)
+        kept, rebuilt = chunk_bytes(cfg, shape, moe)
+        offset = 0.0
+        if not rebuilt and moe and moe[-1] and "moe" in modules:
+            rebuilt = sum(v for k, v in layer_terms(shape, True).items() if k in MOE_TERMS)
+            offset = -2 * shape.tokens * shape.u * shape.h * shape.act_bytes  # attn, input
+        elif not rebuilt and moe and not moe[-1] and "mlp" in modules:
+            terms = layer_terms(shape)
+            rebuilt = terms["act"] + terms["fc2_in"]
+            offset = -shape.tokens * shape.u * shape.h * shape.act_bytes  # the attention's
+        root, layers = fsdp_units(cfg, pp_rank, c)
+        stage = virtual_stage(pp_rank, c, p.pp)
+        first, last, count, before_last, single = [0, 0], [0, 0], [1, 1], 0, [False, False]
+        if p.zero_stage == 2:
+            for i, (expert, n) in enumerate(zip((False, True), shards, strict=True)):
+                if n > 1 and (cut := buckets(cfg, pp_rank, c, expert, n)):
+                    (first[i], count[i]), last[i], single[i] = cut[0], cut[-1][0], len(cut) == 1
+                    before_last = cut[-2][0] if len(cut) > 1 and not expert else before_last
+        chunks.append(_Chunk(
+            kept=kept, rebuilt=rebuilt, rerun_offset=offset, last_moe=bool(moe and moe[-1]),
+            loss=stage == p.pp * p.vpp - 1, embedding=stage == 0, root=root,
+            layer=max(layers, default=0), params=root + sum(layers),
+            first_bucket=(first[0], first[1]), first_count=(count[0], count[1]),
+            single=(single[0], single[1]),
+            last_bucket=(last[0], last[1]), before_last=before_last,
+        ))  # fmt: skip
+    return chunks
+
+
+@functools.lru_cache(maxsize=1024)
+def _compute_actions(pp: int, rank: int, microbatches: int, vpp: int) -> tuple:
+    """(is a forward, chunk) of each compute action of the rank's schedule, in order."""
+    actions = get_schedule(pp, rank, microbatches, vpp)
+    return tuple((a.kind == "forward", a.chunk) for a in actions if not a.is_comm)
+
+
+def _walk(cfg: Config, pp_rank: int, kernels: str):
+    """Yield (phase, terms that depend on the moment) along the rank's schedule; the static
+    terms are the first thing yielded, as ("", terms)."""
+    p = cfg.parallel
+    shape = layer_shape(cfg, kernels)
+    m = num_microbatches(cfg.train, p.dp)
+    walk = min(m, 2 * p.pp) if p.pp > 1 else min(m, 2)
+    chunks = _chunks(cfg, pp_rank, shape)
+    head = head_terms(cfg, shape)
+    yield "", dict(static_states(cfg, pp_rank), buffers=p.vpp * rope_table_bytes(shape))
+    A = shape.act_bytes
+    reduce_bytes = 2 if p.grad_reduce_dtype == "bf16" else 4
+    recv = shape.tokens * shape.u * shape.h * shape.residual_bytes  # a received output grad
+    logits = head["final_norm"] + head["output_in"] + head["logits"]
+    emb_grad = head["embedding_grad"]  # the embedding's weight gradient, [V/tp, h]
+    emb_out = shape.tokens * shape.h * A  # its output's gradient, masked
+    kinds = (False, True) if shape.experts else (False,)
+    fwd = {e: forward_working(shape, e) for e in kinds}
+    bwd = {e: backward_moments(shape, e) for e in kinds}
+    kept = embedding = grads = 0.0  # saved by the held pairs; gradients beyond the static
+    in_flight = (0, 0)  # ZeRO-2: the (dense, expert) buckets the last backward left in flight
+    last_chunk = None  # and its chunk
+    for forward, c in _compute_actions(p.pp, pp_rank, walk, p.vpp):
+        ch = chunks[c]
+        root, layer = (A * ch.root, A * ch.layer) if p.zero_stage == 3 else (0.0, 0.0)
+        now = grads + 4 * sum(in_flight)
+        if forward:
+            kept += ch.kept
+            embedding += head["embedding"] if ch.embedding else 0.0
+            act = kept + fwd[ch.last_moe]
+            yield "forward", (now, act, embedding, 0.0, root + 2 * layer)
+            continue
+        if ch.loss:  # the root gathered again, then the loss's gradient beside the logits
+            for w, gathered in ((0.0, 2 * root + layer), (head["logits_grad"], root + layer)):
+                yield "loss backward", (now, kept, embedding, logits, w + gathered)
+        else:
+            yield "backward", (now, kept + recv, embedding, 0.0, 2 * root + 2 * layer)
+        if ch.rebuilt:  # the recomputed group's (or module's) forward again
+            rerun = ch.rebuilt + fwd[ch.last_moe] + ch.rerun_offset + root + 2 * layer
+            yield "backward", (now, kept + recv * (not ch.loss), embedding, 0.0, rerun)
+        for w, freed, group, filled in bwd[ch.last_moe]:
+            if ch.rebuilt:  # what the backward frees is of the rebuilt part first
+                w, freed = w + max(ch.rebuilt - freed, 0.0), max(freed - ch.rebuilt, 0.0)
+            act = kept + (0.0 if ch.loss else recv) - min(freed, ch.kept)
+            g = now
+            if group is not None:  # its first bucket: launched, it completes the one in flight
+                same = ch.single[group] and last_chunk == c  # it is that one, completed first
+                if same or filled >= ch.first_count[group]:
+                    g -= 4 * in_flight[group]
+                g += 4 * ch.first_bucket[group]
+            yield "backward", (g, act, embedding, 0.0, w + root + 2 * layer)
+        kept -= ch.kept
+        if ch.embedding:  # its weight gradient beside the output's (into its bucket next)
+            g, act = grads + 4 * ch.before_last, kept + (0.0 if ch.loss else recv)
+            yield "backward", (g, act, embedding, 0.0, emb_grad + emb_out + root)
+            g += 4 * ch.last_bucket[0]
+            yield "backward", (g, act, embedding, 0.0, emb_grad + root)
+        embedding -= head["embedding"] if ch.embedding else 0.0
+        in_flight, last_chunk = ch.last_bucket, c
+        if p.zero_stage == 3 and m > 1 and not ch.backwarded:
+            ch.backwarded = True  # its unsharded gradients from now on
+            grads += reduce_bytes * ch.params
+
+
+def _terms(static: dict[str, float], dynamic: tuple) -> dict[str, float]:
+    grads, activations, embedding, logits_loss, working = dynamic
+    terms = dict(static, activations=activations, embedding=embedding, logits_loss=logits_loss)
+    terms["grads"] += grads
+    terms["working"] = working
+    return terms
+
+
+def moments(cfg: Config, pp_rank: int, kernels: str = "fused") -> list[Moment]:
+    """Every moment of the walk (see the module docstring), in schedule order; `cfg`
+    resolved."""
+    walk = _walk(cfg, pp_rank, kernels)
+    _, static = next(walk)
+    return [Moment(phase, _terms(static, dynamic)) for phase, dynamic in walk]
+
+
+def peak_moment(cfg: Config, pp_rank: int, kernels: str = "fused") -> Moment:
+    """The largest moment of `moments` (the first of equals, as a tracker records a peak)."""
+    walk = _walk(cfg, pp_rank, kernels)
+    _, static = next(walk)
+    best, best_total = None, -1.0
+    for phase, dynamic in walk:
+        total = sum(dynamic)
+        if total > best_total:
+            best, best_total = (phase, dynamic), total
+    return Moment(best[0], _terms(static, best[1]))
+
+
+def saved_peak(cfg: Config, pp_rank: int, kernels: str = "fused") -> float:
+    """The most bytes saved for backward at once on the rank (what the SavedTensorMeter
+    measures, no working set): the held pairs' activations and embedding bytes, and on the
+    last virtual stage the logits and loss of the pair it just forwarded; `cfg` resolved."""
+    p = cfg.parallel
+    shape = layer_shape(cfg, kernels)
+    head = head_terms(cfg, shape)
+    m = num_microbatches(cfg.train, p.dp)
+    walk = min(m, 2 * p.pp) if p.pp > 1 else min(m, 2)
+    chunks = _chunks(cfg, pp_rank, shape)
+    logits = head["final_norm"] + head["output_in"] + head["logits"]
+    kept = best = 0.0
+    for forward, c in _compute_actions(p.pp, pp_rank, walk, p.vpp):
+        ch = chunks[c]
+        step = ch.kept + (head["embedding"] if ch.embedding else 0.0)
+        kept += step if forward else -step
+        if forward:
+            best = max(best, kept + (logits if ch.loss else 0.0))
+    return best
