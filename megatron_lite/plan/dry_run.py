@@ -244,7 +244,8 @@ def _phase_methods(trainer, tracker) -> None:
 
         return run
 
-    dp.finish_grad_sync = named(dp.finish_grad_sync, "grad sync")
+    # not a forward: its new storages are temporaries, as the optimizer step's
+    dp.finish_grad_sync = named(dp.finish_grad_sync, "grad sync", optimizer=True)
     dp.step = named(dp.step, "optimizer", optimizer=True)
     trainer._forward_backward = named(trainer._forward_backward, "forward")
 
