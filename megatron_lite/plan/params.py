@@ -89,8 +89,9 @@ def head_params(cfg: Config, pp_rank: int, chunk: int) -> tuple[list[Param], lis
 def chunk_param_list(cfg: Config, pp_rank: int, chunk: int) -> list[Param]:
     """Every parameter of a model chunk in registration order (models/chunk.py)."""
     before, after = head_params(cfg, pp_rank, chunk)
-    layers = [q for moe in chunk_moe(cfg, pp_rank, chunk) for q in layer_param_list(cfg, moe)]
-    return before + layers + after
+    moe = chunk_moe(cfg, pp_rank, chunk)
+    lists = {e: layer_param_list(cfg, e) for e in set(moe)}
+    return before + [q for e in moe for q in lists[e]] + after
 
 
 def rank_params(cfg: Config, pp_rank: int) -> tuple[int, int]:
@@ -141,5 +142,6 @@ def fsdp_units(cfg: Config, pp_rank: int, chunk: int) -> tuple[int, list[int]]:
     """ZeRO-3 (parallel/data_parallel/fsdp.py): (the chunk root's parameters: embedding, final
     norm, output layer; each layer's, its experts included), the units FSDP2 gathers."""
     before, after = head_params(cfg, pp_rank, chunk)
-    layers = [sum(n for n, _ in layer_param_list(cfg, e)) for e in chunk_moe(cfg, pp_rank, chunk)]
-    return sum(n for n, _ in before + after), layers
+    moe = chunk_moe(cfg, pp_rank, chunk)
+    size = {e: sum(n for n, _ in layer_param_list(cfg, e)) for e in set(moe)}
+    return sum(n for n, _ in before + after), [size[e] for e in moe]

@@ -42,7 +42,7 @@ from megatron_lite.plan.activations import (
     recompute_settings,
     rope_table_bytes,
 )
-from megatron_lite.plan.params import buckets, chunk_moe, fsdp_units, rank_params
+from megatron_lite.plan.params import buckets, chunk_moe, fsdp_units, head_params, rank_params
 from megatron_lite.plan.working import backward_moments, forward_working
 from megatron_lite.resolve import num_microbatches
 
@@ -73,11 +73,8 @@ class _Chunk:
     root: float  # ZeRO-3: the chunk root's parameters
     layer: float  # ZeRO-3: its largest layer unit's parameters
     params: float  # its parameters (dense + expert)
-    first_bucket: tuple[int, int]  # ZeRO-2: (dense, expert) elements of its first bucket
-    first_count: tuple[int, int]  # and how many parameters it holds
-    single: tuple[bool, bool]  # the buffer is one bucket
-    before_last: int  # the dense bucket before its last, in flight as the last accumulates
-    last_bucket: tuple[int, int]  # ZeRO-2: and of its last (backward order)
+    cuts: tuple[list, list]  # ZeRO-2: (dense, expert) buckets, (elements, parameters) each
+    after: int  # dense parameters after its layers (final norm, output layer)
     backwarded: bool = False  # the walk has run a backward of it
 
 
@@ -116,19 +113,15 @@ def _chunks(cfg: Config, pp_rank: int, shape) -> list[_Chunk]:
             offset = -shape.tokens * shape.u * shape.h * shape.act_bytes  # the attention's
         root, layers = fsdp_units(cfg, pp_rank, c)
         stage = virtual_stage(pp_rank, c, p.pp)
-        first, last, count, before_last, single = [0, 0], [0, 0], [1, 1], 0, [False, False]
+        cuts = ([], [])
         if p.zero_stage == 2:
-            for i, (expert, n) in enumerate(zip((False, True), shards, strict=True)):
-                if n > 1 and (cut := buckets(cfg, pp_rank, c, expert, n)):
-                    (first[i], count[i]), last[i], single[i] = cut[0], cut[-1][0], len(cut) == 1
-                    before_last = cut[-2][0] if len(cut) > 1 and not expert else before_last
+            for expert, n, cut in zip((False, True), shards, cuts, strict=True):
+                cut += buckets(cfg, pp_rank, c, expert, n) if n > 1 else []
         chunks.append(_Chunk(
             kept=kept, rebuilt=rebuilt, rerun_offset=offset, last_moe=bool(moe and moe[-1]),
             loss=stage == p.pp * p.vpp - 1, embedding=stage == 0, root=root,
-            layer=max(layers, default=0), params=root + sum(layers),
-            first_bucket=(first[0], first[1]), first_count=(count[0], count[1]),
-            single=(single[0], single[1]),
-            last_bucket=(last[0], last[1]), before_last=before_last,
+            layer=max(layers, default=0), params=root + sum(layers), cuts=cuts,
+            after=len(head_params(cfg, pp_rank, c)[1]),
         ))  # fmt: skip
     return chunks
 
@@ -160,8 +153,18 @@ def _walk(cfg: Config, pp_rank: int, kernels: str):
     fwd = {e: forward_working(shape, e) for e in kinds}
     bwd = {e: backward_moments(shape, e) for e in kinds}
     kept = embedding = grads = 0.0  # saved by the held pairs; gradients beyond the static
-    in_flight = (0, 0)  # ZeRO-2: the (dense, expert) buckets the last backward left in flight
+    in_flight = [0, 0]  # ZeRO-2: the (dense, expert) buckets the last backward left in flight
     last_chunk = None  # and its chunk
+
+    def zero2(ch, c: int, group: int, arrived: int, arriving: int | None = None) -> float:
+        """Bytes of ZeRO-2 buckets alive in chunk c's backward, its other group's in flight."""
+        if not ch.cuts[group]:
+            return grads + 4 * sum(in_flight)
+        same = last_chunk == c and len(ch.cuts[group]) == 1
+        mine = _live_buckets(ch.cuts[group], arrived, arriving, in_flight[group], same)
+        return grads + 4 * (mine + in_flight[1 - group])
+
+    seen = set()  # (action, state) already yielded: the steady state repeats itself
     for forward, c in _compute_actions(p.pp, pp_rank, walk, p.vpp):
         ch = chunks[c]
         root, layer = (A * ch.root, A * ch.layer) if p.zero_stage == 3 else (0.0, 0.0)
@@ -169,9 +172,18 @@ def _walk(cfg: Config, pp_rank: int, kernels: str):
         if forward:
             kept += ch.kept
             embedding += head["embedding"] if ch.embedding else 0.0
-            act = kept + fwd[ch.last_moe]
-            yield "forward", (now, act, embedding, 0.0, root + 2 * layer)
+            state = (True, c, round(kept), round(now))
+            if state not in seen:
+                seen.add(state)
+                yield "forward", (now, kept + fwd[ch.last_moe], embedding, 0.0, root + 2 * layer)
             continue
+        state = (False, c, round(kept), round(grads), tuple(in_flight), last_chunk)
+        if state in seen:  # the same moments again: only the state moves on
+            kept -= ch.kept
+            embedding -= head["embedding"] if ch.embedding else 0.0
+            in_flight, last_chunk = [cut[-1][0] if cut else 0 for cut in ch.cuts], c
+            continue
+        seen.add(state)
         if ch.loss:  # the root gathered again, then the loss's gradient beside the logits
             for w, gathered in ((0.0, 2 * root + layer), (head["logits_grad"], root + layer)):
                 yield "loss backward", (now, kept, embedding, logits, w + gathered)
@@ -180,28 +192,48 @@ def _walk(cfg: Config, pp_rank: int, kernels: str):
         if ch.rebuilt:  # the recomputed group's (or module's) forward again
             rerun = ch.rebuilt + fwd[ch.last_moe] + ch.rerun_offset + root + 2 * layer
             yield "backward", (now, kept + recv * (not ch.loss), embedding, 0.0, rerun)
-        for w, freed, group, filled in bwd[ch.last_moe]:
+        for w, freed, group, arrived, arriving in bwd[ch.last_moe]:
             if ch.rebuilt:  # what the backward frees is of the rebuilt part first
                 w, freed = w + max(ch.rebuilt - freed, 0.0), max(freed - ch.rebuilt, 0.0)
             act = kept + (0.0 if ch.loss else recv) - min(freed, ch.kept)
-            g = now
-            if group is not None:  # its first bucket: launched, it completes the one in flight
-                same = ch.single[group] and last_chunk == c  # it is that one, completed first
-                if same or filled >= ch.first_count[group]:
-                    g -= 4 * in_flight[group]
-                g += 4 * ch.first_bucket[group]
+            before = ch.after if group == 0 and ch.loss else 0  # the head's, in already
+            if arriving is not None:
+                arriving += before
+            g = zero2(ch, c, group, arrived + before, arriving)
             yield "backward", (g, act, embedding, 0.0, w + root + 2 * layer)
         kept -= ch.kept
-        if ch.embedding:  # its weight gradient beside the output's (into its bucket next)
-            g, act = grads + 4 * ch.before_last, kept + (0.0 if ch.loss else recv)
+        if ch.embedding:  # its weight gradient beside the output's, then into its bucket
+            act, total = kept + (0.0 if ch.loss else recv), sum(n for _, n in ch.cuts[0])
+            g = zero2(ch, c, 0, total - 1)
             yield "backward", (g, act, embedding, 0.0, emb_grad + emb_out + root)
-            g += 4 * ch.last_bucket[0]
+            g = zero2(ch, c, 0, total - 1, total - 1)
             yield "backward", (g, act, embedding, 0.0, emb_grad + root)
         embedding -= head["embedding"] if ch.embedding else 0.0
-        in_flight, last_chunk = ch.last_bucket, c
+        in_flight, last_chunk = [cut[-1][0] if cut else 0 for cut in ch.cuts], c
         if p.zero_stage == 3 and m > 1 and not ch.backwarded:
             ch.backwarded = True  # its unsharded gradients from now on
             grads += reduce_bytes * ch.params
+
+
+def _live_buckets(cut: list, arrived: int, arriving: int | None, prev: int, same: bool) -> int:
+    """Elements of one gradient buffer's ZeRO-2 buckets alive during its chunk's backward
+    (data_parallel/buffers.py): `cut` its buckets, (elements, parameters) in backward order;
+    `arrived` parameters' gradients added (a bucket launched once full, completing the one
+    launched before it); `arriving` the index of the one being added now (its bucket
+    allocated); `prev` the bucket the previous backward left in flight, `same` when that is
+    this buffer's only bucket (waited for and reused)."""
+    alive, start, launched, first_alloc = 0, 0, None, False
+    for i, (n, count) in enumerate(cut):
+        end = start + count
+        if end <= arrived:
+            launched = n
+        elif start < arrived or (arriving is not None and start <= arriving < end):
+            alive += n
+            first_alloc = first_alloc or i == 0
+        start = end
+    if launched is not None:
+        return alive + launched
+    return alive + (0 if same and first_alloc else prev)
 
 
 def _terms(static: dict[str, float], dynamic: tuple) -> dict[str, float]:

@@ -69,29 +69,34 @@ def forward_working(x: LayerShape, moe: bool = False) -> float:
 
 
 def backward_moments(x: LayerShape, moe: bool = False) -> list[tuple]:
-    """(working bytes, saved bytes freed by then, the gradient buffer (0 dense, 1 experts)
-    the layer's first weight gradient has allocated its first bucket in (None: not yet), how
-    many of its parameters' gradients that bucket holds) at the moments a layer's backward can
-    peak, its own saved activations all alive before the first (see the module docstring)."""
+    """(working bytes, saved bytes freed by then, gradient buffer (0 dense, 1 experts), how
+    many of the layer's parameters have their gradients in its buckets, the index of the one
+    being added or None) at the moments a layer's backward can peak, its own saved
+    activations all alive before the first; parameters in backward order (see the module
+    docstring)."""
     T, h, A, t, f = x.tokens, x.h, x.act_bytes, x.tp, x.f
     if moe:  # the combine's gradients; the last local expert's SwiGLU backward
         n = moe_assignments(x)
         rows, local = n * x.ep / x.experts, x.experts // x.ep
         freed = 2 * n * h * A + rows * x.moe_f * A  # the combine's, the expert's fc2 input
-        combine = (3 * n * h * A, n * h * A, None, 0)
+        combine = (3 * n * h * A, n * h * A, 1, 0, None)
         swiglu = 3 * rows * x.moe_f * A  # fc2's input gradient, SwiGLU's two
         if local > 1:  # the other experts' output gradients and the stacked fc2 gradient
-            return [combine, (swiglu + n * h * A + local * h * x.moe_f * A, freed, None, 0)]
+            return [combine, (swiglu + n * h * A + local * h * x.moe_f * A, freed, 1, 0, None)]
         # one local expert: its fc2 gradient reaches the bucket before SwiGLU's backward
-        fc2 = (rows * x.moe_f * A + h * x.moe_f * A, freed, 1, 0)
-        return [combine, fc2, (swiglu, freed, 1, 1)]
+        fc2 = (rows * x.moe_f * A + h * x.moe_f * A, freed, 1, 0, 0)
+        return [combine, fc2, (swiglu, freed, 1, 1, None)]
     sp = x.sp and t > 1
     cast = x.residual_bytes != A  # the residual stream's gradient cast to the branch's dtype
     g_out = T * h * A if sp or cast else 0.0
     up = 2 if x.gated else 1
-    fc2 = g_out + T * f / t * A + h * f / t * A  # (+ its weight gradient)
-    swiglu = (up + 1) * T * f / t * A if x.gated else 2 * T * f / t * A
-    fc1_in_grad = T * h * A + T * h * A / t if sp else T * h * A
-    fc1 = up * T * f / t * A + fc1_in_grad + up * f / t * h * A
-    fc2_in, act = T * f / t * A, up * T * f / t * A
-    return [(fc2, 0.0, None, 0), (swiglu, fc2_in, 0, 1), (fc1, fc2_in + act, 0, 1)]
+    fc2_in, act, fc1_in = T * f / t * A, up * T * f / t * A, T * h * A / (t if sp else 1)
+    fc2_w, fc1_w = h * f / t * A, up * f / t * h * A  # weight gradients (bf16 in bf16)
+    in_grad = T * h * A / t if sp else T * h * A  # fc1's input gradient (SP: its shard)
+    return [
+        (g_out + T * f / t * A + fc2_w, 0.0, 0, 0, None),  # fc2's weight gradient
+        (T * f / t * A + fc2_w, fc2_in, 0, 0, 0),  # it goes into its bucket
+        ((up + 1) * T * f / t * A if x.gated else 2 * T * f / t * A, fc2_in, 0, 1, None),
+        (act + (T * h * A if sp else 0.0) + in_grad + fc1_w, fc2_in + act, 0, 1, None),
+        (in_grad + fc1_w, fc2_in + act + fc1_in, 0, 1, 1),  # fc1's into its bucket
+    ]
