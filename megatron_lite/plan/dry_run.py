@@ -15,8 +15,8 @@ For each chosen rank, one after another in this process:
   initialization memory.
 
 The data are mock token ids (the step's shapes do not depend on them). By default the step
-runs the fewest microbatches that reach the schedule's steady state (`steady_microbatches`:
-the same activations in flight at the peak as M), so a dry run of a 256-microbatch step takes
+runs the fewest microbatches that reach the schedule's steady state (`steady_microbatches`,
+2·pp: the same peak as M), so a dry run of a 256-microbatch step takes
 seconds; `microbatches=None` runs all M. The fused kernels
 (kernels="fused", the default) run as on a GPU but without their launches: their autograd
 functions allocate and save what they do on a GPU (kernels/dispatch.py `launch` skips fake
@@ -87,13 +87,14 @@ class RankResult:
 
 
 def steady_microbatches(cfg: Config) -> int:
-    """The fewest microbatches whose pipeline peak equals the full step's (plan/activations.py
-    `in_flight`): 1F1B holds min(pp - rank, m), so pp; interleaved holds its warmup + 1 <
-    2·pp·vpp and needs a multiple of pp, so 2·pp; pp = 1 takes 2, so gradient accumulation
-    runs. Never more than the config's M."""
+    """The fewest microbatches whose peak equals the full step's: 2·pp (pp = 1: 2, so gradient
+    accumulation runs), never more than the config's M. 1F1B holds its most activations from
+    pp microbatches on (plan/activations.py `in_flight`), interleaved from its warmup + 1 <
+    2·pp·vpp (and needs a multiple of pp), but ZeRO-2's buckets in flight at the peak need a
+    microbatch past the warmup too (measured: a tp8 pp2 ZeRO-2 stage's working buffers differ
+    at m = pp)."""
     p = cfg.parallel
-    wanted = 2 if p.pp == 1 else (p.pp if p.vpp == 1 else 2 * p.pp)
-    return min(num_microbatches(cfg.train, p.dp), wanted)
+    return min(num_microbatches(cfg.train, p.dp), 2 * p.pp)
 
 
 def dry_run_config(cfg: Config, out_dir: str, microbatches: int | None) -> Config:
