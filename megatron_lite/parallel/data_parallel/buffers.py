@@ -134,7 +134,7 @@ class GradBuffer:
                 at = r.start - b.start
                 p.main_grad = b.grad[at : at + p.numel()].view_as(p)
             if self.sharded_grads:  # ZeRO-2: storage only while the bucket reduces, so the
-                b.grad.untyped_storage().resize_(0)  # build never holds more than one bucket
+                b.grad.untyped_storage().resize_(0)  # build holds one bucket at a time
         for r in self.ranges.values():
             p, n = r.param, r.param.numel()
             self.param_data[r.start : r.start + n].copy_(p.data.reshape(-1))
