@@ -254,23 +254,21 @@ class Trainer:
         self.dp.start_step(len(micro))
         with self._phase("forward"):  # and the backward (the tracker tells them apart)
             loss_sum = self._measured_forward_backward(micro, 1.0 / n_tokens)
-        sync = self._phase("grad sync", working=True)
-        sync.__enter__()
-        self.dp.finish_grad_sync()  # the buckets the backward did not already reduce
-        # one world all-reduce for [Σg², loss sum, stop signals, activation changes]: the loss
-        # lives on the last stage (tp rank 0 reports it), each CP rank holds a slice of the sum;
-        # a rank that got a stop signal adds 1, so every rank agrees on stopping without a
-        # collective of its own; likewise a rank whose activation peak changed since it was last
-        # reduced (MoE routing) adds 1, so all redo the memory MAX all-reduce
-        owner = mesh.is_last_stage and mesh.tp.rank == 0
-        grad_sq = self.dp.grad_square_sum()
-        loss_part = loss_sum.reshape(()).double() if owner else torch.zeros_like(grad_sq)
-        signalled = float(self.signals.received is not None)
-        changed = float(self._activations != self._activations_reduced)
-        flags = [torch.full_like(grad_sq, signalled), torch.full_like(grad_sq, changed)]
-        sums = torch.stack([grad_sq, loss_part, *flags])
-        mappings.all_reduce(sums, dist.group.WORLD, kind="all_reduce_norm_loss")
-        sync.__exit__(None, None, None)
+        with self._phase("grad sync", working=True):
+            self.dp.finish_grad_sync()  # the buckets the backward did not already reduce
+            # one world all-reduce for [Σg², loss sum, stop signals, activation changes]: the loss
+            # lives on the last stage (tp rank 0 reports it), each CP rank holds a slice of the sum;
+            # a rank that got a stop signal adds 1, so every rank agrees on stopping without a
+            # collective of its own; likewise a rank whose activation peak changed since it was last
+            # reduced (MoE routing) adds 1, so all redo the memory MAX all-reduce
+            owner = mesh.is_last_stage and mesh.tp.rank == 0
+            grad_sq = self.dp.grad_square_sum()
+            loss_part = loss_sum.reshape(()).double() if owner else torch.zeros_like(grad_sq)
+            signalled = float(self.signals.received is not None)
+            changed = float(self._activations != self._activations_reduced)
+            flags = [torch.full_like(grad_sq, signalled), torch.full_like(grad_sq, changed)]
+            sums = torch.stack([grad_sq, loss_part, *flags])
+            mappings.all_reduce(sums, dist.group.WORLD, kind="all_reduce_norm_loss")
         nominal = [1.0, n_tokens, 0.0, 0.0]  # a dry run's: unit norm, loss 1, no signals
         grad_sq, loss_total, signals, act_changes = host.read(sums, nominal)
         self.stop_requested = signals > 0
