@@ -100,14 +100,18 @@ class _ParallelLinear(torch.autograd.Function):
         b = None if bias is None else bias.to(dtype)
         with torch.autocast(x.device.type, enabled=False):
             y = F.linear(total, weight.to(dtype), b)  # [s, b, out/tp]
-        ctx.save_for_backward(x, weight)  # the local shard, not `total`
+        # the local shard, not `total`; the weight as itself: its main_grad / wgrad_pending
+        # attributes are read in backward, and a saved-tensor hook (recompute, the activation
+        # meter) would unpack a new tensor without them
+        ctx.save_for_backward(x)
+        ctx.weight = weight
         ctx.group, ctx.input_comm, ctx.overlap, ctx.queue = group, input_comm, overlap, wgrad_queue
         ctx.has_bias, ctx.fuse = bias is not None, fuse
         return y
 
     @staticmethod
     def backward(ctx, g):  # g: [s, b, out/tp]
-        x, weight = ctx.saved_tensors
+        (x,), weight = ctx.saved_tensors, ctx.weight
         group, comm, overlap = ctx.group, ctx.input_comm, ctx.overlap
         gathering = None
         total = x

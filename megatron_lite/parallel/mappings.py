@@ -136,16 +136,41 @@ def all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM, kind: str = "all_re
     return t
 
 
-def all_reduce_flat(tensors: list[torch.Tensor], group) -> None:
-    """Sum many tensors over `group` with one collective: flatten, all-reduce, copy back."""
+FLAT_BYTES = 32 << 20  # the most bytes all_reduce_flat copies into one coalesced collective
+
+
+def all_reduce_flat(tensors: list[torch.Tensor], group, chunk_bytes: int = FLAT_BYTES) -> None:
+    """Sum many tensors over `group`, in place: a contiguous tensor of at least `chunk_bytes`
+    by itself, the others flattened into coalesced all-reduces of at most `chunk_bytes` each
+    (one dtype per collective) and copied back, so the copies alive at once stay under
+    `chunk_bytes` whatever the tensors' total (a stage's gradients at full size)."""
     if not tensors or size(group) == 1:
         return
-    flat = torch.cat([t.reshape(-1) for t in tensors])
-    all_reduce(flat, group)
-    offset = 0
+    batch: list[torch.Tensor] = []
+
+    def flush() -> None:
+        if not batch:
+            return
+        flat = torch.cat([t.reshape(-1) for t in batch])
+        all_reduce(flat, group)
+        offset = 0
+        for t in batch:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+        batch.clear()
+
+    held = 0
     for t in tensors:
-        t.copy_(flat[offset : offset + t.numel()].view_as(t))
-        offset += t.numel()
+        nbytes = t.numel() * t.element_size()
+        if nbytes >= chunk_bytes and t.is_contiguous():
+            all_reduce(t, group)
+            continue
+        if batch and (held + nbytes > chunk_bytes or t.dtype != batch[0].dtype):
+            flush()
+            held = 0
+        batch.append(t)
+        held += nbytes
+    flush()
 
 
 def all_gather_dim0(t: torch.Tensor, group) -> torch.Tensor:

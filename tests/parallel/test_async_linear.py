@@ -94,15 +94,27 @@ def _on_ranks(rank, world, sp):
     run_wgrads(queue)
     out["deferred"] = errors(col, row, y, x, col.weight.grad, row.weight.grad)
 
-    col, row = build(torch.float64)
-    before = {}
-    for p in (col.weight, row.weight):  # already holds something: the GEMM must add to it
-        p.main_grad = torch.randn(p.shape, dtype=torch.float64)
-        before[id(p)] = p.main_grad.clone()
-    y, x = step(col, row)
-    out["main_grad_no_grad"] = col.weight.grad is None and row.weight.grad is None
-    dw1, dw2 = (p.main_grad - before[id(p)] for p in (col.weight, row.weight))
-    out["main_grad"] = errors(col, row, y, x, dw1, dw2)
+    def checkpointed(col, row):  # recompute: saved tensors come back through a hook
+        x = seq(t["x"]).to(col.weight.dtype).clone().requires_grad_()
+        model = torch.nn.Sequential(col, torch.nn.GELU(), row)
+        y = torch.utils.checkpoint.checkpoint(model, x, use_reentrant=False)
+        y.backward(seq(t["gout"]).to(y.dtype))
+        return y, x
+
+    def detaching(col, row):  # a saved-tensor hook that unpacks new tensors (a meter's kind)
+        with torch.autograd.graph.saved_tensors_hooks(lambda v: v.detach(), lambda v: v):
+            return step(col, row)
+
+    for name, run in (("main_grad", step), ("recompute", checkpointed), ("hooks", detaching)):
+        col, row = build(torch.float64)
+        before = {}
+        for p in (col.weight, row.weight):  # already holds something: the GEMM must add to it
+            p.main_grad = torch.randn(p.shape, dtype=torch.float64)
+            before[id(p)] = p.main_grad.clone()
+        y, x = run(col, row)
+        out[f"{name}_no_grad"] = col.weight.grad is None and row.weight.grad is None
+        dw1, dw2 = (p.main_grad - before[id(p)] for p in (col.weight, row.weight))
+        out[name] = errors(col, row, y, x, dw1, dw2)
 
     col, row = build(torch.float64)
     col.weight.main_grad = torch.zeros(col.weight.shape, dtype=torch.float64)
@@ -187,10 +199,13 @@ def test_deferred_wgrad_queues_the_gemm_and_gives_the_same_grads(sp):
 
 
 @SP
-def test_weight_grad_accumulates_into_main_grad(sp):
+@pytest.mark.parametrize("how", ["main_grad", "recompute", "hooks"])
+def test_weight_grad_accumulates_into_main_grad(sp, how):
+    """Also under recompute and saved-tensor hooks, whose unpacked weight is a new tensor:
+    the fused GEMM still finds the parameter's main_grad (not a silent fall-back to .grad)."""
     for rank, r in enumerate(_results(sp)):
-        assert r["main_grad_no_grad"], f"rank {rank}: .grad set although main_grad exists"
-        _check(r["main_grad"], "main_grad accumulation", rank)
+        assert r[f"{how}_no_grad"], f"rank {rank}, {how}: .grad set although main_grad exists"
+        _check(r[how], f"main_grad accumulation ({how})", rank)
 
 
 def test_a_weight_with_a_grad_hook_is_not_fused():
