@@ -11,7 +11,8 @@ per pipeline stage (`dry_run.default_ranks`), or the layout's chosen subset. Per
 rank the table gives, for every term of `dry_run.PLANNER_TERMS`, the dry run's bytes at the
 step-2 peak, the planner's (`plan.memory.rank_memory`) and their ratio, then the peak's ratio,
 the phase of the peak, the child's wall time and its peak RSS (getrusage of the child itself).
-Writes table.txt, results.csv (one row per layout, rank and term) and results.json under --out.
+Writes table.txt, summary.md (one markdown row per layout, the README's table), results.csv
+(one row per layout, rank and term) and results.json under --out.
 
 The layouts are full size: Llama-3 8B on 8 GPUs, the shipped Llama-3 70B (and the planner
 search's top three of it on 64 GPUs) and 405B configs, a Mixtral-8x7B-shaped MoE and a
@@ -85,6 +86,10 @@ LAYOUTS = [
            + ("train.precision=fp32", "train.micro_batch_size=2")),
     Layout("8b-tp4-pp2-fp32-sel", B8, 8, _p(tp=4, pp=2, dp=1, zero_stage=1) + SELECTIVE
            + ("train.precision=fp32",)),
+    # GPT-3 6.7B's shape (Brown et al. 2020: LayerNorm, GeLU, biases, learned positions)
+    Layout("gpt3-6.7b-tp2-z2", B8, 8, _p(tp=2, dp=4, zero_stage=2) + (
+           "model.arch=gpt", "model.num_query_groups=32", "model.ffn_hidden_size=16384",
+           "model.seq_length=2048", "model.vocab_size=50257")),
     # Llama-3 70B on 64 GPUs: the shipped config and the planner search's top three
     Layout("70b-config", B70, 64),
     Layout("70b-search1", B70, 64, _p(tp=8, pp=1, vpp=1, dp=8, zero_stage=2)),
@@ -94,6 +99,9 @@ LAYOUTS = [
            decoder_first_pipeline_num_layers=5, decoder_last_pipeline_num_layers=5)),
     # Llama-3 405B on 1,024 GPUs, as shipped (tp8 pp4 vpp4 cp2, uneven first/last stages)
     Layout("405b-config", B405, 1024),
+    # and the planner search's first pick on 1,024 GPUs (16 stage ranks)
+    Layout("405b-search1", B405, 1024, _p(tp=8, pp=16, vpp=4, cp=2, dp=4, zero_stage=1,
+           decoder_first_pipeline_num_layers=1, decoder_last_pipeline_num_layers=1)),
     # Mixtral-8x7B-shaped MoE, ep8
     Layout("mixtral-config", MIXTRAL, 64),  # tp1 pp4 ep8 dp16
     Layout("mixtral-tp2-sel", MIXTRAL, 64, _p(tp=2, pp=2, ep=8, dp=16, zero_stage=2,
@@ -200,6 +208,55 @@ def table(results: list[tuple[Layout, dict]]) -> str:
     return "\n".join(lines)
 
 
+SMALL = 0.05 * GIB  # terms under this are left out of the worst-term column
+
+
+def _worst(res: dict) -> tuple[str, float]:
+    """The term furthest from 1 among those of at least SMALL (dry run or planner)."""
+    worst, far = ("", 1.0), -1.0
+    for t in TERMS:
+        got, want = res["compared"][t], res["predicted"][t]
+        r = ratio(got, want)
+        if max(got, want) >= SMALL and r is not None and abs(r - 1) > far:
+            worst, far = (t, r), abs(r - 1)
+    return worst
+
+
+def summary(results: list[tuple[Layout, dict]]) -> str:
+    """A markdown table, one row per layout (the README's): its largest dry-run peak and
+    the planner's, the peak ratio furthest from 1 over its ranks and the worst term; then
+    how many layouts have every term (of at least SMALL) and the peak within TOLERANCE."""
+    by_layout: dict[str, list] = {}
+    for lay, res in results:
+        by_layout.setdefault(lay.name, [lay, []])[1].append(res)
+    lines = [
+        "| layout | overrides of the config | ranks | largest dry-run peak GiB (pp rank) "
+        "| planner GiB | peak ratio | worst term (ratio) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    good = 0
+    for lay, ranks in by_layout.values():
+        top = max(ranks, key=lambda r: r["peak_bytes"])
+        peaks = [ratio(r["peak_bytes"], r["predicted_peak_bytes"]) for r in ranks]
+        peak = max(peaks, key=lambda r: abs(r - 1))
+        worsts = [_worst(r) for r in ranks]
+        term, tr = max(worsts, key=lambda w: abs(w[1] - 1))
+        good += abs(peak - 1) <= TOLERANCE and abs(tr - 1) <= TOLERANCE
+        short = " ".join(o.split(".", 1)[-1] for o in lay.overrides) or "as shipped"
+        config = os.path.basename(lay.config).removesuffix(".yaml")
+        lines.append(
+            f"| {lay.name} | {config}: {short} | {len(ranks)} | {top['peak_bytes'] / GIB:.2f} "
+            f"({top['coords']['pp']}) | {top['predicted_peak_bytes'] / GIB:.2f} | {peak:.3f} "
+            f"| {term or '—'} {tr:.3f} |"
+        )
+    lines.append("")
+    lines.append(
+        f"{good} of {len(by_layout)} layouts ({len(results)} ranks): every term of at least "
+        f"{SMALL / GIB:.2f} GiB and the peak within {TOLERANCE:.0%} on every rank"
+    )
+    return "\n".join(lines)
+
+
 # ------------------------------------------------------------------ the command line
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -281,6 +338,10 @@ def main(argv=None) -> int:
     print("\n" + text)
     with open(os.path.join(a.out, "table.txt"), "w") as f:
         f.write(text + "\n")
+    md = summary(results)
+    print("\n" + md)
+    with open(os.path.join(a.out, "summary.md"), "w") as f:
+        f.write(md + "\n")
     all_rows = [row for lay, res in results for row in rows(lay, res)]
     with open(os.path.join(a.out, "results.csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(all_rows[0]))
@@ -290,7 +351,7 @@ def main(argv=None) -> int:
         out = [{"layout": lay.name, "config": lay.config, "world": lay.world,
                 "overrides": list(lay.overrides), **res} for lay, res in results]  # fmt: skip
         json.dump(out, f, indent=1)
-    print(f"wrote {a.out}/table.txt, results.csv, results.json")
+    print(f"wrote {a.out}/table.txt, summary.md, results.csv, results.json")
     return 0
 
 

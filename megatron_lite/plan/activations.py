@@ -101,6 +101,7 @@ class LayerShape:
     moe_f: int = 0  # an expert's MLP width
     ep: int = 1
     gated: bool = True  # SwiGLU MLPs (llama); GeLU (gpt)
+    main_grad: bool = True  # ZeRO 0-2: weight gradients go into the buffer's main_grad
 
     @property
     def tokens(self) -> float:
@@ -253,6 +254,7 @@ def layer_shape(cfg: Config, kernels: str = "fused") -> LayerShape:
         residual_bytes=residual_bytes(cfg), dropout=m.hidden_dropout > 0, kernels=kernels,
         experts=m.num_experts or 0, topk=m.moe_router_topk if m.num_experts else 0,
         moe_f=moe_ffn_hidden_size(m) if m.num_experts else 0, ep=p.ep, gated=m.arch != "gpt",
+        main_grad=p.zero_stage < 3,
     )  # fmt: skip
 
 

@@ -10,7 +10,9 @@ the full step's steady state (min(M, 2·pp), what plan --dry-run runs), counting
 - backward: the start of a chunk's backward (the held pairs and the received output gradient),
   then its first layer's backward moments (under full recompute, beside the group it rebuilds);
 - loss backward (the last virtual stage): the held pairs, the logits and the loss's fp32
-  gradient beside them, then the layers' backward as above.
+  gradient beside them; with gradient buffers, the output layer's weight gradient [V/tp, h]
+  and its input's gradient as the layer's bucket arrives (the logits freed, the final norm's
+  saved input alive); then the layers' backward as above.
 The model states change within a step too:
 - ZeRO-2 (data_parallel/buffers.py): the bucket launched last by the previous backward stays in
   flight until the next backward launches one; a backward's first weight gradient allocates the
@@ -162,7 +164,11 @@ def _walk(cfg: Config, pp_rank: int, kernels: str):
             return grads + 4 * sum(in_flight)
         same = last_chunk == c and len(ch.cuts[group]) == 1
         mine = _live_buckets(ch.cuts[group], arrived, arriving, in_flight[group], same)
-        return grads + 4 * (mine + in_flight[1 - group])
+        other = in_flight[1 - group]
+        if group == 1 and ch.loss and ch.cuts[0]:  # the head's dense gradients came first
+            same = last_chunk == c and len(ch.cuts[0]) == 1
+            other = _live_buckets(ch.cuts[0], ch.after, None, in_flight[0], same)
+        return grads + 4 * (mine + other)
 
     seen = set()  # (action, state) already yielded: the steady state repeats itself
     for forward, c in _compute_actions(p.pp, pp_rank, walk, p.vpp):
@@ -187,6 +193,9 @@ def _walk(cfg: Config, pp_rank: int, kernels: str):
         if ch.loss:  # the root gathered again, then the loss's gradient beside the logits
             for w, gathered in ((0.0, 2 * root + layer), (head["logits_grad"], root + layer)):
                 yield "loss backward", (now, kept, embedding, logits, w + gathered)
+            if shape.main_grad:  # the output layer's weight gradient as its bucket arrives
+                g, out_grads = zero2(ch, c, 0, 0, 0), head["embedding_grad"] + head["output_in"]
+                yield "loss backward", (g, kept + head["final_norm"], embedding, 0.0, out_grads)
         else:
             yield "backward", (now, kept + recv, embedding, 0.0, 2 * root + 2 * layer)
         if ch.rebuilt:  # the recomputed group's (or module's) forward again

@@ -30,10 +30,12 @@ dtype's bytes, f the MLP width, N the MoE rows a rank sends and receives):
 - loss backward (the last stage): the fp32 gradient of the logits [T, V/tp] beside the saved
   logits (torch kernels: also exp of them), plan/activations.py head_terms.
 
-A weight gradient is returned to autograd and added into main_grad by the gradient buffer's
-hook, as a dry run runs it: on CPU the trainer's SavedTensorMeter hands backward detached
-copies of the saved weights, without main_grad, so linear_async's fused accumulation is off
-(on a GPU it adds straight into main_grad, the bucket allocated before fc2's GEMM).
+With gradient buffers (ZeRO 0-2) a dense layer's weight gradient goes into main_grad inside
+the linear's backward (parallel/linear_async.py): ZeRO-2 allocates the bucket first, then the
+GEMM adds into it (fp32: `addmm_` in place, no temporary; bf16: the bf16 product, then the
+add), while the layer's output gradient, input gradient and re-gathered input are alive. Under
+ZeRO-3 (FSDP2, no main_grad) the weight gradient is returned to autograd and the moments are
+those listed above.
 
 In a dry run the fake process group completes each collective at once, so a buffer handed to
 an asynchronous collective is freed as soon as the code drops it (the reduce-scatter input of
@@ -93,6 +95,13 @@ def backward_moments(x: LayerShape, moe: bool = False) -> list[tuple]:
     fc2_in, act, fc1_in = T * f / t * A, up * T * f / t * A, T * h * A / (t if sp else 1)
     fc2_w, fc1_w = h * f / t * A, up * f / t * h * A  # weight gradients (bf16 in bf16)
     in_grad = T * h * A / t if sp else T * h * A  # fc1's input gradient (SP: its shard)
+    if x.main_grad:  # fused into main_grad; fp32: no temporary (module docstring)
+        own = 0.0 if A == 4 else 1.0
+        return [
+            (g_out + T * f / t * A + own * fc2_w, 0.0, 0, 0, 0),  # fc2's, into its bucket
+            ((up + 1) * T * f / t * A if x.gated else 2 * T * f / t * A, fc2_in, 0, 1, None),
+            (act + (T * h * A if sp else 0.0) + in_grad + own * fc1_w, fc2_in + act, 0, 1, 1),
+        ]
     return [
         (g_out + T * f / t * A + fc2_w, 0.0, 0, 0, None),  # fc2's weight gradient
         (T * f / t * A + fc2_w, fc2_in, 0, 0, 0),  # it goes into its bucket
