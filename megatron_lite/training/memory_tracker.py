@@ -249,6 +249,8 @@ class MemoryTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and _local(t).device.type == "meta":
+                continue  # a meta tensor holds no memory (a fake tensor's device is a real one)
             s = _storage(t)
             if s is not None and s._cdata not in self._live:
                 self._track(s)
