@@ -119,6 +119,15 @@ class GradBuffer:
         self.numel = self.buckets[-1].end if self.buckets else 0
         device, dtype = params[0].device, params[0].dtype
         self.param_data = torch.zeros(self.numel, dtype=dtype, device=device)
+        # the weights move into the flat buffer first (each old storage freed as its
+        # parameter switches), then the gradient buffer is allocated: the build holds
+        # the weights twice or the weights and the gradients, never all three
+        for r in self.ranges.values():
+            p, n = r.param, r.param.numel()
+            self.param_data[r.start : r.start + n].copy_(p.data.reshape(-1))
+            p.data = self.param_data[r.start : r.start + n].view_as(p)
+            if self.sharded_grads:  # every writer of main_grad calls it first (linear_async)
+                p.ensure_main_grad = functools.partial(self.ensure, p)
         self.grad_data = None  # ZeRO-0/1: the whole fp32 gradient buffer
         if not self.sharded_grads:
             self.grad_data = torch.zeros(self.numel, dtype=torch.float32, device=device)
@@ -135,12 +144,6 @@ class GradBuffer:
                 p.main_grad = b.grad[at : at + p.numel()].view_as(p)
             if self.sharded_grads:  # ZeRO-2: storage only while the bucket reduces, so the
                 b.grad.untyped_storage().resize_(0)  # build holds one bucket at a time
-        for r in self.ranges.values():
-            p, n = r.param, r.param.numel()
-            self.param_data[r.start : r.start + n].copy_(p.data.reshape(-1))
-            p.data = self.param_data[r.start : r.start + n].view_as(p)
-            if self.sharded_grads:  # every writer of main_grad calls it first (linear_async)
-                p.ensure_main_grad = functools.partial(self.ensure, p)
         self.counts: dict[int, int] = {}
         self.expected = 1
         self.pending_gathers = 0  # all-gathers launched by gather_params, not yet waited for
