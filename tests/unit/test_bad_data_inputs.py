@@ -10,7 +10,7 @@ import re
 import numpy as np
 import pytest
 
-from megatron_lite import train
+from megatron_lite import launch, train
 from megatron_lite.data import IndexedDataset, IndexedDatasetBuilder
 from megatron_lite.plan.__main__ import main as plan_main
 
@@ -285,6 +285,26 @@ def test_bad_tokenizer_in_preprocess(tmp, capsys, tmp_path, case, files, given, 
     assert not (tmp_path / "out").exists(), "a failed preprocess must write nothing"
 
 
+# the launcher prepares the data before torchrun: a sample of both tables through it
+LAUNCHED = [c for c in VALID_CASES if c[0] in ("valid-empty", "valid-beyond-vocab", "split=99,1",
+            "blend-empty", "valid-with-split")]  # fmt: skip
+LAUNCHED += [
+    (f"tokenizer-{case}", [*_on("low"), f"data.tokenizer_model={{tmp}}/tok/{case}/{given}"],
+     [f"{{tmp}}/tok/{case}/{named}"])
+    for case, _, given, named in TOKENIZER_CASES
+    if case in ("directory", "vocab-empty", "config-garbage", "config-eos-unknown", "sp-empty")
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case, args, named", LAUNCHED, ids=[c[0] for c in LAUNCHED])
+def test_bad_data_input_in_launch(tmp, capsys, case, args, named):
+    with pytest.raises(SystemExit) as e:
+        launch.main(["--config", SMOKE, *_fill(args, tmp)])
+    err = capsys.readouterr().err
+    _one_error(e.value.code, err)
+    assert all(os.path.normpath(n.replace("{tmp}", tmp)) in err for n in named), err
+
+
 def test_ids_beyond_uint16_are_stored_as_int32(tmp, tmp_path):
     """A tokenizer.json with a gap in its ids: the vocabulary is the largest id + 1, and a
     dataset of ids past 65535 is written as int32 and trains like any other."""
@@ -349,5 +369,5 @@ def test_a_tokenizer_without_eos_is_refused_unless_no_eos(tmp, capsys, tmp_path)
 
 
 def test_the_tables_are_large_enough():
-    n = len(VALID_CASES) + 3 * len(TOKENIZER_CASES)
+    n = len(VALID_CASES) + 3 * len(TOKENIZER_CASES) + len(LAUNCHED)
     assert n >= 110, n
