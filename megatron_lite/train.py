@@ -57,8 +57,37 @@ def prepare(argv=None, world_size: int | None = None, hardware: bool = True):
     if cfg.model.vocab_size is None:
         cfg.model.vocab_size = vocab_size
     if cfg.train.eval_interval > 0:  # build (or check) the validation indices' cache now:
-        build_valid_dataset(cfg)  # the launcher does it once, before any rank starts
+        valid = build_valid_dataset(cfg)  # the launcher does it once, before any rank starts
+        cap_eval_iters(cfg, valid)
     return cfg, dataset, cfg.model.vocab_size
+
+
+def cap_eval_iters(cfg: Config, valid) -> None:
+    """train.eval_iters at most the whole global batches the validation set holds (at least
+    one): more would evaluate the same samples again. Says so (on rank 0) when it caps."""
+    from megatron_lite.data import epoch_samples
+
+    t, samples = cfg.train, epoch_samples(valid)
+    if samples is None:  # mock data never repeats
+        return
+    n, gbs = t.eval_iters, t.global_batch_size
+    cap = max(1, samples // gbs)
+    warning = None
+    if samples < gbs:
+        warning = (
+            f"train.eval_iters={n}: the validation set's {samples} samples are fewer than one "
+            f"global batch of {gbs}; evaluating 1 batch, which repeats samples. Fix: more "
+            f"validation data (a larger validation share of data.split, or data.valid_paths)"
+        )
+    elif n > cap:
+        warning = (
+            f"train.eval_iters={n}: the validation set's {samples} samples hold {cap} global "
+            f"batch(es) of {gbs}; evaluating {cap}, not {n} (more would repeat samples). Fix: "
+            f"set train.eval_iters={cap}, or give more validation data"
+        )
+    if warning and os.environ.get("RANK", "0") == "0":
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
+    t.eval_iters = min(t.eval_iters, cap)
 
 
 EXIT_NONFINITE = 3  # training stopped on a NaN/Inf loss or gradient (README: exit codes)

@@ -14,8 +14,8 @@ from megatron_lite.data.corpus import prepare_corpus
 from megatron_lite.data.errors import DataFileError
 from megatron_lite.data.gpt_dataset import GPTDataset, MockDataset, default_cache_dir
 from megatron_lite.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+from megatron_lite.data.split import check_split, split_documents
 from megatron_lite.data.tokenizer import Tokenizer, train_tokenizer
-from megatron_lite.resolve import split_weights
 
 __all__ = [
     "BlendedDataset",
@@ -73,9 +73,9 @@ def build_dataset(cfg) -> tuple[object, int]:
         paths = [prefix]
     if not paths:
         raise DataFileError("no training data: set data.paths, data.corpus or data.mock=true")
-    # The full .idx check runs once per machine, when GPTDataset builds its cached indices.
-    indexed = [IndexedDataset(p, verify=False) for p in paths]
-    vocab_size = _check_vocab(indexed, tokenizer_path, cfg.model.vocab_size)
+    indexed = _open(paths, "data.corpus" if d.corpus is not None else "data.paths")
+    vocab_size = _check_vocab(indexed, tokenizer_path, cfg.model.vocab_size, "data.paths")
+    check_split(indexed, d.split, seq, evaluating=cfg.train.eval_interval > 0)
     return _gpt_datasets(indexed, d, seq, seed, part=0), vocab_size
 
 
@@ -87,27 +87,42 @@ def build_valid_dataset(cfg):
     if d.mock:
         return MockDataset(cfg.model.vocab_size, seq, seed + 1)
     if d.valid_paths:
-        indexed = [IndexedDataset(p, verify=False) for p in d.valid_paths]
+        indexed = _open(d.valid_paths, "data.valid_paths")
+        tokenizer = d.tokenizer_model
+        if d.corpus is not None:
+            tokenizer = prepare_corpus(d.corpus, d.cache_dir, d.tokenizer_vocab_size)[1]
+        _check_vocab(indexed, tokenizer, cfg.model.vocab_size, "data.valid_paths")
         return _gpt_datasets(indexed, replace(d, split=None, weights=None), seq, seed, part=0)
     if d.split is None:
         return None
     paths = list(d.paths)
     if d.corpus is not None:
         paths = [prepare_corpus(d.corpus, d.cache_dir, d.tokenizer_vocab_size)[0]]
-    return _gpt_datasets([IndexedDataset(p, verify=False) for p in paths], d, seq, seed, part=1)
+    indexed = _open(paths, "data.corpus" if d.corpus is not None else "data.paths")
+    check_split(indexed, d.split, seq, evaluating=True)
+    return _gpt_datasets(indexed, d, seq, seed, part=1)
 
 
-def split_documents(num_docs: int, split: str | None) -> list[tuple[int, int]]:
-    """[first, last) document ranges of the train, valid and test parts (Megatron's
-    "969,30,1": weights normalized, boundaries rounded)."""
-    if split is None:
-        return [(0, num_docs), (num_docs, num_docs), (num_docs, num_docs)]
-    bounds, acc = [0], 0.0
-    for w in split_weights(split):
-        acc += w
-        bounds.append(round(acc * num_docs))
-    bounds[-1] = num_docs
-    return [(bounds[i], bounds[i + 1]) for i in range(3)]
+def epoch_samples(dataset) -> int | None:
+    """Samples before a dataset repeats itself: one epoch of a GPTDataset, the sum of a blend's
+    datasets' epochs; None for mock data (it never repeats)."""
+    if isinstance(dataset, BlendedDataset):
+        return sum(d.num_samples for d in dataset.datasets)
+    return getattr(dataset, "num_samples", None)
+
+
+def _open(prefixes: list[str], key: str) -> list[IndexedDataset]:
+    """The datasets of `key`'s prefixes (the full .idx check runs once per machine, when
+    GPTDataset builds its cached indices); DataFileError for one without documents."""
+    out = [IndexedDataset(p, verify=False) for p in prefixes]
+    for ds in out:
+        if len(ds) == 0:
+            raise DataFileError(
+                f"{key}: {ds.idx_path} holds no documents, so it has no samples. Fix: "
+                f"preprocess a non-empty input into {ds.prefix} with tools/preprocess_data.py, "
+                f"or leave it out of {key}"
+            )
+    return out
 
 
 def _gpt_datasets(indexed, d, seq: int, seed: int, part: int):
@@ -125,15 +140,18 @@ def _gpt_datasets(indexed, d, seq: int, seed: int, part: int):
     return BlendedDataset(datasets, weights, seed, blend_dir)
 
 
-def _check_vocab(indexed: list[IndexedDataset], tokenizer_path: str | None, model_vocab) -> int:
-    """The data's vocabulary size, checked against the tokenizer and model.vocab_size."""
+def _check_vocab(
+    indexed: list[IndexedDataset], tokenizer_path: str | None, model_vocab, key: str
+) -> int:
+    """The data's vocabulary size, checked against the tokenizer and model.vocab_size (`key`:
+    the config key that lists the datasets)."""
     top = max(indexed, key=lambda ds: ds.max_token_id)
     data_vocab = top.max_token_id + 1
     if tokenizer_path is not None:
         vocab, source = Tokenizer(tokenizer_path).vocab_size, f"tokenizer {tokenizer_path}"
         if data_vocab > vocab:
             raise DataFileError(
-                f"{top.idx_path}: holds token id {top.max_token_id} but {source} has only "
+                f"{key}: {top.idx_path} holds token id {top.max_token_id} but {source} has only "
                 f"{vocab} tokens, so the data was made with another tokenizer. Fix: point "
                 f"data.tokenizer_model at the tokenizer used by tools/preprocess_data.py"
             )
@@ -141,8 +159,8 @@ def _check_vocab(indexed: list[IndexedDataset], tokenizer_path: str | None, mode
         vocab, source = data_vocab, f"data {top.idx_path} (largest token id {top.max_token_id})"
     if model_vocab is not None and model_vocab < vocab:
         raise DataFileError(
-            f"model.vocab_size={model_vocab} is smaller than the {vocab} tokens of {source}. "
-            f"Fix: set model.vocab_size={vocab} or larger, or leave it unset (null) to use the "
-            f"tokenizer's vocabulary"
+            f"{key}: model.vocab_size={model_vocab} is smaller than the {vocab} tokens of "
+            f"{source}. Fix: set model.vocab_size={vocab} or larger, or leave it unset (null) "
+            f"to use the tokenizer's vocabulary"
         )
     return vocab

@@ -168,9 +168,7 @@ class IndexedDataset:
         if verify:
             self.num_tokens = self.verify()
         else:  # from the last entry; verify() (run by the index builders) checks the rest
-            last = len(self.sizes) - 1
-            tail = int(self.offsets[last]) // self.dtype.itemsize + int(self.sizes[last])
-            self.num_tokens = tail if last >= 0 else 0
+            self.num_tokens = self.tokens_between(0, len(self.sizes))
         expected = self.num_tokens * self.dtype.itemsize
         actual = os.path.getsize(self.bin_path)
         if actual != expected:
@@ -201,6 +199,13 @@ class IndexedDataset:
 
     def __len__(self) -> int:
         return len(self.sizes)
+
+    def tokens_between(self, first: int, last: int) -> int:
+        """Tokens of documents [first, last), from two index entries (O(1))."""
+        if last <= first:
+            return 0
+        end = int(self.offsets[last - 1]) // self.dtype.itemsize + int(self.sizes[last - 1])
+        return end - int(self.offsets[first]) // self.dtype.itemsize
 
     def read_sizes(self) -> np.ndarray:
         """A private in-memory copy of the token counts, int32 [n] (for index builders: reading

@@ -65,6 +65,17 @@ def preprocess(
     for path in files:
         if not os.path.isfile(path):
             raise DataFileError(f"{path}: input file does not exist. Fix: correct the path")
+    if append_eos and tokenizer.eos_id < 0:
+        raise DataFileError(
+            f"{tokenizer.model_path}: has no end-of-document token (eos id {tokenizer.eos_id}), "
+            f"so documents cannot be separated. Fix: a tokenizer with an EOS (those of "
+            f"tools/train_tokenizer.py have one), or --no-eos to write documents back to back"
+        )
+    if tokenizer.vocab_size > 2**31:
+        raise DataFileError(
+            f"{tokenizer.model_path}: ids up to {tokenizer.vocab_size - 1} do not fit the "
+            f"dataset's widest token type (int32). Fix: a tokenizer with ids below 2^31"
+        )
     total_bytes = sum(os.path.getsize(p) for p in files)
     eos = [tokenizer.eos_id] if append_eos else []
     docs = tokens = 0

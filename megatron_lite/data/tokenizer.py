@@ -32,6 +32,14 @@ class Tokenizer:
     """
 
     def __init__(self, model_path: str):
+        if os.path.isdir(model_path):
+            inside = [n for n in ("tokenizer.json", "tokenizer.model") if
+                      os.path.isfile(os.path.join(model_path, n))]  # fmt: skip
+            hint = f"give {os.path.join(model_path, inside[0])}" if inside else "give the file"
+            raise DataFileError(
+                f"{model_path}: is a directory, not a tokenizer file. Fix: {hint} (a "
+                f"SentencePiece .model or a Hugging Face tokenizer.json)"
+            )
         if not os.path.isfile(model_path):
             raise DataFileError(
                 f"{model_path}: tokenizer model does not exist. Fix: train one "
@@ -41,6 +49,15 @@ class Tokenizer:
         self.is_hf = model_path.endswith(".json")
         if self.is_hf:
             self._hf = _load_hf(model_path)
+            # the ids may have gaps: the embedding needs the largest + 1, not the count
+            self._hf_vocab = 1 + max(
+                self._hf.get_vocab(with_added_tokens=True).values(), default=-1
+            )
+            if self._hf_vocab == 0:
+                raise DataFileError(
+                    f"{model_path}: has an empty vocabulary. Fix: give the tokenizer.json of "
+                    f"a trained tokenizer"
+                )
             self._eos = _hf_eos_id(self._hf, model_path)
             return
         try:
@@ -54,8 +71,9 @@ class Tokenizer:
 
     @property
     def vocab_size(self) -> int:
+        """The ids' range: largest id + 1 (a tokenizer.json's ids may have gaps)."""
         if self.is_hf:
-            return self._hf.get_vocab_size(with_added_tokens=True)
+            return self._hf_vocab
         return self._sp.get_piece_size()
 
     @property
@@ -98,19 +116,21 @@ def _load_hf(path: str):
 
 
 def _hf_eos_id(tok, path: str) -> int:
-    """The EOS id: tokenizer_config.json's eos_token beside `path`, else a known EOS name."""
+    """The EOS id: tokenizer_config.json's eos_token beside `path` (a config that cannot be
+    read, or names a token the vocabulary lacks, is an error), else a known EOS name."""
     names = list(HF_EOS_TOKENS)
     config = os.path.join(os.path.dirname(os.path.abspath(path)), "tokenizer_config.json")
-    if os.path.isfile(config):
-        try:
-            with open(config) as f:
-                eos = json.load(f).get("eos_token")
-        except (OSError, ValueError, AttributeError):
-            eos = None
-        if isinstance(eos, dict):
-            eos = eos.get("content")
-        if isinstance(eos, str):
-            names.insert(0, eos)
+    eos = _config_eos(config) if os.path.lexists(config) else None
+    if eos is not None:
+        token_id = tok.token_to_id(eos)
+        if token_id is None:
+            known = [n for n in names if tok.token_to_id(n) is not None]
+            raise DataFileError(
+                f"{config}: eos_token {eos!r} is not in the vocabulary of {path}. Fix: use the "
+                f"tokenizer_config.json that came with this tokenizer.json, or set eos_token to "
+                + (f"one of its tokens, e.g. {known[0]!r}" if known else "one of its tokens")
+            )
+        return token_id
     for name in names:
         token_id = tok.token_to_id(name)
         if token_id is not None:
@@ -120,6 +140,31 @@ def _hf_eos_id(tok, path: str) -> int:
         f'Fix: put a tokenizer_config.json with an "eos_token" beside it, or add one of '
         f"those tokens when training the tokenizer"
     )
+
+
+def _config_eos(config: str) -> str | None:
+    """A tokenizer_config.json's eos_token (a string, or {"content": ...}; None when it names
+    none); DataFileError naming the file when it is not a readable JSON object of that shape."""
+    fix = 'Fix: repair it (a JSON object with "eos_token": "<token>"), or remove it to use ' + (
+        f"the first of {', '.join(HF_EOS_TOKENS)} in the vocabulary"
+    )
+    try:
+        with open(config, encoding="utf-8") as f:
+            record = json.load(f)
+    except IsADirectoryError:
+        raise DataFileError(f"{config}: is a directory, not a JSON file. {fix}") from None
+    except OSError as e:
+        raise DataFileError(f"{config}: cannot be read ({e.strerror}). {fix}") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise DataFileError(f"{config}: is not valid JSON ({e}). {fix}") from None
+    if not isinstance(record, dict):
+        raise DataFileError(f"{config}: holds a {type(record).__name__}, not an object. {fix}")
+    eos = record.get("eos_token")
+    if isinstance(eos, dict):
+        eos = eos.get("content")
+    if eos is not None and not (isinstance(eos, str) and eos):
+        raise DataFileError(f"{config}: eos_token={eos!r} is not a token string. {fix}")
+    return eos
 
 
 def train_tokenizer(

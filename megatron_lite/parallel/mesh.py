@@ -38,15 +38,16 @@ EXPERT_GROUPS = {"ep": ("ep",), "edp": ("dp",)}
 COORD_GROUPS = ("tp", "cp", "dp", "pp", "dp_cp", "ep", "edp")  # the rank map's columns
 
 
-def _groups(world: int, sizes: dict[str, int], order: list[str], axes) -> list[list[int]]:
-    """Ranks that differ only along `axes` (first axis in `order` varies fastest)."""
+def _groups(world: int, sizes: dict[str, int], order: list[str], axes) -> np.ndarray:
+    """Ranks that differ only along `axes` (first axis in `order` varies fastest): one row
+    per group, int64 [groups, group size]."""
     # numpy is row-major (last index fastest), so lay the grid out in reversed order.
     grid = np.arange(world).reshape([sizes[a] for a in reversed(order)])
     names = list(reversed(order))
     keep = [names.index(a) for a in reversed([a for a in order if a in axes])]
     rest = [i for i in range(len(names)) if i not in keep]
     n = math.prod(sizes[a] for a in axes)
-    return grid.transpose(rest + keep).reshape(-1, n).tolist()
+    return grid.transpose(rest + keep).reshape(-1, n)
 
 
 def order_problem(order: str) -> str | None:
@@ -108,7 +109,9 @@ class RankLayout:
         sizes = self._sizes(expert="ep" in axes)
         return np.arange(self.world_size).reshape([sizes[a] for a in reversed(axes)]).tolist()
 
-    def groups(self, name: str) -> list[list[int]]:
+    def group_array(self, name: str) -> np.ndarray:
+        """`groups(name)` as an array [groups, group size] (not for "embedding"): vectorized
+        questions about every group cost numpy time, not a Python list per rank."""
         tokens = self.order.split("-")
         if name in DENSE_GROUPS:
             dense = [a for a in tokens if a != "ep"]
@@ -116,6 +119,11 @@ class RankLayout:
         if name in EXPERT_GROUPS:
             expert = [a for a in tokens if a != "cp"]
             return _groups(self.world_size, self._sizes(True), expert, EXPERT_GROUPS[name])
+        raise KeyError(f"unknown group {name!r}")
+
+    def groups(self, name: str) -> list[list[int]]:
+        if name in DENSE_GROUPS or name in EXPERT_GROUPS:
+            return self.group_array(name).tolist()
         if name == "embedding":  # first and last pipeline stage of each pipeline
             return [sorted({g[0], g[-1]}) for g in self.groups("pp")]
         raise KeyError(f"unknown group {name!r}")

@@ -15,63 +15,35 @@ import sys
 
 from megatron_lite import resolve
 from megatron_lite.config import Config, ConfigError, load_config
-from megatron_lite.plan.hardware import GPUS, get_gpu, usable_bytes
+from megatron_lite.plan import flags
+from megatron_lite.plan.hardware import get_gpu, usable_bytes
 from megatron_lite.plan.memory import plan_memory
 from megatron_lite.plan.report import layer_table, memory_table, time_table
-from megatron_lite.plan.search import search
+from megatron_lite.plan.search import nearest_valid_world, override_words, search
 from megatron_lite.plan.step_time import step_time
 from megatron_lite.validation import validate
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m megatron_lite.plan", description=__doc__)
-    ap.add_argument("--config", required=True)
-    ap.add_argument("overrides", nargs="*", help="section.key=value")
-    ap.add_argument("--gpu", default="h100", choices=sorted(GPUS))
-    ap.add_argument("--nodes", type=int, default=None)
-    ap.add_argument("--gpus-per-node", type=int, default=8)
-    world_help = "GPUs (default: --nodes × --gpus-per-node, else the config's tp·pp·cp·dp)"
-    ap.add_argument("--world", type=int, default=None, help=world_help)
-    ap.add_argument("--nvlink-gbps", type=float, default=None, help="GB/s per GPU per direction")
-    ap.add_argument("--ib-gbps", type=float, default=None, help="GB/s per GPU per direction")
-    ap.add_argument("--mfu", type=float, default=0.45, help="achievable fraction of peak")
-    ap.add_argument("--reserve", type=float, default=0.05, help="fragmentation reserve fraction")
-    ap.add_argument("--kernels", default="fused", choices=("fused", "torch"))
-    search_help = "rank every valid layout of the world size that fits (exit 1 when none does)"
-    ap.add_argument("--search", action="store_true", help=search_help)
-    ap.add_argument("--top", type=int, default=5, help="layouts --search prints")
-    verify_help = (
-        "with --search: dry-run each printed layout (see --dry-run) and mark it confirmed when "
-        "its measured peak fits, else show the measured peak"
-    )
-    ap.add_argument("--verify", action="store_true", help=verify_help)
-    ap.add_argument("--chart", default=None, help="PNG of memory per rank by term")
-    ap.add_argument("--measure", action="store_true", help="one step here beside the prediction")
-    dry_help = (
-        "run the real training step of chosen ranks at full size on this CPU (fake process "
-        "group, fake tensors) and print its memory beside the planner's"
-    )
-    ap.add_argument("--dry-run", action="store_true", help=dry_help)
-    ranks_help = "--dry-run's ranks, e.g. 0,8 (default: one rank per pipeline stage)"
-    ap.add_argument("--ranks", default=None, help=ranks_help)
-    mb_help = (
-        "--dry-run's microbatches per step: steady (default: the fewest with the full step's "
-        "peak, min(M, 2·pp)), all, or a count"
-    )
-    ap.add_argument("--microbatches", default="steady", help=mb_help)
-    ap.add_argument("--json", default=None, help="write --dry-run's figures to this JSON file")
-    return ap.parse_args(argv)
+    """The flags, converted and checked (plan/flags.py): ConfigError on a bad one."""
+    return flags.check(flags.parser(__doc__).parse_args(argv))
 
 
 def world_size(args, cfg) -> int:
-    if args.world:
+    if args.world is not None:
         return args.world
-    if args.nodes:
+    if args.nodes is not None:
         return args.nodes * args.gpus_per_node
     p = cfg.parallel
     if p.dp is None:
         raise ConfigError("give --world, --nodes or parallel.dp: the planner needs a world size")
-    return p.tp * p.pp * p.cp * p.dp
+    world = p.tp * p.pp * p.cp * p.dp
+    if world > flags.MAX_WORLD:
+        raise ConfigError(
+            f"parallel.dp={p.dp}: tp·pp·cp·dp = {world} GPUs is above the planner's "
+            f"{flags.MAX_WORLD}. Fix: give --world {flags.MAX_WORLD} or fewer"
+        )
+    return world
 
 
 def with_vocab(cfg: Config) -> Config:
@@ -92,12 +64,16 @@ def require_vocab(cfg: Config) -> None:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
     try:
+        args = parse_args(argv)
         cfg = with_vocab(load_config(args.config, args.overrides))
         world = world_size(args, cfg)
+        flags.check_world(args, world)
         gpu = get_gpu(args.gpu, args.nvlink_gbps, args.ib_gbps)
         budget = usable_bytes(gpu, args.reserve)
+        if not args.search:
+            r = validate(cfg, world)  # reports a missing tokenizer file or mock data's vocab
+        require_vocab(cfg if args.search else r)
         print(
             f"{gpu.name}: {gpu.peak_tflops:g} TFLOP/s bf16 dense at mfu {args.mfu:g}, "
             f"NVLink {gpu.nvlink_gbps:g} GB/s, IB {gpu.ib_gbps:g} GB/s per GPU, "
@@ -105,10 +81,7 @@ def main(argv=None) -> int:
             f"{gpu.memory_bytes / 2**30:.1f} GiB (3 GiB + {args.reserve:.0%} reserve)"
         )
         if args.search:
-            require_vocab(cfg)
             return _search(args, cfg, world, gpu, budget)
-        r = validate(cfg, world)  # reports a missing tokenizer file or mock data's vocab first
-        require_vocab(r)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -161,12 +134,12 @@ def _layout(r, short: bool = False) -> str:
 
 def _search(args, cfg, world, gpu, budget) -> int:
     best, counts = search(cfg, world, gpu, args.mfu, args.gpus_per_node, args.top, args.reserve)
-    ranked = f"top {len(best)} by predicted throughput:"
-    none = "none fits: try more GPUs (--world, --nodes) or a GPU with more memory (--gpu)"
     print(
-        f"searched {counts['tried']} layouts of {world} GPUs: {counts['valid']} valid, "
-        f"{counts['fit']} fit; {ranked if best else none}"
+        f"searched {counts.tried} layouts of {world} GPUs: {counts.valid} valid, "
+        f"{counts.fit} fit" + (f"; top {len(best)} by predicted throughput:" if best else "")
     )
+    if not best:
+        print(_none_found(cfg, world, args.gpus_per_node, counts, budget))
     for i, c in enumerate(best, 1):
         print(f"{i}. {c.line(cfg)}")
         print(f"   peak {c.peak_bytes / 2**30:.1f} GiB; " + time_table(c.time, world))
@@ -179,6 +152,27 @@ def _search(args, cfg, world, gpu, budget) -> int:
         memory_chart(layouts, budget, args.chart)
         print(f"chart: {args.chart}")
     return 0 if best else 1
+
+
+def _none_found(cfg, world: int, gpus_per_node: int, counts, budget: float) -> str:
+    """Why the search found nothing: the rules that rejected layouts (counts, each with the
+    message of its nearest fix) and the nearest world size with valid layouts; or, when
+    layouts were valid but none fits, the smallest of their peaks."""
+    if counts.valid:
+        return (
+            f"none fits: the smallest peak of a valid layout is "
+            f"{counts.smallest_peak / 2**30:.1f} GiB > {budget / 2**30:.1f} GiB usable "
+            f"({override_words(counts.smallest, cfg)}). Fix: more GPUs (--world, --nodes), a "
+            f"GPU with more memory (--gpu), or a smaller model.seq_length or model"
+        )
+    lines = [f"no valid layout: the {counts.tried} layouts were rejected"]
+    lines += [f"  {line}" for line in counts.rejections()]
+    near = nearest_valid_world(cfg, world, gpus_per_node)
+    if near is not None:
+        lines.append(f"Fix: one of the fixes above, or --world {near}, which has valid layouts")
+    else:
+        lines.append("Fix: one of the fixes above")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ def group_links(
     layout = RankLayout(world, tp=tp, pp=pp, cp=cp, ep=ep, order=order)
     out = {}
     for name in ("tp", "cp", "dp_cp", "ep", "edp", "pp"):
-        groups = layout.groups(name)
-        spans = any(len({r // gpus_per_node for r in g}) > 1 for g in groups)
+        nodes = layout.group_array(name) // gpus_per_node  # [groups, group size]
+        spans = bool((nodes.min(axis=1) != nodes.max(axis=1)).any())
         out[name] = "ib" if spans else "nvlink"
     return out

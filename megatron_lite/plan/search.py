@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+import math
+from collections import Counter
+from dataclasses import dataclass, field
 
 from megatron_lite.config import Config, ConfigError
 from megatron_lite.plan.hardware import usable_bytes
@@ -24,15 +26,19 @@ class Candidate:
     time: StepTime
 
     def line(self, base: Config | None = None) -> str:
-        """The overrides as `key=value` words: the degrees, ZeRO stage and micro batch always,
-        the other keys where they differ from `base`."""
-        words = []
-        for k, v in self.overrides.items():
-            section, name = k.split(".")
-            same = base is not None and getattr(getattr(base, section), name) == v
-            if k in ALWAYS or not same:
-                words.append(f"{k}={_yaml(v)}")
-        return " ".join(words)
+        return override_words(self.overrides, base)
+
+
+def override_words(overrides: dict[str, object], base: Config | None = None) -> str:
+    """Overrides as `key=value` words: the degrees, ZeRO stage and micro batch always, the
+    other keys where they differ from `base`."""
+    words = []
+    for k, v in overrides.items():
+        section, name = k.split(".")
+        same = base is not None and getattr(getattr(base, section), name) == v
+        if k in ALWAYS or not same:
+            words.append(f"{k}={_yaml(v)}")
+    return " ".join(words)
 
 
 def _yaml(v) -> str:
@@ -40,7 +46,10 @@ def _yaml(v) -> str:
 
 
 def _divisors(n: int, limit: int | None = None) -> list[int]:
-    return [d for d in range(1, (limit or n) + 1) if n % d == 0]
+    """The divisors of n up to `limit` (default n), ascending, in O(√n) steps."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    every = small + [n // d for d in reversed(small) if d * d != n]
+    return [d for d in every if d <= (limit or n)]
 
 
 def pipeline_split(layers: int, stages: int) -> tuple[int | None, int | None] | None:
@@ -74,7 +83,7 @@ def layouts(cfg: Config, world: int, gpus_per_node: int):
     eps = _divisors(m.num_experts) if m.num_experts else [1]
     for tp in _divisors(world, gpus_per_node):
         for cp in _divisors(world // tp, 8):
-            for pp in _divisors(world // (tp * cp)):
+            for pp in _divisors(world // (tp * cp), m.num_layers):  # a layer per stage at least
                 dp = world // (tp * cp * pp)
                 for vpp in range(1, 9) if pp > 1 else [1]:
                     split = pipeline_split(m.num_layers, pp * vpp)
@@ -99,25 +108,60 @@ def layouts(cfg: Config, world: int, gpus_per_node: int):
                                     yield o
 
 
+@dataclass
+class SearchCounts:
+    """What the search saw: layouts tried, valid (validate() accepts them) and fitting; per
+    rule (the config key its ConfigError names) how many layouts it rejected and, as the
+    nearest fix, its message for the rejected layout with the fewest data-parallel replicas
+    (the smallest change to the batch); the valid layout with the smallest peak."""
+
+    tried: int = 0
+    valid: int = 0
+    fit: int = 0
+    rejected: Counter = field(default_factory=Counter)
+    example: dict[str, tuple[int, str]] = field(default_factory=dict)  # key -> (dp, message)
+    smallest_peak: float | None = None  # bytes, of the valid layout needing the least
+    smallest: dict[str, object] | None = None  # its overrides
+
+    def reject(self, overrides: dict[str, object], error: ConfigError) -> None:
+        message = str(error)
+        key = message.split("=", 1)[0] if "=" in message.split(" ", 1)[0] else "other"
+        self.rejected[key] += 1
+        dp = int(overrides["parallel.dp"])
+        if key not in self.example or dp < self.example[key][0]:
+            self.example[key] = (dp, message)
+
+    def rejections(self, most: int = 4) -> list[str]:
+        """The rules that rejected layouts, most first: "N by key (e.g. message)"."""
+        return [
+            f"{n} by {key} (e.g. {self.example[key][1]})"
+            for key, n in self.rejected.most_common(most)
+        ]
+
+
 def search(cfg: Config, world: int, gpu, mfu: float, gpus_per_node: int, top: int = 5,
-           reserve_fraction: float = 0.05) -> tuple[list[Candidate], dict[str, int]]:  # fmt: skip
-    """The `top` fitting layouts by predicted tokens/s, and counts (tried, valid, fit). All are
-    ranked with the closed-form bubble, the top ones then timed with the schedule simulator."""
+           reserve_fraction: float = 0.05) -> tuple[list[Candidate], SearchCounts]:  # fmt: skip
+    """The `top` fitting layouts by predicted tokens/s, and the counts (see SearchCounts). All
+    are ranked with the closed-form bubble, the top ones then timed with the schedule
+    simulator."""
     budget = usable_bytes(gpu, reserve_fraction)
-    counts = {"tried": 0, "valid": 0, "fit": 0}
+    counts = SearchCounts()
     fits: list[Candidate] = []
     for o in layouts(cfg, world, gpus_per_node):
-        counts["tried"] += 1
+        counts.tried += 1
         try:
             r = validate(apply(cfg, o), world)
-        except ConfigError:
+        except ConfigError as e:
+            counts.reject(o, e)
             continue
-        counts["valid"] += 1
+        counts.valid += 1
         ranks = {0, min(1, r.parallel.pp - 1), r.parallel.pp - 1}
         peak = max(rank_memory(r, world, k).total for k in ranks)
         if peak > budget:
+            if counts.smallest_peak is None or peak < counts.smallest_peak:
+                counts.smallest_peak, counts.smallest = peak, o
             continue
-        counts["fit"] += 1
+        counts.fit += 1
         t = step_time(r, world, gpu, mfu, gpus_per_node, simulate=False)
         fits.append(Candidate(o, r, peak, t))
     fits.sort(key=lambda c: -c.time.tokens_per_s)
@@ -127,3 +171,21 @@ def search(cfg: Config, world: int, gpu, mfu: float, gpus_per_node: int, top: in
         c.peak_bytes = max(rank_memory(c.cfg, world, k).total for k in range(c.cfg.parallel.pp))
     best.sort(key=lambda c: -c.time.tokens_per_s)
     return best[:top], counts
+
+
+def nearest_valid_world(cfg: Config, world: int, gpus_per_node: int, span: int = 8,
+                        budget: int = 2000) -> int | None:  # fmt: skip
+    """The world size nearest `world` (within ±`span`, the smaller first on a tie) with a
+    layout validate() accepts, or None; at most `budget` layouts are validated (~1 s)."""
+    tried = 0
+    for w in (w for d in range(1, span + 1) for w in (world - d, world + d) if w >= 1):
+        for o in layouts(cfg, w, gpus_per_node):
+            tried += 1
+            if tried > budget:
+                return None
+            try:
+                validate(apply(cfg, o), w)
+            except ConfigError:
+                continue
+            return w
+    return None

@@ -105,34 +105,35 @@ def _validate_data(cfg: Config) -> None:
         )
 
 
-def _validate_prefix(prefix: str) -> None:
-    """One data.paths entry: a prefix (no extension) whose .bin and .idx are readable files."""
+def _validate_prefix(prefix: str, key: str = "data.paths") -> None:
+    """One entry of `key` (data.paths, data.valid_paths): a prefix (no extension) whose .bin
+    and .idx are readable files."""
     stem, ext = os.path.splitext(prefix)
     _rule(
         ext not in (".bin", ".idx") or os.path.isfile(prefix + ".bin"),
-        "data.paths",
+        key,
         prefix,
         f"entries are prefixes without the {ext} extension",
-        f"use data.paths=[{stem}]",
+        f"use {key}=[{stem}]",
     )
     for path in (prefix + ".bin", prefix + ".idx"):
         _rule(
             not os.path.isdir(path),
-            "data.paths",
+            key,
             prefix,
             f"{path} is a directory, not a data file",
             "give the prefix of a .bin/.idx pair written by tools/preprocess_data.py",
         )
         _rule(
             os.path.isfile(path),
-            "data.paths",
+            key,
             prefix,
             f"file {path} does not exist",
             "run tools/preprocess_data.py to create it or correct the prefix",
         )
         _rule(
             os.access(path, os.R_OK),
-            "data.paths",
+            key,
             prefix,
             f"file {path} is not readable by this user",
             "fix its permissions or copy the dataset",
@@ -160,9 +161,16 @@ def _validate_eval(cfg: Config) -> None:
             "must be 1 to 3 non-negative weights (train,valid,test) with a positive sum",
             fix,
         )
-        _rule(not d.valid_paths, "data.split", d.split, "is set with data.valid_paths", fix)
+        _rule(
+            not d.valid_paths,
+            "data.split",
+            d.split,
+            "is set with data.valid_paths (validation data comes from one of them)",
+            "set data.split=null to validate on data.valid_paths, or data.valid_paths=[] to "
+            "validate on a part of data.paths",
+        )
     for prefix in d.valid_paths:
-        _validate_prefix(prefix)
+        _validate_prefix(prefix, "data.valid_paths")
     if t.eval_interval > 0 and not d.mock:
         _rule(
             bool(d.valid_paths) or bool(weights and weights[1] > 0),

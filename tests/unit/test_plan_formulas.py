@@ -76,7 +76,7 @@ def test_search_finds_a_fitting_70b_layout_on_64_h100():
     cfg = load_config("configs/llama3_70b.yaml")
     gpu = get_gpu("h100")
     best, counts = search(cfg, 64, gpu, 0.45, 8, top=2)
-    assert counts["fit"] > 0 and best
+    assert counts.fit > 0 and best
     assert all(c.peak_bytes <= gpu.memory_bytes for c in best)
     assert best[0].time.tokens_per_s >= best[-1].time.tokens_per_s
 
