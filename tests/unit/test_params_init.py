@@ -64,3 +64,31 @@ def test_a_shard_draws_only_its_blocks(monkeypatch):
         drawn.clear()
         init_shard(ParamMeta(shape, tp_dim=dim, tp_rank=3, tp_size=8), "w", 0)
         assert sum(drawn) <= everything / 8 + params.BLOCK_ELEMENTS, (dim, sum(drawn))
+
+
+@pytest.mark.parametrize("case", ["padded vocab", "row parallel", "qkv segments", "tall"])
+def test_drawing_into_a_parameter_writes_the_shard_block_by_block(case):
+    """init_shard(out=...) gives the same values as the returned shard, in the parameter's
+    own dtype, and init_parameters holds at most two generator blocks beyond the parameter
+    (a returned fp32 shard and its cat would be two fp32 copies of it)."""
+    from megatron_lite.training.memory_tracker import MemoryTracker
+
+    shape, kw = CASES[case]
+    for dtype in (torch.float32, torch.bfloat16):
+        meta = ParamMeta(shape, tp_rank=1, tp_size=2, **kw) if "tp_dim" in kw else None
+        meta = meta or ParamMeta(shape, **kw)
+        want = init_shard(meta, "w", 3).to(dtype)
+        with MemoryTracker() as tracker:  # the parameter made inside it: counted from the start
+            module = torch.nn.Module()
+            module.w = torch.nn.Parameter(torch.empty(want.shape, dtype=dtype))
+            module.w.meta = meta
+            before = tracker.total
+            tracker.reset_peak()
+            params.init_parameters(module, 3)
+            extra = tracker.peak.total - before
+        assert torch.equal(module.w.detach(), want), (case, dtype)
+        step = params._block_length(meta.full_shape, meta.tp_dim or 0)
+        block = (
+            4 * step * (torch.Size(meta.full_shape).numel() // meta.full_shape[meta.tp_dim or 0])
+        )
+        assert extra <= 2 * block, f"{case} {dtype}: {extra} bytes beyond the parameter"
