@@ -2,10 +2,13 @@
 
 Every op computes in fp32, returns the input dtype, and is differentiable w.r.t. its tensor
 arguments (cos/sin of `apply_rope` excepted). Dispatch: Triton for CUDA tensors, torch otherwise;
-`MEGATRON_LITE_KERNELS=triton|torch` forces one (read at call time; on CPU `triton` needs
-`TRITON_INTERPRET=1`).
+on CUDA a kernel is used only once it passed a one-time self-check against its reference for the
+input's shape class, else torch with one warning (selfcheck.py).
+`MEGATRON_LITE_KERNELS=triton|torch` forces one, unchecked (read at call time; on CPU `triton`
+needs `TRITON_INTERPRET=1`).
 """
 
+from megatron_lite.kernels import selfcheck
 from megatron_lite.kernels.cross_entropy import cross_entropy, cross_entropy_reference
 from megatron_lite.kernels.dispatch import ENV_VAR, use_triton
 from megatron_lite.kernels.layer_norm import layer_norm, layer_norm_reference
@@ -23,6 +26,7 @@ __all__ = [
     "layer_norm_reference",
     "rms_norm",
     "rms_norm_reference",
+    "selfcheck",
     "swiglu",
     "swiglu_reference",
     "use_triton",

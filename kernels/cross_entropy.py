@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from megatron_lite.kernels import selfcheck
 from megatron_lite.kernels.dispatch import (
     as_rows,
     compute_dtype,
@@ -114,9 +115,33 @@ def _grad_torch(logits, target, lse, dloss, vocab_start, ignore_index):
     return d.to(logits.dtype)
 
 
+def _self_check(device: torch.device, dtype: torch.dtype, shape_class) -> None:
+    """Both kernels vs their torch versions on a vocabulary shard of this width (selfcheck.py):
+    targets inside, at the start of, below and above the shard, one ignored, and a row with a
+    padded (-inf) tail. The forward is compared as what the loss reads: log-sum-exp, target
+    logit."""
+    n_vocab, start = shape_class, 7  # a shard that does not begin at id 0
+    gen = selfcheck.generator(device)
+    logits = selfcheck.sample((6, n_vocab), dtype, device, gen, requires_grad=False, scale=4)
+    logits[5, max(n_vocab // 2, 1) :] = float("-inf")
+    target = torch.randint(start, start + n_vocab, (6,), generator=gen, device=device)
+    target[1:6] = torch.tensor([start, start - 1, start + n_vocab, IGNORE_INDEX, start])
+    got = _stats_triton(logits, target, start, IGNORE_INDEX)
+    want = _shard_stats_torch(logits, target, start, IGNORE_INDEX)
+    lse = global_lse(want[0], want[1])
+    selfcheck.compare("log-sum-exp", global_lse(got[0], got[1]), lse, dtype)
+    selfcheck.compare("target logit", got[2], want[2], dtype)
+    dloss = selfcheck.sample((6,), torch.float32, device, gen, requires_grad=False)
+    got = _grad_triton(logits, target, lse, dloss, start, IGNORE_INDEX)
+    want = _grad_torch(logits, target, lse, dloss, start, IGNORE_INDEX)
+    selfcheck.compare("logits gradient", got, want, dtype)
+
+
 def use_triton_path(logits: torch.Tensor, target: torch.Tensor) -> bool:
-    """Triton kernels for CUDA tensors (or when forced), the torch path otherwise."""
-    return target.numel() > 0 and use_triton(logits)
+    """Triton kernels for CUDA tensors once they passed their self-check (or when forced), the
+    torch path otherwise."""
+    n_vocab = logits.shape[-1]
+    return target.numel() > 0 and use_triton(logits, "cross_entropy", n_vocab, _self_check)
 
 
 def shard_stats(logits, target, vocab_start: int, ignore_index: int, triton_path: bool):
@@ -179,14 +204,6 @@ def _grad_triton(logits, target, lse, dloss, vocab_start, ignore_index):
         BLOCK_V=block, num_warps=num_warps_for(block),
     )  # fmt: skip
     return dlogits
-
-
-def _check_shapes(logits: torch.Tensor, target: torch.Tensor) -> None:
-    if logits.shape[:-1] != target.shape:
-        raise ValueError(
-            f"cross_entropy: logits {tuple(logits.shape)} and target {tuple(target.shape)} "
-            "must agree on the token dims ([N, V] and [N])"
-        )
 
 
 def _check_shapes(logits: torch.Tensor, target: torch.Tensor) -> None:

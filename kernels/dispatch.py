@@ -1,16 +1,20 @@
 """Backend choice for the fused kernels: Triton for CUDA tensors, the torch reference otherwise.
 
 `MEGATRON_LITE_KERNELS=triton|torch|auto` (read at every call, so tests can toggle it) forces
-one. On CPU the Triton path only runs under the Triton interpreter (`TRITON_INTERPRET=1`).
+one. Automatic dispatch runs a kernel on CUDA only after it passed its one-time numerical
+self-check for the input's shape class (selfcheck.py); forcing `triton` skips the check. On CPU
+the Triton path only runs under the Triton interpreter (`TRITON_INTERPRET=1`).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Hashable
 
 import torch
 import triton
 import triton.language as tl
+from megatron_lite.kernels import selfcheck
 from torch._subclasses.fake_tensor import FakeTensor
 
 ENV_VAR = "MEGATRON_LITE_KERNELS"
@@ -41,19 +45,36 @@ def launch(kernel, grid, *args, **meta) -> None:
     kernel[grid](*args, **meta)
 
 
-def use_triton(x: torch.Tensor) -> bool:
-    """True when the op on tensor `x` should run the Triton kernels, False for torch."""
+def compiles_triton(x: torch.Tensor) -> bool:
+    """Whether `x` lives where Triton kernels run compiled (CUDA), which is where automatic
+    dispatch picks them. A module attribute, so tests can say yes for CPU tensors and drive
+    the self-check through the interpreter."""
+    return x.is_cuda
+
+
+def use_triton(
+    x: torch.Tensor, kernel: str, shape_class: Hashable, check: selfcheck.SelfCheck
+) -> bool:
+    """True when the op `kernel` on tensor `x` should run the Triton kernels, False for torch.
+
+    Automatic dispatch: Triton where `compiles_triton(x)` and the dtype is one the kernels
+    take, once `check(device, dtype, shape_class)` passed (run once per process and class,
+    selfcheck.py); forced `triton`: always, unchecked; `torch`: never."""
     choice = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
     if choice not in _CHOICES:
         raise ValueError(
             f"{ENV_VAR}={choice!r} is not one of {', '.join(_CHOICES)}: unset it for automatic "
-            "dispatch (Triton on CUDA tensors, torch otherwise) or set one of those values"
+            "dispatch (Triton on CUDA tensors once self-checked, torch otherwise) or set one of "
+            "those values"
         )
     if choice == "torch":
         return False
     if choice == "auto":
         # fp64 (exact parity tests) stays on the torch reference, which computes in fp64
-        return x.is_cuda and x.dtype in TRITON_DTYPES
+        if not (compiles_triton(x) and x.dtype in TRITON_DTYPES):
+            return False
+        # a dry run's fake tensors have no values to check: they measure the GPU's kernels
+        return is_fake(x) or selfcheck.passed(kernel, x.dtype, shape_class, x.device, check)
     if x.dtype not in TRITON_DTYPES:
         raise ValueError(
             f"{ENV_VAR}=triton: the Triton kernels take {', '.join(map(str, TRITON_DTYPES))}, "
@@ -99,6 +120,13 @@ def num_programs(x: torch.Tensor, rows: int) -> int:
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
         return max(min(rows, 4 * sms), 1)
     return max(min(rows, 4), 1)  # the interpreter runs programs one after another anyway
+
+
+def norm_check_rows(device: torch.device, h: int) -> int:
+    """Rows of a norm's self-check input: enough that each backward program walks two or more
+    rows, as at full size (2·programs + 1), but at most ~4M elements."""
+    programs = num_programs(torch.empty(0, device=device), 1 << 30)
+    return max(3, min(2 * programs + 1, (1 << 22) // h))
 
 
 def as_rows(x: torch.Tensor) -> torch.Tensor:

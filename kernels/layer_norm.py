@@ -12,11 +12,13 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from megatron_lite.kernels import selfcheck
 from megatron_lite.kernels.dispatch import (
     MAX_HIDDEN,
     as_rows,
     compute_dtype,
     launch,
+    norm_check_rows,
     num_programs,
     num_warps_for,
     use_triton,
@@ -129,6 +131,23 @@ class LayerNormFunction(torch.autograd.Function):
         return dx.view(ctx.x_shape), dw_part.sum(0).to(weight.dtype), dbias, None
 
 
+def _self_check(device: torch.device, dtype: torch.dtype, shape_class) -> None:
+    """Both kernels (with a bias when the class has one) vs the reference (selfcheck.py)."""
+    h, weight_dtype, bias_dtype = shape_class
+    gen = selfcheck.generator(device)
+    x = selfcheck.sample((norm_check_rows(device, h), h), dtype, device, gen)
+    w = selfcheck.sample((h,), weight_dtype, device, gen)
+    if bias_dtype is None:
+        fused = lambda x, w: LayerNormFunction.apply(x, w, None, 1e-5)
+        ref = lambda x, w: layer_norm_reference(x, w, None, 1e-5)
+        selfcheck.compare_op(fused, ref, [x, w], dtype, gen)
+        return
+    b = selfcheck.sample((h,), bias_dtype, device, gen)
+    fused = lambda x, w, b: LayerNormFunction.apply(x, w, b, 1e-5)
+    ref = lambda x, w, b: layer_norm_reference(x, w, b, 1e-5)
+    selfcheck.compare_op(fused, ref, [x, w, b], dtype, gen)
+
+
 def layer_norm(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -140,6 +159,7 @@ def layer_norm(
     for name, t in (("weight", weight), ("bias", bias)):
         if t is not None and t.shape != (h,):
             raise ValueError(f"layer_norm: {name} shape {tuple(t.shape)} must be ({h},)")
-    if x.numel() == 0 or not use_triton(x):
+    shape_class = (h, weight.dtype, None if bias is None else bias.dtype)
+    if x.numel() == 0 or not use_triton(x, "layer_norm", shape_class, _self_check):
         return layer_norm_reference(x, weight, bias, eps)
     return LayerNormFunction.apply(x, weight, bias, eps)

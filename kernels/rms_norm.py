@@ -13,11 +13,13 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from megatron_lite.kernels import selfcheck
 from megatron_lite.kernels.dispatch import (
     MAX_HIDDEN,
     as_rows,
     compute_dtype,
     launch,
+    norm_check_rows,
     num_programs,
     num_warps_for,
     use_triton,
@@ -139,6 +141,20 @@ class RMSNormFunction(torch.autograd.Function):
         return dx, dweight, dres, None
 
 
+def _self_check(device: torch.device, dtype: torch.dtype, shape_class) -> None:
+    """Both kernels, without and with the fused residual add, vs the reference (selfcheck.py)."""
+    h, weight_dtype = shape_class
+    gen = selfcheck.generator(device)
+    rows = norm_check_rows(device, h)
+    x, r = (selfcheck.sample((rows, h), dtype, device, gen) for _ in range(2))
+    w = selfcheck.sample((h,), weight_dtype, device, gen)
+    fused = lambda x, w: RMSNormFunction.apply(x, w, None, 1e-6)
+    selfcheck.compare_op(fused, lambda x, w: rms_norm_reference(x, w), [x, w], dtype, gen)
+    fused = lambda x, w, r: RMSNormFunction.apply(x, w, r, 1e-6)
+    ref = lambda x, w, r: rms_norm_reference(x, w, residual=r)
+    selfcheck.compare_op(fused, ref, [x, w, r], dtype, gen)
+
+
 def rms_norm(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -157,6 +173,6 @@ def rms_norm(
             f"residual {tuple(residual.shape)} {residual.dtype} must match x {tuple(x.shape)} "
             f"{x.dtype}: cast or reshape it before the fused add + norm"
         )
-    if x.numel() == 0 or not use_triton(x):
+    if x.numel() == 0 or not use_triton(x, "rms_norm", (x.shape[-1], weight.dtype), _self_check):
         return rms_norm_reference(x, weight, eps, residual)
     return RMSNormFunction.apply(x, weight, residual, eps)

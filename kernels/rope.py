@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from megatron_lite.kernels import selfcheck
 from megatron_lite.kernels.dispatch import compute_dtype, launch, use_triton
 
 ELEMENTS_PER_PROGRAM = 4096  # rows per program = this / d, so a program moves ~16 KB of fp32
@@ -86,6 +87,19 @@ class RoPEFunction(torch.autograd.Function):
         return _launch(dout.contiguous(), cos, sin, backward=True), None, None
 
 
+def _self_check(device: torch.device, dtype: torch.dtype, shape_class) -> None:
+    """Forward and backward kernel vs the reference on two programs of rows and a partial third
+    (selfcheck.py); cos/sin from real angles, as the model's tables are."""
+    d, table_dtype = shape_class
+    gen = selfcheck.generator(device)
+    rows = 2 * max(ELEMENTS_PER_PROGRAM // (2 * triton.next_power_of_2(d // 2)), 1) + 3
+    x = selfcheck.sample((rows, 1, 1, d), dtype, device, gen)  # [s, b, n, d]
+    angles = selfcheck.sample((rows, d), torch.float32, device, gen, requires_grad=False) * 3
+    cos, sin = angles.cos().to(table_dtype), angles.sin().to(table_dtype)
+    fused = lambda x: RoPEFunction.apply(x, cos, sin)
+    selfcheck.compare_op(fused, lambda x: apply_rope_reference(x, cos, sin), [x], dtype, gen)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [s, b, n, d] by cos/sin [s, d] (half-rotation convention); fp32 math.
 
@@ -100,6 +114,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
                 f"apply_rope: {name} must be [s, d] = [{s}, {d}], got "
                 f"{tuple(t.shape)} (slice the table to the local sequence first)"
             )
-    if x.numel() == 0 or not use_triton(x):
+    if x.numel() == 0 or not use_triton(x, "rope", (d, cos.dtype), _self_check):
         return apply_rope_reference(x, cos, sin)
     return RoPEFunction.apply(x, cos, sin)

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from megatron_lite.kernels import selfcheck
 from megatron_lite.kernels.dispatch import compute_dtype, launch, use_triton
 
 BLOCK = 2048  # elements per program: 16 per thread at 4 warps, enough bytes in flight
@@ -81,6 +82,14 @@ class SwiGLUFunction(torch.autograd.Function):
         return dgate, dup
 
 
+def _self_check(device: torch.device, dtype: torch.dtype, shape_class) -> None:
+    """Both kernels vs the reference on two blocks and a partial third (selfcheck.py). The
+    kernels are flat over the elements: one class per dtype (shape_class is None)."""
+    gen = selfcheck.generator(device)
+    gate, up = (selfcheck.sample((2 * BLOCK + 5,), dtype, device, gen, scale=3) for _ in range(2))
+    selfcheck.compare_op(SwiGLUFunction.apply, swiglu_reference, [gate, up], dtype, gen)
+
+
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for gate, up of the same shape [..., f] and dtype; fp32 math."""
     if gate.shape != up.shape or gate.dtype != up.dtype:
@@ -88,6 +97,6 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
             f"swiglu: gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} {up.dtype} "
             "must have the same shape and dtype (split the fused [.., 2f] projection first)"
         )
-    if gate.numel() == 0 or not use_triton(gate):
+    if gate.numel() == 0 or not use_triton(gate, "swiglu", None, _self_check):
         return swiglu_reference(gate, up)
     return SwiGLUFunction.apply(gate, up)

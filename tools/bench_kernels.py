@@ -33,7 +33,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-os.environ["MEGATRON_LITE_KERNELS"] = "triton"  # the "triton" provider calls the public API
+# the "triton" provider calls the public API, forced: the kernels as timed, without the
+# self-check that automatic dispatch runs first (kernels/selfcheck.py)
+os.environ["MEGATRON_LITE_KERNELS"] = "triton"
 from megatron_lite import kernels  # noqa: E402
 
 OPS = ("rms_norm", "layer_norm", "rope", "swiglu", "cross_entropy")

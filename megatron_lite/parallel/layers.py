@@ -27,16 +27,21 @@ class _GemmMode:
         return self
 
 
-def _gemm(backend: str, weight: nn.Parameter | None):
-    """The local GEMM y = x Wᵀ (+ b): torch's F.linear, or a Transformer Engine Linear (FP8 capable)
-    that computes with the layer's own weight (see parallel/te_linear.py)."""
-    if backend == "local" or weight is None:
-        return F.linear
-    if backend == "te":
-        from megatron_lite.parallel.te_linear import TELinearGemm
+def _gemm_and_weight(backend: str, out_features: int, in_features: int, skip_weight=False):
+    """The local GEMM y = x Wᵀ (+ b) and the weight [out, in] it computes with: torch's F.linear
+    and a new Parameter, or a Transformer Engine Linear (FP8 capable) and the weight Parameter
+    TE created for itself, which the layer owns (see parallel/te_linear.py). No weight (a
+    borrowed one) computes with F.linear."""
+    if backend not in ("local", "te"):
+        raise ValueError(f"unknown linear backend {backend!r} (local | te)")
+    if skip_weight:
+        return F.linear, None
+    if backend == "local":
+        return F.linear, nn.Parameter(torch.empty(out_features, in_features))
+    from megatron_lite.parallel.te_linear import TELinearGemm
 
-        return TELinearGemm(weight)
-    raise ValueError(f"unknown linear backend {backend!r} (local | te)")
+    gemm = TELinearGemm(out_features, in_features)
+    return gemm, gemm.weight
 
 
 class ColumnParallelLinear(_GemmMode, nn.Module):
@@ -83,20 +88,15 @@ class ColumnParallelLinear(_GemmMode, nn.Module):
                 raise ValueError(f"output segment {seg} not divisible by tp={tp}")
         out_local, out_full = sum(segments) // tp, sum(segments)
         shard = dict(tp_dim=0, tp_rank=rank, tp_size=tp, segments=tuple(segments))
-        self.weight = None
-        if not skip_weight:  # the tied output layer borrows the embedding's weight
-            self.weight = set_meta(
-                nn.Parameter(torch.empty(out_local, in_features)),
-                full_shape=(out_full, in_features),
-                std=init_std,
-                **shard,
-            )
+        # the tied output layer borrows the embedding's weight (skip_weight)
+        self._gemm, self.weight = _gemm_and_weight(gemm, out_local, in_features, skip_weight)
+        if self.weight is not None:
+            set_meta(self.weight, full_shape=(out_full, in_features), std=init_std, **shard)
         self.bias = None
         if bias:
             self.bias = set_meta(
                 nn.Parameter(torch.empty(out_local)), full_shape=(out_full,), init="zeros", **shard
             )
-        self._gemm = _gemm(gemm, self.weight)
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         if self._gemm is F.linear:
@@ -153,8 +153,9 @@ class RowParallelLinear(_GemmMode, nn.Module):
         tp, rank = _tp(tp_group)
         if in_features % tp:
             raise ValueError(f"input size {in_features} not divisible by tp={tp}")
-        self.weight = set_meta(
-            nn.Parameter(torch.empty(out_features, in_features // tp)),
+        self._gemm, self.weight = _gemm_and_weight(gemm, out_features, in_features // tp)
+        set_meta(
+            self.weight,
             full_shape=(out_features, in_features),
             tp_dim=1,
             tp_rank=rank,
@@ -169,7 +170,6 @@ class RowParallelLinear(_GemmMode, nn.Module):
                 init="zeros",
                 sequence_parallel=sequence_parallel and tp > 1,
             )
-        self._gemm = _gemm(gemm, self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._gemm is F.linear:  # main_grad accumulation and deferred wgrad; no input comm

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from megatron_lite.parallel.params import materialize
+
 # model.fp8_recipe -> the Transformer Engine recipe class (transformer_engine.common.recipe)
 FP8_RECIPES = {
     "tensorwise": "Float8CurrentScaling",  # per-tensor scale from the current amax (stateless)
@@ -57,30 +59,43 @@ def fp8_autocast(recipe, group):
 
 class TELinearGemm:
     """y = x Wᵀ (+ b, added after) through a Transformer Engine Linear without bias or
-    communication, computing with the `weight` that the calling layer owns. Kept out of the
-    nn.Module tree, so parameter names, init, grad sync and checkpoints are the local backend's."""
+    communication. TE creates the weight and the calling layer adopts it as its own parameter
+    (`self.weight`): one Parameter, registered in TE the way TE registers it (init function,
+    fp8 metadata slot), so nothing is swapped into TE. The Linear is kept out of the layer's
+    nn.Module tree, so parameter names, init, grad sync and checkpoints are the local backend's.
 
-    def __init__(self, weight: torch.nn.Parameter):
+    TE is built on the meta device, which it documents as deferred initialization: it defers
+    only when `device` is the string "meta" (`defer_init=device == "meta"` in TE's Linear;
+    a torch.device("meta") does not compare equal, and TE would then allocate the weight on
+    CUDA and draw its own init at construction). Then the weight gets uninitialized storage on
+    the device the layer is built on, in place (`params.materialize`: the Parameter object TE
+    holds is kept); on meta (a model built on meta) it stays there until the model's own
+    materialize. The layer's initializer (`params.init_parameters`) draws it, as for `local`."""
+
+    def __init__(self, out_features: int, in_features: int):
         import transformer_engine.pytorch as te
 
-        out_features, in_features = weight.shape
         self.linear = te.Linear(
             in_features,
             out_features,
             bias=False,
-            params_dtype=weight.dtype,
-            device=weight.device,
+            params_dtype=torch.get_default_dtype(),
+            device="meta",  # the string: TE's deferred init (see the class docstring)
         )
-        self.linear.weight = weight  # TE reads its weight by name at every forward
+        self.weight: torch.nn.Parameter = self.linear.weight
+        where = torch.empty(0).device  # the default device of this build (meta under a
+        if where.type != "meta":  # `with torch.device("meta")` block)
+            materialize(self.linear, where)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
-        if self.linear.weight is not weight:  # the layer's parameter object was replaced
-            if not isinstance(weight, torch.nn.Parameter):
-                raise TypeError(
-                    "the te linear backend computes with a layer's own weight Parameter; "
-                    "pass none (or use gemm='local' for a borrowed plain tensor)"
-                )
-            self.linear.weight = weight
+        if weight is not self.weight:
+            raise ValueError(
+                "the te linear backend computes with the weight Parameter Transformer Engine "
+                "created for this layer, but was given another tensor (the layer's weight was "
+                "replaced, e.g. by Module.to_empty or load_state_dict(assign=True), or a "
+                "borrowed weight was passed to forward). Fix: fill the weight in place "
+                "(copy_, params.materialize), or use gemm='local' for a borrowed weight"
+            )
         y = self.linear(x)
         return y if bias is None else y + bias.to(y.dtype)  # as F.linear under autocast
 

@@ -40,6 +40,10 @@ Key = tuple[int, int]  # (microbatch, chunk)
 # forward_step(chunk, microbatch, input) -> the chunk's output activation, or on the last virtual
 # stage a scalar loss; `input` is None on virtual stage 0 (the chunk reads the microbatch).
 ForwardStep = Callable[[torch.nn.Module, Any, "torch.Tensor | None"], torch.Tensor]
+# before_backward(chunk, is_last): called before each backward of local chunk `chunk`, outside
+# autograd; is_last: the step's last backward of that chunk (from the schedule table), where a
+# data-parallel wrapper that defers its gradient reduction (FSDP2) reduces
+BeforeBackward = Callable[[int, bool], None]
 
 
 @dataclass
@@ -74,6 +78,8 @@ class _Run:
 
     def __init__(self, chunks, microbatches, forward_step, loss_scale, p2p, pp, dtype, recorder):
         self.chunks, self.microbatches, self.loss_scale = chunks, microbatches, loss_scale
+        self.before_backward: BeforeBackward | None = None
+        self.last_backward: dict[int, int] = {}  # chunk -> microbatch of its last backward
         self.forward_step, self.p2p, self.dtype, self.recorder = forward_step, p2p, dtype, recorder
         self.pp_rank, self.pp_size, device = pp
         self.forward_only = False
@@ -115,6 +121,8 @@ class _Run:
         key, stage = (a.microbatch, a.chunk), self.stage(a.chunk)
         out = self.outputs.pop(key)
         grad = None if stage == self.last_stage else self.output_grads.pop(key)
+        if self.before_backward is not None:
+            self.before_backward(a.chunk, a.microbatch == self.last_backward[a.chunk])
         torch.autograd.backward(out, grad_tensors=grad)
         if stage != 0:
             inp = self.inputs.pop(key)
@@ -188,6 +196,7 @@ def forward_backward(
     recorder: SpanRecorder | None = None,
     forward_only: bool = False,
     stats: PipelineStats | None = None,
+    before_backward: BeforeBackward | None = None,
 ) -> torch.Tensor:
     """Forward and backward of every microbatch through this rank's `chunks`; returns the sum of
     the unscaled losses `forward_step` returned (float64, 0-dim; zero unless this rank holds the
@@ -199,7 +208,9 @@ def forward_backward(
     send/recv batch (errors name rank, step, action and peer). `recorder` collects one span per
     action for a pipeline trace. `forward_only` (evaluation) runs the `forward_only` table under
     torch.no_grad(): no backward, no activation kept. `stats`, if given, is filled with what
-    this rank held (`PipelineStats`).
+    this rank held (`PipelineStats`). `before_backward(chunk, is_last)` runs before each
+    backward, outside autograd, with is_last true for each chunk's last backward of the table
+    (e.g. `DataParallelWrapper.before_backward`: FSDP2 reduces there, not in every backward).
     """
     pp = mappings.size(pp_group)
     pp_rank = dist.get_rank(pp_group) if pp > 1 else 0
@@ -215,6 +226,8 @@ def forward_backward(
     pp_info = (pp_rank, pp, device)
     run = _Run(chunks, microbatches, forward_step, loss_scale, p2p, pp_info, dtype, recorder)
     run.forward_only = forward_only
+    run.before_backward = before_backward
+    run.last_backward = {a.chunk: a.microbatch for a in actions if a.kind == "backward"}
     with torch.no_grad() if forward_only else contextlib.nullcontext():
         for step in comm_batches(actions):
             run.execute(step)

@@ -172,6 +172,7 @@ class Trainer:
             timeout_s=cfg.parallel.timeout_s,
             recorder=recorder,
             forward_only=forward_only,
+            before_backward=self.dp.before_backward,
         )
         if recorder is not None:
             meta = {

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from megatron_lite.config import Config
+from megatron_lite.config import Config, ConfigError
 from megatron_lite.validation.rules import _choice, _rule
 
 
@@ -56,7 +56,14 @@ def _validate_data_parallel(cfg: Config) -> None:
 
 
 def _validate_zero3(cfg: Config) -> None:
-    """What FSDP2 (parallel/data_parallel/fsdp.py) does not compose with."""
+    """What FSDP2 (parallel/data_parallel/fsdp.py) does not compose with, and whether this
+    torch's FSDP2 still has the shape stage 3 uses (fsdp_compat.py)."""
+    from megatron_lite.parallel.data_parallel.fsdp_compat import FSDP2APIError, check_fsdp2
+
+    try:
+        check_fsdp2()
+    except FSDP2APIError as e:
+        raise ConfigError(str(e)) from e
     t, m = cfg.train, cfg.model
     _rule(
         t.optimizer_offload == "none",

@@ -2,16 +2,14 @@
 
 import pytest
 import torch
+from megatron_lite.kernels import selfcheck
+from megatron_lite.kernels.selfcheck import TOLERANCES
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HALF_SKIP = "needs a GPU: the Triton interpreter's bf16 arithmetic is broken upstream"
 
-# (dtype, atol, rtol) for outputs and gradients against the fp32-math torch reference
-TOLERANCES = {
-    torch.float32: (2e-5, 2e-5),
-    torch.bfloat16: (3e-2, 2e-2),
-    torch.float16: (4e-3, 4e-3),
-}
+# TOLERANCES: (atol, rtol) per dtype for outputs and gradients against the fp32-math torch
+# reference; the kernels' self-check (kernels/selfcheck.py) holds them to the same bounds
 
 
 def dtype_params():
@@ -39,18 +37,9 @@ def check_close(name, got, want, dtype):
     )  # fmt: skip
 
 
-def check_op(fn, ref, inputs, dtype, n_out=1):
+def check_op(fn, ref, inputs, dtype):
     """Run fn and ref on the same inputs with the same random output grads; compare the
-    outputs and the gradient of every input that requires grad."""
-    outs, refs = fn(*inputs), ref(*inputs)
-    if n_out == 1:
-        outs, refs = (outs,), (refs,)
-    assert all(o.dtype == r.dtype and o.shape == r.shape for o, r in zip(outs, refs, strict=True))
-    grads = [torch.randn_like(o, dtype=torch.float32).to(o.dtype) for o in outs]
-    leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
-    got = torch.autograd.grad(outs, leaves, grads)
-    want = torch.autograd.grad(refs, leaves, grads)
-    for i, (o, r) in enumerate(zip(outs, refs, strict=True)):
-        check_close(f"output {i}", o, r, dtype)
-    for i, (g, w) in enumerate(zip(got, want, strict=True)):
-        check_close(f"grad of input {i}", g, w, dtype)
+    outputs (dtype, shape, values) and the gradient of every input that requires grad, as the
+    kernels' self-check does (output grads drawn from the test's seeded stream)."""
+    gen = torch.Generator(device=DEVICE).manual_seed(int(torch.randint(2**62, ())))
+    selfcheck.compare_op(fn, ref, inputs, dtype, gen)

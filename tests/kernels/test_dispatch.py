@@ -1,5 +1,6 @@
 """Backend dispatch: MEGATRON_LITE_KERNELS is read at call time and errors say how to fix."""
 
+import importlib
 import os
 import subprocess
 import sys
@@ -7,7 +8,7 @@ import textwrap
 
 import pytest
 import torch
-from megatron_lite.kernels import ENV_VAR, rms_norm, use_triton
+from megatron_lite.kernels import ENV_VAR, rms_norm, selfcheck, use_triton
 
 from tests.kernels.helpers import randn
 
@@ -18,16 +19,24 @@ def backward_name(y):
     return type(y.grad_fn).__name__
 
 
+def _never(*args):
+    raise AssertionError("the self-check ran")
+
+
 def test_auto_uses_torch_for_cpu_tensors(monkeypatch):
     monkeypatch.delenv(ENV_VAR, raising=False)
     x = torch.randn(3, device="cpu")
-    assert use_triton(x) is False
+    assert use_triton(x, "swiglu", None, _never) is False
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA tensor")
-def test_auto_uses_triton_for_cuda_tensors(monkeypatch):
+def test_auto_uses_triton_for_cuda_tensors_that_pass_their_check(monkeypatch):
+    """On a GPU: the real self-check of the compiled swiglu kernels, in each dtype."""
     monkeypatch.delenv(ENV_VAR, raising=False)
-    assert use_triton(torch.randn(3, device="cuda")) is True
+    check = importlib.import_module("megatron_lite.kernels.swiglu")._self_check
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        x = torch.randn(3, device="cuda", dtype=dtype)
+        assert use_triton(x, "swiglu", None, check) is True, selfcheck.verdicts()
 
 
 def test_env_var_is_read_at_call_time(monkeypatch):

@@ -116,7 +116,7 @@ def _setup(world: int, tp: int) -> tuple[ParallelMesh, Encoder]:
     return mesh, model
 
 
-def _loss_sum(mesh: ParallelMesh, model: Encoder) -> torch.Tensor:
+def _loss_sum(mesh: ParallelMesh, model: Encoder, before_backward=None) -> torch.Tensor:
     """Forward and backward of this rank's samples of the batch (microbatches of MICRO);
     returns the summed loss of this rank's masked tokens."""
     inputs, labels = (t.chunk(mesh.dp.size)[mesh.dp.rank] for t in global_batch())
@@ -125,6 +125,7 @@ def _loss_sum(mesh: ParallelMesh, model: Encoder) -> torch.Tensor:
         list(zip(inputs.split(MICRO), labels.split(MICRO), strict=True)),
         lambda chunk, mb, _input: chunk(*mb),
         loss_scale=1.0 / (GLOBAL_BATCH * MASKED_PER_SAMPLE),  # the global masked-token mean
+        before_backward=before_backward,  # ZeRO-3 then reduces in the last microbatch only
     )
 
 
@@ -171,7 +172,7 @@ def train(rank: int, world: int, tp: int, zero_stage: int) -> list[tuple[float, 
     out = []
     for _ in range(STEPS):
         dp.start_step(GLOBAL_BATCH // (mesh.dp.size * MICRO))
-        total = _loss_sum(mesh, model)
+        total = _loss_sum(mesh, model, dp.before_backward)
         dp.finish_grad_sync()
         grad_sq = dp.grad_square_sum()
         dist.all_reduce(grad_sq)  # summed over the world it counts every element once

@@ -1,11 +1,16 @@
-"""model.linear_backend=te on CPU through a stand-in Transformer Engine (tests/fake_te): the
-transformer-layer GEMMs go through TE Linear modules that compute with our own weights, so the
-fp32 losses equal the local backend's, and model.fp8 runs those GEMMs inside TE's autocast with
-the configured recipe and the tp×cp×dp amax group. Real TE needs CUDA (tools/gpu_check.sh)."""
+"""model.linear_backend=te on CPU through a stand-in Transformer Engine (tests/fake_te, which
+handles meta-device construction as TE does): each TE Linear creates its weight and the layer
+owns that very Parameter (built on meta: TE defers its init, no CUDA allocation, no draw); the
+transformer-layer GEMMs go through TE, so the fp32 losses equal the local backend's, and
+model.fp8 runs those GEMMs inside TE's autocast with the configured recipe and the tp×cp×dp
+amax group. Real TE needs CUDA (tools/gpu_check.sh)."""
 
 import os
+import sys
 
 import pytest
+import torch
+import torch.nn.functional as F
 
 from tests.dist_harness import run_ranks
 from tests.parallel.parity import (
@@ -23,8 +28,67 @@ TP2_SP = ["parallel.tp=2", "parallel.sequence_parallel=true"]
 LLAMA = ("model.arch=llama", *SHORT)  # the parity tables' single-rank reference
 
 
+def _layers(gemm: str):
+    from megatron_lite.parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    col = ColumnParallelLinear(8, [4, 2], None, bias=True, gemm=gemm)
+    return col, RowParallelLinear(6, 8, None, bias=False, gemm=gemm)
+
+
+def test_te_creates_the_weight_the_layer_owns_deferred_on_meta(fake_te):
+    """Built on meta (every model build: init=False, or ZeRO-3's meta shards), TE defers its
+    init as it documents (device="meta", the string), nothing lands on CUDA, and the layer's
+    weight is the Parameter TE registered, with TE's fp8 slot; materialize keeps that object,
+    so after the draw TE computes with the layer's values and the gradient reaches them."""
+    from megatron_lite.parallel.params import init_parameters, materialize
+
+    stats = dict(fake_te.STATS)
+    with torch.device("meta"):
+        layers = _layers("te")
+    assert fake_te.STATS["deferred"] - stats["deferred"] == 2, fake_te.STATS
+    assert fake_te.STATS["materialized_on_cuda"] == stats["materialized_on_cuda"], fake_te.STATS
+    for layer in layers:
+        te_linear = layer._gemm.linear
+        assert te_linear.weight is layer.weight and layer.weight.is_meta
+        assert te_linear.param_init_meta["weight"].fp8_meta_index == fake_te.GEMM1_WEIGHT
+        materialize(layer, torch.device("cpu"))
+        init_parameters(layer, seed=3)
+        assert te_linear.weight is layer.weight and not layer.weight.is_meta
+    col, row = layers
+    x = torch.randn(3, 2, 8)
+    y = row(col(x)[..., :6])
+    want = F.linear(F.linear(x, col.weight, col.bias)[..., :6], row.weight)
+    torch.testing.assert_close(y, want, rtol=0, atol=0)
+    y.sum().backward()
+    assert col.weight.grad is not None and row.weight.grad is not None
+
+
+def test_te_weights_are_drawn_as_the_local_backends(fake_te):
+    """Built on a real device, TE's weight gets storage there and the layer's initializer
+    draws the same values as for gemm="local" (names and metadata unchanged)."""
+    from megatron_lite.parallel.params import init_parameters
+
+    drawn = {}
+    for gemm in ("local", "te"):
+        layers = torch.nn.ModuleList(_layers(gemm))
+        init_parameters(layers, seed=3)
+        drawn[gemm] = dict(layers.named_parameters())
+    assert drawn["te"].keys() == drawn["local"].keys()
+    for name, p in drawn["te"].items():
+        assert torch.equal(p, drawn["local"][name]), name
+        assert p.meta == drawn["local"][name].meta, name
+
+
+def test_a_replaced_te_weight_is_refused(fake_te):
+    """TE computes with the Parameter it created: a layer whose weight was replaced (here as
+    to_empty does, by a new Parameter) fails with the fix instead of computing with TE's."""
+    col, _ = _layers("te")
+    col.weight = torch.nn.Parameter(torch.randn_like(col.weight))
+    with pytest.raises(ValueError, match="fill the weight in place"):
+        col(torch.randn(3, 2, 8))
+
+
 def _train_with_fake_te(rank, world, overrides, out_dir):
-    import sys
 
     sys.path.insert(0, FAKE_TE)
     import transformer_engine.pytorch as te

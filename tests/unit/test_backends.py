@@ -1,7 +1,5 @@
 """Attention/linear backend selection and its error messages (CPU machine: no CUDA)."""
 
-import sys
-
 import pytest
 import torch
 
@@ -153,18 +151,6 @@ def test_mxfp8_needs_32_aligned_gemms():
     validate(load_config(None, [*base, "model.fp8_recipe=tensorwise"]), 1)  # 16-aligned: fine
     with pytest.raises(ConfigError, match="model.hidden_size = 48 must be a multiple of 32"):
         validate(load_config(None, [*base, "model.fp8_recipe=mxfp8"]), 1)
-
-
-@pytest.fixture
-def fake_te(monkeypatch):
-    """tests/fake_te importable as transformer_engine for one test."""
-    import os
-
-    here = os.path.dirname(os.path.dirname(__file__))
-    monkeypatch.syspath_prepend(os.path.join(here, "fake_te"))
-    yield
-    for name in [n for n in sys.modules if n.split(".")[0] == "transformer_engine"]:
-        del sys.modules[name]  # later tests must not find the stand-in as installed
 
 
 def test_fp8_support_asks_te_and_names_a_missing_recipe(fake_te, monkeypatch):

@@ -137,6 +137,9 @@ class DataParallel:
         for buf in self.buffers:
             buf.start_step(num_microbatches)
 
+    def before_backward(self, chunk: int, is_last: bool) -> None:
+        """Nothing: the buckets count their gradients and launch when complete."""
+
     def local_grads(self) -> list[LocalGrad]:
         """This rank's reduced gradient shard, one entry per piece (parameter ∩ shard)."""
         return [LocalGrad(pc.param, pc.grad, pc.buffer.replicas) for pc in self.pieces]

@@ -19,8 +19,10 @@ rows) or a checkpoint load, and recompute the buffers that were on meta.
 
 Gradients are summed (the loss is already the mean over the global batch). Over microbatches
 they accumulate unsharded, in `reduce_dtype`, without communication: each chunk reduce-scatters
-once, in the backward of the step's last microbatch (a hook on the chunk's output counts its
-backwards, which run in microbatch order under every pipeline schedule). So with M > 1
+once, in the backward of the step's last microbatch. Which backward that is, the pipeline engine
+knows from its schedule table: it calls `before_backward(chunk, is_last)` before running each
+backward, outside autograd, and that sets FSDP2's flags (a backward nobody announced syncs, as
+FSDP2 does by default: correct, one reduce-scatter per microbatch). So with M > 1
 microbatches a rank holds the unsharded gradients of its whole model (Ψ in the reduce dtype)
 from the first microbatch's backward to the last's, beside the 4Ψ/N shards: one reduce-scatter
 per step instead of M, for that memory (memory.py and the planner count it). Then, as in
@@ -40,6 +42,7 @@ from megatron_lite.parallel.data_parallel import finalize
 from megatron_lite.parallel.data_parallel.ddp import hybrid_groups
 from megatron_lite.parallel.data_parallel.finalize import LocalGrad, data_replicas, tied_params
 from megatron_lite.parallel.data_parallel.fsdp_comm import count_collectives
+from megatron_lite.parallel.data_parallel.fsdp_compat import check_fsdp2
 from megatron_lite.parallel.data_parallel.fsdp_optimizer import FSDPAdamW
 from megatron_lite.parallel.data_parallel.memory import sharded_state_bytes, sharded_state_tensors
 from megatron_lite.parallel.mesh import ParallelMesh
@@ -182,6 +185,7 @@ class FullyShardedDataParallel:
                 f"parallel.zero_stage=3 needs torch >= 2.6 (torch.distributed.fsdp.fully_shard); "
                 f"this is torch {torch.__version__}. Fix: upgrade torch or use zero_stage 1 or 2"
             )
+        check_fsdp2()  # what we use of FSDP2 is still there, before any mesh or sharding
         self.mesh, self.chunks, self.reduce_dtype = mesh, chunks, reduce_dtype
         layers_of = layers_of or chunk_layers
         # chunks on the meta device are sharded there first: the whole model never has storage
@@ -210,26 +214,21 @@ class FullyShardedDataParallel:
         self.params = [p for c in chunks for p in c.parameters() if p.requires_grad]
         self.tied = tied_params(chunks) if mesh.pp.size > 1 and tie_embeddings else []
         self.optimizer = FSDPAdamW(self.params, lr, betas, eps, weight_decay, param_dtype)
-        self.expected, self.backwards = 1, [0] * len(chunks)
-        for i, chunk in enumerate(chunks):
-            chunk.register_forward_hook(lambda m, a, out, i=i: self._watch_backward(i, out))
-
-    def _watch_backward(self, i: int, out) -> None:
-        if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad:
-            out.register_hook(lambda grad, i=i: self._before_backward(i))
-
-    def _before_backward(self, i: int) -> None:
-        """Chunk i's backward of one microbatch starts: reduce-scatter only in the last one."""
-        self.backwards[i] += 1
-        last = self.backwards[i] >= self.expected
-        self.chunks[i].set_requires_gradient_sync(last)
-        self.chunks[i].set_is_last_backward(last)
+        self.expected = 1
+        self.unsynced: set[int] = set()  # chunks announced "not last" and not yet "last"
 
     # ------------------------------------------------------------ one step
     def start_step(self, num_microbatches: int) -> None:
-        self.expected, self.backwards = num_microbatches, [0] * len(self.chunks)
+        self.expected = num_microbatches
         for p in self.params:
             p.grad = None
+
+    def before_backward(self, chunk: int, is_last: bool) -> None:
+        """Before chunk `chunk`'s backward of one microbatch, outside autograd (the pipeline
+        engine calls it): FSDP2 reduce-scatters in the step's last backward only."""
+        self.chunks[chunk].set_requires_gradient_sync(is_last)
+        self.chunks[chunk].set_is_last_backward(is_last)
+        (self.unsynced.discard if is_last else self.unsynced.add)(chunk)
 
     def local_grads(self) -> list[LocalGrad]:
         """This rank's FSDP2 shard of each gradient (parameters that got one this step)."""
@@ -242,6 +241,14 @@ class FullyShardedDataParallel:
     def finish_grad_sync(self) -> None:
         """The sums over TP (sequence-parallel replicas) and over the embedding group (tied
         embeddings), on this rank's shards (FSDP2 reduced them over dp×cp in the backward)."""
+        if self.unsynced:
+            raise RuntimeError(
+                f"ZeRO-3: chunk(s) {sorted(self.unsynced)} had backwards announced with "
+                "before_backward(chunk, is_last=False) but none with is_last=True, so their "
+                "gradients were accumulated and never reduce-scattered. Fix: announce the "
+                "step's last backward of each chunk with is_last=True (the pipeline engine "
+                "does), or announce none (every backward then reduces)"
+            )
         finalize.sum_model_parallel_copies(self.local_grads(), self.mesh, self.tied)
 
     def grad_square_sum(self) -> torch.Tensor:

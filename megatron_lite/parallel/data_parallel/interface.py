@@ -5,7 +5,8 @@ stage runs.
 One step, on every rank:
 
     dp.start_step(num_microbatches)     # before the first backward
-    ...                                 # forward and backward of each microbatch
+    ...                                 # forward and backward of each microbatch, each
+                                        # backward after dp.before_backward(chunk, is_last)
     dp.finish_grad_sync()               # every gradient reduced (and its TP/tied sums)
     sq = dp.grad_square_sum()           # this rank's share of Σg²; all-reduce over the world
     dp.clip(sq.item() ** 0.5, max_norm)
@@ -81,6 +82,12 @@ class DataParallelWrapper(Protocol):
     def start_step(self, num_microbatches: int) -> None:
         """Before the step's first backward: gradients are final after this many microbatches
         (each chunk's backward runs once per microbatch)."""
+
+    def before_backward(self, chunk: int, is_last: bool) -> None:
+        """Before each backward of local chunk `chunk`, outside autograd (the pipeline engine
+        calls it from its schedule table): `is_last` marks the step's last backward of that
+        chunk. ZeRO-3 reduces only there; unannounced backwards each reduce (correct, more
+        traffic). Stages 0-2 count their gradients themselves: nothing to do."""
 
     def finish_grad_sync(self) -> None:
         """After the step's last backward: every gradient reduced over its data-parallel group,
