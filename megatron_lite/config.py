@@ -182,6 +182,16 @@ def _set(cfg: Config, key: str, value, source: str) -> None:
     setattr(sec, name, _coerce(key, value, str(ftype), getattr(sec, name)))
 
 
+def check_section(section: str, values: dict) -> None:
+    """The known keys of `values`, a dict of config section `section` read back from
+    elsewhere (a checkpoint's metadata), against their field types; other keys are ignored
+    (a checkpoint of another version may have more). ConfigError names the first misfit."""
+    cfg = Config()
+    for name, value in values.items():
+        if isinstance(name, str) and name in _known(getattr(cfg, section)):
+            _set(cfg, f"{section}.{name}", value, section)
+
+
 _SCALARS = {"int": int, "float": float, "bool": bool, "str": str}
 
 

@@ -227,7 +227,10 @@ def move_aside(cfg, checkpoints: list[str]) -> str:
         os.makedirs(ckpt_dest)
     else:
         ckpt_dest = new_aside_dir(ckpt_dir, os.path.basename(dest).removeprefix("overwritten-"))
-    latest = files.read_latest(ckpt_dir)
+    try:
+        latest = files.read_latest(ckpt_dir)
+    except CheckpointError:  # damaged: left in place, the next save rewrites it
+        latest = None
     moved = {os.path.abspath(p) for p in checkpoints}
     for path in checkpoints:
         os.replace(path, os.path.join(ckpt_dest, os.path.basename(path)))

@@ -3,7 +3,8 @@ crafted `.metadata` is refused under train.resume and train.init_from with nothi
 a save that fails on one rank is reported on every rank as a write naming the path, and the
 previous checkpoint still resumes; a torn metrics line and a stale `latest` do not stop
 resume=auto, which takes the newest committed step; when every checkpoint is damaged the run
-stops listing them; resume=none over checkpoints is refused, and overwrite moves them aside."""
+stops listing them; resume=none over checkpoints is refused, and overwrite moves them aside; a
+metadata.json of the wrong shape is damage on every rank (named, or passed over by auto)."""
 
 import json
 import os
@@ -148,3 +149,43 @@ def test_resume_none_over_checkpoints_is_refused_and_overwrite_moves_them(run):
     assert sorted(os.listdir(run / aside / "checkpoints")) == ["latest", "step_2", "step_4"]
     assert (run / aside / "metrics.jsonl").read_text() == old
     assert steps_in_metrics(run) == [0, 1]
+
+
+# metadata.json of the wrong shape (tests/unit/test_checkpoint_metadata.py has the whole table)
+MISSHAPEN = {
+    "json-array": lambda m: [m],
+    "no-kind": lambda m: {k: v for k, v in m.items() if k != "kind"},
+    "step-string": lambda m: {**m, "step": "4"},
+    "layout-string": lambda m: {**m, "layout": "tp1"},
+    "model-config-list": lambda m: {**m, "config": {**m["config"], "model": [1]}},
+}
+
+
+def _each(rank, world, runs):
+    """_train for each (overrides, out_dir) in turn, in one process per rank."""
+    return [_train(rank, world, overrides, out_dir, None) for overrides, out_dir in runs]
+
+
+def test_misshapen_metadata_is_damage_on_every_rank(base, tmp_path):
+    """Named explicitly, each shape stops both ranks with the same CheckpointError naming the
+    file (no AttributeError/KeyError/TypeError); under resume=auto the run falls back to
+    step_2 and trains on."""
+    runs, meta_files = [], []
+    for case, change in MISSHAPEN.items():
+        d = tmp_path / case
+        shutil.copytree(base, d)
+        meta_file = d / "checkpoints" / "step_4" / files.METADATA
+        meta_file.write_text(json.dumps(change(json.loads(meta_file.read_text()))))
+        resume = f"train.resume={d / 'checkpoints' / 'step_4'}"
+        runs.append(([*SMALL, "parallel.dp=2", "train.steps=6", resume], str(d)))
+        meta_files.append(str(meta_file))
+    auto = tmp_path / "json-array"  # then resume=auto in the first one: step_2, steps 2..5
+    runs.append(([*SMALL, "parallel.dp=2", "train.steps=6"], str(auto)))
+    results = run_ranks(2, _each, runs, timeout=120)
+    assert results[0] == results[1], f"the ranks disagree: {results}"
+    for (status, kind, msg), meta_file in zip(results[0][:-1], meta_files, strict=True):
+        assert (status, kind) == ("error", "CheckpointError"), msg
+        assert msg.startswith(f"{meta_file} is damaged: ") and "Fix:" in msg, msg
+    assert results[0][-1] == ("ok", [2, 3, 4, 5]), results[0][-1]
+    kept = [n for n in os.listdir(auto / "checkpoints") if n.startswith("step_4.replaced-")]
+    assert kept, "the damaged step_4 was deleted, not kept aside, when step 4 was saved again"
