@@ -274,7 +274,8 @@ class Trainer:
         self.stop_requested = signals > 0
         grad_norm = grad_sq**0.5
         loss = loss_total / n_tokens
-        skipped = self.guard.check(self.step, loss, grad_norm, loss_part, self._named_grads)
+        # 1-based, as the progress line counts steps (metrics.jsonl's "step" is 0-based)
+        skipped = self.guard.check(self.step + 1, loss, grad_norm, loss_part, self._named_grads)
         if skipped is None:
             with self._phase("optimizer", working=True):
                 self.dp.clip(grad_norm, cfg.train.grad_clip)
