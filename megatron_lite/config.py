@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import yaml
 
+from megatron_lite.atomic import write_atomic
+
 
 class ConfigError(ValueError):
     """Invalid configuration; the message is meant for the user as-is (no traceback)."""
@@ -327,5 +329,5 @@ def load_config(path: str | None = None, overrides: list[str] | tuple = ()) -> C
 
 
 def save_config(cfg: Config, path: str) -> None:
-    with open(path, "w") as f:
-        yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
+    """The config as YAML at `path`, written atomically (a failed write names `path`)."""
+    write_atomic(path, yaml.safe_dump(cfg.to_dict(), sort_keys=False))

@@ -273,16 +273,19 @@ def start_duties(cfg) -> list[str]:
     return notes
 
 
-def claim_run_dir(cfg, rank: int, world: int, group=None) -> RunLock | None:
+def claim_run_dir(cfg, rank: int, world: int, group=None, then=None) -> RunLock | None:
     """Take the run directory's lock and do the holder's start duties (collective over
-    `group`, default the world): returns the lock on rank 0, None elsewhere; raises
-    RunDirError on every rank when rank 0 was refused."""
+    `group`, default the world), then `then()` on rank 0 (train.main writes the run files):
+    returns the lock on rank 0, None elsewhere; raises RunDirError on every rank when rank 0
+    was refused or a step failed (a failed write names its file)."""
     lock, verdict = None, ("ok", "")  # rank 0's replaces it (a dry run sends nothing)
     if rank == 0:
         lock = RunLock(lock_directories(cfg))
         try:
             warnings = lock.acquire()
             notes = start_duties(cfg) if lock.owned else []
+            if then is not None:
+                then()
             verdict = ("ok", "")
         except Exception as e:  # every rank must hear of it, or the others would hang
             lock.release()
@@ -306,11 +309,10 @@ def claim_run_dir(cfg, rank: int, world: int, group=None) -> RunLock | None:
 
 
 def _os_message(cfg, e: OSError) -> str:
-    where = f" ({e.filename})" if getattr(e, "filename", None) else ""
     fix = "make it (and train.ckpt_dir) a writable directory"
     if getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
         fix = "free space on that disk (or raise the quota), or use another train.out_dir"
     return (
-        f"cannot prepare the run directory train.out_dir={cfg.train.out_dir}{where}: "
+        f"cannot prepare the run directory train.out_dir={cfg.train.out_dir}: "
         f"{type(e).__name__}: {e}. Fix: {fix}"
     )

@@ -264,7 +264,8 @@ class Trainer:
             owner = mesh.is_last_stage and mesh.tp.rank == 0
             grad_sq = self.dp.grad_square_sum()
             loss_part = loss_sum.reshape(()).double() if owner else torch.zeros_like(grad_sq)
-            signalled = float(self.signals.received is not None)
+            # a failed write of metrics.jsonl (rank 0) stops the run like a signal (train.py)
+            signalled = float(self.signals.received is not None or self.logger.error is not None)
             changed = float(self._activations != self._activations_reduced)
             flags = [torch.full_like(grad_sq, signalled), torch.full_like(grad_sq, changed)]
             sums = torch.stack([grad_sq, loss_part, *flags])
@@ -452,8 +453,13 @@ class Trainer:
                 if self._eval_due():
                     record["eval_loss"] = self.evaluate()
                 # saves when due; stops when a rank got a signal (agreed in train_step)
+                failed = self.logger.error
                 stop = self.signals.after_step(
-                    record, self.step, self.consumed_samples, self.stop_requested
+                    record,
+                    self.step,
+                    self.consumed_samples,
+                    self.stop_requested,
+                    f"could not write {failed.filename}" if failed else None,
                 )
                 self.logger.log(record, first)
                 records.append(record)

@@ -4,6 +4,7 @@ wrong with it, blames no other run, leaves the file as it was, and gives a fix t
 command in the message is run here, and the next claim succeeds."""
 
 import dataclasses
+import errno
 import json
 import os
 import re
@@ -165,3 +166,42 @@ def _dead_pid() -> int:
     proc = subprocess.Popen(["true"])
     proc.wait()
     return proc.pid
+
+
+def _full_disk(monkeypatch, name: str):
+    """fsync of the file `name` (its temporary: `name`.*) fails with ENOSPC: the lock and
+    the run files are fsynced before they are linked or renamed into place."""
+    fsync = os.fsync
+
+    def no_space(fd):
+        if os.path.basename(os.readlink(f"/proc/self/fd/{fd}")).startswith(name):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", no_space)
+
+
+@pytest.mark.parametrize("what", ["run.lock", "config.yaml"])
+def test_a_full_disk_names_the_file_and_leaves_nothing_behind(tmp_path, monkeypatch, what):
+    """The lock, or the run files train.main writes right after it (`then`), on a full
+    disk: exit 2 naming the file and "no space left", with a fix that says so; no temporary
+    file is left and the lock is not held."""
+    from megatron_lite.config import save_config
+
+    cfg = load_config(None, ["data.mock=true", f"train.out_dir={tmp_path}"])
+    config_yaml = str(tmp_path / "config.yaml")
+    then = None
+    if what == "config.yaml":
+        lock = run_dir.RunLock([str(tmp_path)])  # taken before the disk is full
+        lock.acquire()
+        then = lambda: save_config(cfg, config_yaml)  # noqa: E731
+    _full_disk(monkeypatch, what)
+    with pytest.raises(RunDirError) as e:
+        claim_run_dir(cfg, rank=0, world=1, then=then)
+    msg = str(e.value)
+    assert "No space left on device" in msg and "Fix: free space on that disk" in msg, msg
+    assert (str(tmp_path / "run.lock") if what == "run.lock" else config_yaml) in msg, msg
+    monkeypatch.undo()
+    if what == "config.yaml":
+        lock.release()
+    assert os.listdir(tmp_path) == [], "a temporary file or the lock was left behind"
