@@ -6,18 +6,20 @@ torchrun exits 1 whenever a rank fails, whatever the rank's code, after a `Child
 traceback and report. The ranks' codes mean something here (README, "exit codes": 2 a user
 error, 3 a non-finite step), so this runs torchrun's own agent (`torch.distributed.run`, the
 module behind the `torchrun` command) in this process and exits with the code `exit_code`
-picks from the failed ranks:
+picks: the first rank to fail decides (what torchrun's report calls the root cause; the ranks
+that fail after it, and those torchrun stops with SIGTERM, follow from it):
 
-- the ranks that exited by themselves (a code > 0) all exited with the same code: that code.
-  The rank printed its message; nothing is added, so a user error stays one paragraph;
-- they exited with different codes: 1 (ranks that agree on a stop exit with one code, so a
-  mix is a crash), with one line listing each rank's code;
-- every failed rank was killed by a signal: 128 + the signal of the first (the shell's
-  convention), preferring a signal other than the SIGTERM torchrun sends the survivors.
+- it exited by itself with code C: C. The rank printed its message; nothing is added, so a
+  user error stays one paragraph;
+- it was killed by signal N: 128 + N (the shell's convention), with a line naming the rank;
+- several ranks failed first (torchrun times failures to the second): a rank killed by a
+  signal other than SIGTERM (a crash: the OOM killer's SIGKILL, SIGSEGV, ...) decides; else
+  their own codes: one code is the launcher's, different codes make it 1 (ranks that agree
+  on a stop exit with one code, so a mix is a crash) with a line listing each rank's; else
+  (SIGTERM only) 143.
 
-Ranks torchrun itself stopped after the first failure (SIGTERM) never decide the code while
-another rank exited by itself. Used by `python -m megatron_lite.launch` and
-launch/slurm/train.sbatch, under megatron_lite/supervise.py.
+Used by `python -m megatron_lite.launch` and launch/slurm/train.sbatch, under
+megatron_lite/supervise.py.
 """
 
 from __future__ import annotations
@@ -45,20 +47,22 @@ def _signal_name(signum: int) -> str:
 def exit_code(failures: dict[int, tuple[int, float]]) -> tuple[int, str | None]:
     """(the exit code, a line to print or None) for failed ranks {rank: (exitcode, time)};
     exitcode < 0 means killed by that signal (see the module doc for the rule)."""
-    own = {rank: code for rank, (code, _) in failures.items() if code > 0}
-    if len(set(own.values())) == 1:
-        return next(iter(own.values())), None
     listed = ", ".join(
         f"rank {r}: " + (f"exit code {c}" if c > 0 else f"killed by {_signal_name(-c)}")
         for r, (c, _) in sorted(failures.items())
     )
-    if own:
+    t0 = min(t for _, t in failures.values())
+    first = {rank: code for rank, (code, t) in sorted(failures.items()) if t == t0}
+    crashed = [r for r, c in first.items() if c < 0 and -c != signal.SIGTERM]
+    own = {c for c in first.values() if c > 0}
+    if not crashed and len(own) == 1:
+        return own.pop(), None
+    if not crashed and own:
         return 1, f"[launch] the ranks failed with different exit codes ({listed}): exit 1"
-    # killed by signals only: the first, and not the SIGTERM torchrun sends the others
-    first = min(failures.items(), key=lambda kv: (kv[1][1], -kv[1][0] == signal.SIGTERM, kv[0]))
-    rank, (code, _) = first
-    name = _signal_name(-code)
-    return 128 - code, f"[launch] rank {rank} was killed by {name} ({listed}): exit {128 - code}"
+    rank = crashed[0] if crashed else next(iter(first))  # else: SIGTERM only
+    code = 128 - first[rank]
+    name = _signal_name(-first[rank])
+    return code, f"[launch] rank {rank} was killed by {name} ({listed}): exit {code}"
 
 
 def main(argv: list[str] | None = None) -> None:

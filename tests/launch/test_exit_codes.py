@@ -4,7 +4,8 @@
 processes); then real launches (python -m megatron_lite.launch -> supervise -> torchrun's
 agent -> 2 ranks), started side by side so their start-ups overlap: a run-directory lock no run
 wrote and a damaged checkpoint named by train.resume exit 2 with the rank's one paragraph, a
-non-finite step exits 3 naming step 1 (1-based, as the progress line). None prints torchrun's
+non-finite step exits 3 naming step 1 (1-based, as the progress line), a rank killed with
+SIGKILL mid-run makes it 137 with a line naming the rank. None prints torchrun's
 ChildFailedError report or a traceback.
 """
 
@@ -15,10 +16,12 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
 from megatron_lite.torchrun import exit_code
+from tests.launch.test_fault_tolerance import metric_records, rank_pids
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMOKE = os.path.join(ROOT, "configs", "smoke.yaml")
@@ -31,9 +34,12 @@ RULE = [
     ("user-error-others-stopped", {1: (2, 5), 0: (TERM, 5), 2: (TERM, 6)}, 2, None),
     ("agreed-nonfinite", {0: (3, 5), 1: (3, 5)}, 3, None),
     ("crash", {1: (1, 5), 0: (TERM, 5)}, 1, None),
+    ("crash-then-killed", {1: (1, 5), 0: (KILL, 35)}, 1, None),  # torchrun's SIGKILL, later
     ("ctrl-c-before-training", {0: (130, 5), 1: (130, 5)}, 130, None),
+    ("first-decides", {0: (2, 5), 1: (1, 6)}, 2, None),
     ("codes-differ", {0: (2, 5), 1: (1, 5)}, 1, "rank 0: exit code 2, rank 1: exit code 1"),
     ("codes-differ-3-2", {0: (3, 5), 1: (2, 5)}, 1, "different exit codes"),
+    ("oom-killed-peer-exits", {0: (1, 5), 1: (KILL, 5)}, 137, "rank 1 was killed by SIGKILL"),
     ("killed-then-stopped", {0: (TERM, 5), 1: (KILL, 5)}, 137, "rank 1 was killed by SIGKILL"),
     ("segfault-first", {0: (SEGV, 4), 1: (TERM, 5)}, 139, "rank 0 was killed by SIGSEGV"),
     ("only-sigterm", {0: (TERM, 5), 1: (TERM, 5)}, 143, "rank 0 was killed by SIGTERM"),
@@ -85,15 +91,27 @@ def test_launcher_exits_with_the_ranks_code_and_message(tmp_path):
             "error: step 1: the gradient norm is nan",
         ),
     }
+    killed = _launch(tmp_path / "killed", "train.steps=100000")  # rank 1 gets SIGKILL
     outputs = {}
     try:
+        deadline = time.monotonic() + 150
+        while len(metric_records(tmp_path / "killed")) < 2:  # training runs
+            assert killed.poll() is None and time.monotonic() < deadline, killed.communicate()
+            time.sleep(0.2)
+        os.kill(rank_pids(killed.pid)[1], signal.SIGKILL)  # as the OOM killer would
         for case, (proc, _, _) in cases.items():
             outputs[case] = proc.communicate(timeout=200)
+        out, err = killed.communicate(timeout=120)
     finally:
-        for proc, _, _ in cases.values():
+        for proc in [killed, *(proc for proc, _, _ in cases.values())]:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+    # the first rank to fail decides: rank 0 then exits 1 (its peer is gone), after it
+    assert killed.returncode == 128 + signal.SIGKILL, (killed.returncode, err[-3000:])
+    assert "[launch] rank 1 was killed by SIGKILL" in err, err[-3000:]
+    for noise in ("Traceback", "ChildFailedError", "failed (exitcode", "Root Cause"):
+        assert noise not in out + err, ("killed", noise, err[-3000:])
     for case, (proc, code, needle) in cases.items():
         out, err = outputs[case]
         assert proc.returncode == code, (case, proc.returncode, err[-3000:])
