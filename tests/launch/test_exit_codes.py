@@ -2,7 +2,7 @@
 
 `megatron_lite.torchrun.exit_code` is the rule for what the ranks' codes make (a table, no
 processes); then real launches (python -m megatron_lite.launch -> supervise -> torchrun's
-agent -> 2 ranks), started side by side so their start-ups overlap: a run-directory lock no run
+agent -> 1 or 2 ranks), started side by side so their start-ups overlap: a run-directory lock no run
 wrote and a damaged checkpoint named by train.resume exit 2 with the rank's one paragraph, a
 non-finite step exits 3 naming step 1 (1-based, as the progress line), a rank killed with
 SIGKILL mid-run makes it 137 with a line naming the rank. None prints torchrun's
@@ -58,8 +58,8 @@ def test_the_ranks_codes_make_the_launchers(case, failures, code, words):
 
 
 # ---------------------------------------------------------------- the real launcher
-def _launch(out_dir, *overrides) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "megatron_lite.launch", "--config", SMOKE, "parallel.dp=2"]
+def _launch(out_dir, *overrides, ranks: int = 2) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "megatron_lite.launch", "--config", SMOKE, f"parallel.dp={ranks}"]
     cmd += [f"train.out_dir={out_dir}", "log.progress=false", *overrides]
     env = dict(os.environ, PYTHONPATH=ROOT, MEGATRON_LITE_QUIET="1")
     return subprocess.Popen(
@@ -80,13 +80,13 @@ def test_launcher_exits_with_the_ranks_code_and_message(tmp_path):
     (ckpt / "metadata.json").write_text(json.dumps([{"step": 4}]))
     cases = {  # case: (the launch, exit code, what its stderr must name)
         "lock": (_launch(locked), 2, f"the run directory lock {locked / 'run.lock'} is a symbolic"),
-        "metadata": (
-            _launch(tmp_path / "damaged", f"train.resume={ckpt}"),
+        "metadata": (  # one rank: the ranks' agreement on it is tested on forked ranks
+            _launch(tmp_path / "damaged", f"train.resume={ckpt}", ranks=1),
             2,
             f"{ckpt / 'metadata.json'} is damaged: it holds a JSON array",
         ),
         "nonfinite": (
-            _launch(tmp_path / "nan", "model.init_method_std=1e30"),
+            _launch(tmp_path / "nan", "model.init_method_std=1e30", ranks=1),
             3,
             "error: step 1: the gradient norm is nan",
         ),
