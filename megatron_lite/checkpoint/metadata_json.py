@@ -1,8 +1,10 @@
 """The shape of a checkpoint's `metadata.json`, checked whenever one is read (files.py).
 
-    {"format": "megatron_lite.dcp/1", "kind": "train" | "model", "step": N (>= 0, the N of a
-     step_<N> directory), "consumed_samples": int >= 0 (optional), "files": {name: {"bytes":
-     int >= 0, "sha256": hex} | {"bytes": ..., "items": {"<offset>": [length, hex]}}},
+    {"format": "megatron_lite.dcp/1", "kind": "train" | "model",
+     "step": N (>= 0; a train checkpoint's is the N of its step_<N>),
+     "consumed_samples": int >= 0 (optional),
+     "files": {name: {"bytes": int >= 0, "sha256": hex}
+                   | {"bytes": ..., "items": {"<offset>": [length, hex]}}},
      "config": {section: {key: value}}, "layout": {...}, ...}
 
 A file that parses as JSON but breaks any of this was not written by a save (a save writes the
@@ -78,7 +80,7 @@ def problem(meta, directory: str) -> str | None:
     if not _count(step):
         return f"step={step!r}, which must be an integer >= 0"
     named = _STEP_DIR.match(os.path.basename(os.path.normpath(directory)))
-    if named and int(named.group(1)) != step:
+    if meta["kind"] == "train" and named and int(named.group(1)) != step:  # a save's step_<N>
         return f"step={step} in the directory {os.path.basename(directory)}"
     if "consumed_samples" in meta and not _count(meta["consumed_samples"]):
         return f"consumed_samples={meta['consumed_samples']!r}, which must be an integer >= 0"

@@ -194,3 +194,15 @@ def test_damaged_latest_is_named_and_auto_does_not_read_it(ckpt, case, how, need
 
 def test_metadata_table_is_large_enough():
     assert len(CASES) + len(LATEST_CASES) >= 40
+
+
+def test_a_model_checkpoint_may_live_in_any_directory_name(tmp_path):
+    """tools/convert_checkpoint.py writes kind "model", step 0, wherever it is told (even a
+    directory named step_5): only a train save's step must match its step_<N>."""
+    final = fake_save(str(tmp_path), 5)
+    meta_file = os.path.join(final, files.METADATA)
+    meta = json.load(open(meta_file))
+    meta.update(kind="model", step=0, config={"model": {}}, layout={"world_size": 1})
+    with open(meta_file, "w") as f:
+        json.dump(meta, f)
+    assert files.verify(final)["step"] == 0
