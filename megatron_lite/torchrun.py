@@ -70,8 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     from torch.distributed.run import parse_args, run
 
     args = parse_args(sys.argv[1:] if argv is None else argv)  # exits 2 on a bad argument
-    for name in ("torch.distributed.elastic.multiprocessing.api",):
-        logging.getLogger(name).addFilter(_DropAgentNoise())
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_DropAgentNoise())
     try:
         run(args)
     except ChildFailedError as e:

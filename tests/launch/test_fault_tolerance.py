@@ -269,7 +269,11 @@ def test_stalled_rank_cli_reports_hang_files(tmp_path):
         assert sorted(pids) == [0, 1], pids
         os.kill(pids[1], signal.SIGSTOP)
         wait_for(lambda: not alive(pids[0]), 60, "rank 0 to exit after its timeout", proc)
-        os.kill(pids[1], signal.SIGKILL)  # else torchrun waits 30 s for the frozen rank
+        # torchrun has seen rank 0's exit and SIGTERMed the frozen rank, which waits 30 s
+        # before torchrun's own SIGKILL; this one comes sooner, but a second after rank 0's
+        # exit as torchrun's would (a SIGKILL in the same second could be the first failure)
+        time.sleep(1.5)
+        os.kill(pids[1], signal.SIGKILL)
         output = finish(proc, log, timeout=60)
     finally:
         stop(proc, pids)
