@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import yaml
 
+from megatron_lite.atomic import write_atomic
+
 
 class ConfigError(ValueError):
     """Invalid configuration; the message is meant for the user as-is (no traceback)."""
@@ -182,6 +184,16 @@ def _set(cfg: Config, key: str, value, source: str) -> None:
     setattr(sec, name, _coerce(key, value, str(ftype), getattr(sec, name)))
 
 
+def check_section(section: str, values: dict) -> None:
+    """The known keys of `values`, a dict of config section `section` read back from
+    elsewhere (a checkpoint's metadata), against their field types; other keys are ignored
+    (a checkpoint of another version may have more). ConfigError names the first misfit."""
+    cfg = Config()
+    for name, value in values.items():
+        if isinstance(name, str) and name in _known(getattr(cfg, section)):
+            _set(cfg, f"{section}.{name}", value, section)
+
+
 _SCALARS = {"int": int, "float": float, "bool": bool, "str": str}
 
 
@@ -317,5 +329,5 @@ def load_config(path: str | None = None, overrides: list[str] | tuple = ()) -> C
 
 
 def save_config(cfg: Config, path: str) -> None:
-    with open(path, "w") as f:
-        yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
+    """The config as YAML at `path`, written atomically (a failed write names `path`)."""
+    write_atomic(path, yaml.safe_dump(cfg.to_dict(), sort_keys=False))

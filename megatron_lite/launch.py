@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
 
 from megatron_lite import supervise
@@ -102,9 +101,8 @@ def main(argv=None) -> None:
     if launcher.check:
         print(f"[launch] config valid for {ranks}; would run: torchrun {' '.join(args)}")
         return
-    torchrun = shutil.which("torchrun")
-    cmd = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
-    cmd += args
+    # torchrun's agent, exiting with the ranks' code instead of 1 (megatron_lite/torchrun.py)
+    cmd = [sys.executable, "-m", "megatron_lite.torchrun", *args]
     print(f"[launch] {ranks}: {' '.join(args)}", flush=True)
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     if launcher.max_restarts > 0:
@@ -112,7 +110,8 @@ def main(argv=None) -> None:
         # included, across restarts: restarted ranks then connect to dead peers' addresses
         # (pytorch/pytorch#135712, still so in 2.13). A per-attempt store avoids that.
         env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    # SIGTERM / SIGINT / SIGUSR1 here: the ranks checkpoint and stop, exit 0 (supervise.py)
+    # SIGTERM / SIGINT / SIGUSR1 here: the ranks checkpoint and stop, exit 0 (supervise.py);
+    # otherwise the ranks' exit code (2 a user error, 3 a non-finite step; README)
     sys.exit(supervise.run(cmd, env))
 
 

@@ -5,8 +5,9 @@
 torchrun answers SIGTERM/SIGINT by raising inside its agent: it forwards SIGTERM to the ranks,
 but then exits 1 with a traceback even when every rank saved its checkpoint and exited 0. So the
 supervisor starts torchrun in its own session with SIGTERM, SIGINT and SIGUSR1 ignored (torchrun
-is told to handle only SIGHUP/SIGQUIT); on the first SIGTERM, SIGINT or SIGUSR1 it sends SIGTERM
-to the ranks themselves (torchrun's children). The ranks checkpoint at the step boundary and
+is told to handle only SIGHUP/SIGQUIT); on the first SIGTERM, SIGINT or SIGUSR1 it sends that
+signal to the ranks themselves (torchrun's children), so they log the signal the job got (a
+Slurm preemption warning is SIGUSR1). The ranks checkpoint at the step boundary and
 exit 0, torchrun sees a successful group and exits 0, and so does the supervisor: a clean stop,
 no traceback. A second signal stops hard (SIGKILL to the ranks and torchrun). Used by
 `python -m megatron_lite.launch` and launch/slurm/train.sbatch. Ranks restore the default
@@ -75,7 +76,7 @@ def run(cmd: list[str], env: dict | None = None) -> int:
                 file=sys.stderr,
                 flush=True,
             )
-            _send(ranks, signal.SIGTERM)
+            _send(ranks, signum)  # the ranks handle all three alike (training/signals.py)
         else:
             _send([*ranks, proc.pid], signal.SIGKILL)
 

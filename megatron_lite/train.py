@@ -21,6 +21,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
+from megatron_lite.atomic import write_atomic
 from megatron_lite.config import Config, ConfigError, load_config, save_config
 from megatron_lite.validation import check_hardware, validate
 
@@ -202,23 +203,23 @@ def _main(argv) -> None:
     except ConfigError as e:  # more ranks than GPUs: before any process group exists
         user_error(e)
     from megatron_lite.checkpoint.run_dir import RunDirError, claim_run_dir
+    from megatron_lite.parallel.mesh import ParallelMesh, RankLayout
 
-    try:  # one run per directory, before anything is written into it (see run_dir.py)
-        run_lock = claim_run_dir(cfg, dist.get_rank(), dist.get_world_size())
+    p = cfg.parallel
+    layout = RankLayout(dist.get_world_size(), tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, order=p.order)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:  # one run per directory, before anything is written into it (see run_dir.py);
+        # then rank 0 writes the run files (a failed write is part of the verdict)
+        run_lock = claim_run_dir(cfg, rank, world, then=lambda: write_run_files(cfg, layout))
     except RunDirError as e:  # rank 0's verdict, broadcast: every rank is here
         exit_together(2, e)
     from megatron_lite.checkpoint import CheckpointError, CheckpointReadError
     from megatron_lite.parallel.mappings import CollectiveError
-    from megatron_lite.parallel.mesh import ParallelMesh, RankLayout
     from megatron_lite.training.hang_dump import exit_on_collective_error
     from megatron_lite.training.nonfinite import NonFiniteError
     from megatron_lite.training.trainer import Trainer
 
-    p = cfg.parallel
-    layout = RankLayout(dist.get_world_size(), tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, order=p.order)
     mesh = ParallelMesh(layout, timeout_s=p.timeout_s)
-    if dist.get_rank() == 0:
-        write_run_files(cfg, layout)
     try:
         trainer = Trainer(cfg, mesh, dataset, vocab_size)  # resumes from a checkpoint
     except (CheckpointError, CheckpointReadError) as e:  # agreed across ranks
@@ -246,9 +247,28 @@ def _main(argv) -> None:
     except CollectiveError as e:  # a hang or a dead peer: write hang/rank<R>.json, exit 1
         rank, world = dist.get_rank(), dist.get_world_size()
         exit_on_collective_error(e, cfg.train.out_dir, rank, world, p.timeout_s)
+    failure = metrics_failure(trainer)  # rank 0's, agreed (collective)
     # train() waited for the last async save; no rank tears down its connections while a peer
     # may still be finishing a send to it
-    exit_together(0, None, run_lock)
+    exit_together(0 if failure is None else 2, failure, run_lock)
+
+
+def metrics_failure(trainer) -> RuntimeError | None:
+    """Rank 0's failed write of metrics.jsonl (a full disk: the run stopped at the next step,
+    saving a checkpoint when train.save_interval > 0) as the user error of every rank."""
+    from megatron_lite.parallel import mappings
+
+    box = [None]
+    if dist.get_rank() == 0 and trainer.logger.error is not None:
+        e, t = trainer.logger.error, trainer.cfg.train
+        saved = "with a checkpoint" if t.save_interval > 0 else "without a checkpoint"
+        box = [
+            f"could not write {e.filename}: {e.strerror}. Training stopped after step "
+            f"{trainer.step} {saved}. Fix: free space on that disk (or make train.out_dir "
+            "writable), then run the same command (train.resume=auto continues)"
+        ]
+    mappings.guarded("metrics check", None, lambda: mappings.broadcast_objects(box, 0, None))
+    return None if box[0] is None else RuntimeError(box[0])
 
 
 def write_run_files(cfg: Config, layout) -> None:
@@ -256,8 +276,7 @@ def write_run_files(cfg: Config, layout) -> None:
     os.makedirs(cfg.train.out_dir, exist_ok=True)
     save_config(cfg, os.path.join(cfg.train.out_dir, "config.yaml"))
     rank_map = layout.rank_map()
-    with open(os.path.join(cfg.train.out_dir, "rank_map.txt"), "w") as f:
-        f.write(rank_map + "\n")
+    write_atomic(os.path.join(cfg.train.out_dir, "rank_map.txt"), rank_map + "\n")
     if layout.world_size > 64:  # thousands of lines help nobody on the console
         rank_map = rank_map.splitlines()[0] + f": see {cfg.train.out_dir}/rank_map.txt"
     print(rank_map, flush=True)

@@ -10,12 +10,13 @@
 # bad config fails here in seconds. GPUS_PER_NODE=0 means CPU mode: NPROC_PER_NODE ranks per
 # node on gloo. Extra sbatch options go in SBATCH_ARGS (e.g. "--partition=p --account=a
 # --time=24:00:00"); sbatch's own SBATCH_* variables work too. train.sbatch documents the
-# environment variables it reads (NCCL settings, MAX_REQUEUES, MAX_RESTARTS, LOG_ROOT, ...).
+# environment variables it reads (NCCL settings, MAX_REQUEUES, MAX_RESTARTS, STEP_WAIT_S,
+# LOG_ROOT, ...).
 # Prints the job id on stdout.
 set -euo pipefail
 
 if [ $# -lt 3 ]; then
-    sed -n '2,14p' "$0" >&2
+    sed -n '2,15p' "$0" >&2
     exit 2
 fi
 NODES=$1 GPUS_PER_NODE=$2 CONFIG=$3
@@ -37,7 +38,7 @@ if [ "$GPUS_PER_NODE" -eq 0 ]; then
         "GPUS_PER_NODE=0 (CPU mode) needs NPROC_PER_NODE=N ranks per node, e.g. NPROC_PER_NODE=2"
 fi
 # read by train.sbatch on the compute nodes: a typo there would fail only after queueing
-for name in MAX_REQUEUES MAX_RESTARTS; do
+for name in MAX_REQUEUES MAX_RESTARTS STEP_WAIT_S; do
     [ -z "${!name:-}" ] || check_count "$name" "${!name}" 0 "set $name to a count, e.g. $name=3"
 done
 # paths (CONFIG, train.out_dir, logs) stay relative to this directory, where the job runs too

@@ -54,7 +54,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_lite.checkpoint import files
-from megatron_lite.checkpoint.chunks import ShardSavePlanner, StagingWriter
+from megatron_lite.checkpoint.chunks import DiskWriter, ShardSavePlanner, StagingWriter
 from megatron_lite.checkpoint.dcp_metadata import listing_with_dcp_files, storage_ranges
 from megatron_lite.checkpoint.directory import CheckpointDir
 from megatron_lite.checkpoint.errors import (
@@ -192,7 +192,7 @@ class Checkpointer:
             "config": self.cfg.to_dict(),
             "torch": torch.__version__,
         }
-        writer_type = StagingWriter if async_save else dcp.FileSystemWriter
+        writer_type = StagingWriter if async_save else DiskWriter
         writer = writer_type(tmp, single_file_per_rank=True, sync_files=True)
         planner = ShardSavePlanner(pieces)
         if async_save:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner, FileSystemWriter
@@ -35,6 +36,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from megatron_lite.atomic import write_failure
 from megatron_lite.checkpoint.state import param_pieces
 from megatron_lite.parallel.params import ParamMeta
 
@@ -124,7 +126,26 @@ def materialize(value) -> torch.Tensor:
     return value() if isinstance(value, Cast) else value
 
 
-class StagingWriter(FileSystemWriter):
+class DiskWriter(FileSystemWriter):
+    """A FileSystemWriter whose failed writes raise the OSError that names the file and the
+    OS's reason ("No space left on device"), where torch's serializer says "enforce fail"."""
+
+    def write_data(self, plan, planner):
+        try:
+            return super().write_data(plan, planner)
+        except Exception as e:  # this rank's data file (single_file_per_rank): __<rank>_0
+            prefix = getattr(plan.storage_data, "prefix", None)
+            file = os.path.join(self.path, f"{prefix}0.distcp" if prefix else "")
+            raise write_failure(e, file) or e from None
+
+    def finish(self, metadata, results) -> None:
+        try:
+            super().finish(metadata, results)
+        except Exception as e:  # the coordinator's DCP index
+            raise write_failure(e, os.path.join(self.path, ".metadata")) or e from None
+
+
+class StagingWriter(DiskWriter):
     """A FileSystemWriter whose async staging copies each value (a `Cast` made first) to a new
     host tensor, one at a time: what is staged is exactly the chunks this rank writes."""
 

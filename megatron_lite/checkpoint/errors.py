@@ -17,3 +17,8 @@ class CheckpointWriteError(CheckpointError):
 class CheckpointReadError(RuntimeError):
     """Reading checkpoints failed for another reason than damage (I/O, permissions): resume
     stops here rather than fall back to an older checkpoint or to a fresh start."""
+
+
+class RunDirError(CheckpointError):
+    """The run directory is in use, its lock file is damaged, or it holds checkpoints this
+    run would clobber."""

@@ -27,6 +27,7 @@ import shutil
 import time
 
 from megatron_lite.atomic import write_atomic
+from megatron_lite.checkpoint import metadata_json
 from megatron_lite.checkpoint.errors import (
     CheckpointError,
     CheckpointWriteError,
@@ -237,32 +238,55 @@ def prune(ckpt_dir: str, keep: int, newest_step: int | None = None):
 
 
 def read_latest(ckpt_dir: str) -> str | None:
-    """The checkpoint directory `latest` points at, or None."""
+    """The checkpoint directory `latest` points at, or None; CheckpointError when `latest`
+    holds anything but a step_<N> name (it is written whole, so that is damage)."""
+    file = os.path.join(ckpt_dir, LATEST)
     try:
-        with open(os.path.join(ckpt_dir, LATEST)) as f:
-            name = f.read().strip()
+        with open(file, "rb") as f:
+            raw = f.read(4096)
     except FileNotFoundError:
         return None
-    return os.path.join(ckpt_dir, name) if name else None
+    except OSError as e:  # a directory, unreadable
+        raise _bad_latest(file, f"cannot be read ({e.strerror})") from None
+    name = raw.decode("utf-8", "replace").strip()
+    if not name:
+        return None
+    if not _STEP_DIR.match(name):
+        raise _bad_latest(file, f"holds {name[:80]!r}, not the name of a checkpoint (step_<N>)")
+    return os.path.join(ckpt_dir, name)
+
+
+def _bad_latest(file: str, why: str) -> CheckpointError:
+    return CheckpointError(
+        f"{file} {why}: a save writes it whole, so it is damaged. Fix: name the checkpoint "
+        f"itself (train.resume={os.path.dirname(file)}/step_<N>), or use train.resume=auto, "
+        "which does not read it (it takes the newest valid committed step)"
+    )
 
 
 def read_metadata(path: str) -> dict:
+    """Checkpoint `path`'s metadata.json, checked for its shape (metadata_json.py);
+    CheckpointError naming the file when it is missing, not JSON, or of another shape."""
     file = os.path.join(path, METADATA)
     try:
-        with open(file) as f:
-            meta = json.load(f)
+        with open(file, "rb") as f:
+            meta = json.loads(f.read().decode("utf-8"))
     except FileNotFoundError:
         raise CheckpointError(
             f"{file} does not exist: {path} is not a complete megatron_lite checkpoint. "
             "Fix: point at a step_<N> directory (or a checkpoint folder with a `latest` file)"
         ) from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (ValueError, RecursionError) as e:  # not JSON, not UTF-8, nested beyond parsing
+        raise metadata_json.damaged(file, f"it is not JSON ({e})") from None
+    except IsADirectoryError:
+        raise metadata_json.damaged(file, "it is a directory") from None
+    if isinstance(meta, dict) and "format" in meta and meta["format"] != FORMAT:
         raise CheckpointError(
-            f"{file} is damaged ({e}). Fix: resume from another checkpoint"
-        ) from None
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{file}: format {meta.get('format')!r}, expected {FORMAT!r}")
-    return meta
+            f"{file}: format {meta['format']!r}, expected {FORMAT!r}: not a checkpoint this "
+            "version of megatron_lite wrote. Fix: resume from a checkpoint it wrote, or "
+            "convert this one with the version that wrote it"
+        )
+    return metadata_json.check(file, meta, path)
 
 
 def _damaged(file: str, why: str) -> CheckpointError:

@@ -19,7 +19,8 @@ next run takes it over (with a warning) when it is stale:
   time differs), or
 - the holder ran on another host under the same SLURM_JOB_ID (the job was requeued; on the
   same host a live holder of the same job is a concurrent step, refused).
-Anything else is refused, naming the holder and the fix.
+Anything else is refused, naming the holder and the fix; so is a lock file no run wrote
+(lock_file.py: damaged, a directory, a link, ...), naming what is wrong with it.
 
 Then the holder cleans leftovers of dead saves (`.tmp-step_<N>`, `latest.tmp.*`,
 `metrics.jsonl.tmp.*`) and refuses to start a run that would not continue the checkpoints
@@ -31,16 +32,17 @@ into `<out_dir>/overwritten-<time>/`. Nothing here deletes a checkpoint.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import json
+import errno
 import os
+import shlex
 import shutil
-import socket
+import stat
 import sys
 import time
 
 from megatron_lite.checkpoint import files
-from megatron_lite.checkpoint.errors import CheckpointError
+from megatron_lite.checkpoint.errors import CheckpointError, RunDirError
+from megatron_lite.checkpoint.lock_file import Holder, alive, read_lock, write_lock
 from megatron_lite.parallel import mappings
 from megatron_lite.parallel.mappings import guarded
 
@@ -50,66 +52,10 @@ TAKEOVER_STALE_S = 30.0  # the mutex is held for milliseconds; older means its h
 RUN_FILES = ("metrics.jsonl", "config.yaml", "rank_map.txt")  # what overwrite moves aside
 
 
-class RunDirError(CheckpointError):
-    """The run directory is in use, or holds checkpoints this run would clobber."""
-
-
-@dataclasses.dataclass
-class Holder:
-    """Who holds a run directory's lock."""
-
-    host: str
-    pid: int
-    slurm_job_id: str | None
-    start_ticks: int | None  # the process start time (/proc), against pid reuse
-    since: str
-
-    @classmethod
-    def me(cls) -> Holder:
-        pid = os.getpid()
-        return cls(
-            socket.gethostname(),
-            pid,
-            os.environ.get("SLURM_JOB_ID"),
-            _start_ticks(pid),
-            time.strftime("%Y-%m-%d %H:%M:%S"),
-        )
-
-    def describe(self) -> str:
-        job = self.slurm_job_id or "none"
-        return f"host {self.host}, pid {self.pid}, Slurm job {job}, since {self.since}"
-
-    def same_process(self, other: Holder) -> bool:
-        return (self.host, self.pid, self.start_ticks) == (other.host, other.pid, other.start_ticks)
-
-
-def _start_ticks(pid: int) -> int | None:
-    """Start time of process `pid` in clock ticks since boot, None when unknown (no /proc)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return None if fields[0] == "Z" else int(fields[19])  # a zombie has ended
-
-
-def _alive(pid: int, start_ticks: int | None) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    now = _start_ticks(pid)
-    if now is None:
-        return not os.path.isdir("/proc")  # no /proc: trust kill(0); on Linux: a zombie
-    return start_ticks is None or now == start_ticks
-
-
 def stale_reason(holder: Holder, me: Holder) -> str | None:
     """Why `holder`'s lock no longer protects a running job, as seen by `me`; None if it may."""
     if holder.host == me.host:
-        if not _alive(holder.pid, holder.start_ticks):
+        if not alive(holder.pid, holder.start_ticks):
             return f"its process {holder.pid} on {holder.host} is gone"
         return None
     if holder.slurm_job_id and holder.slurm_job_id == me.slurm_job_id:
@@ -128,6 +74,12 @@ def _takeover_mutex(directory: str):
             break
         except FileExistsError:
             with contextlib.suppress(FileNotFoundError):
+                if not stat.S_ISDIR(os.lstat(path).st_mode):
+                    raise RunDirError(
+                        f"{path} is not a directory: a run makes that directory for a moment "
+                        f"while it takes over a stale lock of {directory}, and no run made "
+                        f"this one. Fix: remove it (`rm {shlex.quote(path)}`) and start again"
+                    ) from None
                 if time.time() - os.stat(path).st_mtime > TAKEOVER_STALE_S:
                     os.rmdir(path)  # left by a run that died inside the mutex
                     continue
@@ -141,36 +93,6 @@ def _takeover_mutex(directory: str):
         yield
     finally:
         os.rmdir(path)
-
-
-def _read(lock: str) -> Holder | None:
-    try:
-        with open(lock) as f:
-            return Holder(**json.load(f))
-    except FileNotFoundError:
-        return None
-    except (ValueError, TypeError) as e:
-        raise RunDirError(
-            f"cannot tell who holds the run directory lock {lock} (unreadable: {e}). Fix: if "
-            f"no run uses {os.path.dirname(lock)}, delete {lock}"
-        ) from None
-
-
-def _write(lock: str, me: Holder, replace: bool) -> None:
-    """A complete lock file, linked into place (fails if one exists) or replacing one."""
-    tmp = f"{lock}.{me.pid}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(dataclasses.asdict(me), f)
-        f.flush()
-        os.fsync(f.fileno())
-    try:
-        if replace:
-            os.replace(tmp, lock)
-        else:
-            os.link(tmp, lock)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(tmp)
 
 
 class RunLock:
@@ -204,11 +126,11 @@ class RunLock:
         lock = os.path.join(directory, LOCK)
         for _ in range(100):  # retried only when another run changed the lock meanwhile
             try:
-                _write(lock, self.me, replace=False)
+                write_lock(lock, self.me, replace=False)
                 return True, None
             except FileExistsError:
                 pass
-            holder = _read(lock)
+            holder = read_lock(lock)
             if holder is None:
                 continue  # released meanwhile
             if holder.same_process(self.me):
@@ -222,15 +144,18 @@ class RunLock:
                     f"use another train.out_dir; if that process is gone, delete {lock}"
                 )
             with _takeover_mutex(directory):
-                if _read(lock) != holder:
+                if read_lock(lock) != holder:
                     continue  # another run took it over first: judge the new holder
-                _write(lock, self.me, replace=True)
+                write_lock(lock, self.me, replace=True)
             return True, f"took over the stale lock {lock} ({holder.describe()}): {why}"
         raise RunDirError(f"the lock {lock} keeps changing hands. Fix: stop the other runs")
 
     def _release_one(self, directory: str) -> None:
         lock = os.path.join(directory, LOCK)
-        holder = _read(lock)
+        try:
+            holder = read_lock(lock)
+        except RunDirError:  # changed since by someone else: not ours to remove
+            return
         if holder is not None and holder.same_process(self.me):
             os.remove(lock)
 
@@ -302,7 +227,10 @@ def move_aside(cfg, checkpoints: list[str]) -> str:
         os.makedirs(ckpt_dest)
     else:
         ckpt_dest = new_aside_dir(ckpt_dir, os.path.basename(dest).removeprefix("overwritten-"))
-    latest = files.read_latest(ckpt_dir)
+    try:
+        latest = files.read_latest(ckpt_dir)
+    except CheckpointError:  # damaged: left in place, the next save rewrites it
+        latest = None
     moved = {os.path.abspath(p) for p in checkpoints}
     for path in checkpoints:
         os.replace(path, os.path.join(ckpt_dest, os.path.basename(path)))
@@ -345,16 +273,19 @@ def start_duties(cfg) -> list[str]:
     return notes
 
 
-def claim_run_dir(cfg, rank: int, world: int, group=None) -> RunLock | None:
+def claim_run_dir(cfg, rank: int, world: int, group=None, then=None) -> RunLock | None:
     """Take the run directory's lock and do the holder's start duties (collective over
-    `group`, default the world): returns the lock on rank 0, None elsewhere; raises
-    RunDirError on every rank when rank 0 was refused."""
+    `group`, default the world), then `then()` on rank 0 (train.main writes the run files):
+    returns the lock on rank 0, None elsewhere; raises RunDirError on every rank when rank 0
+    was refused or a step failed (a failed write names its file)."""
     lock, verdict = None, ("ok", "")  # rank 0's replaces it (a dry run sends nothing)
     if rank == 0:
         lock = RunLock(lock_directories(cfg))
         try:
             warnings = lock.acquire()
             notes = start_duties(cfg) if lock.owned else []
+            if then is not None:
+                then()
             verdict = ("ok", "")
         except Exception as e:  # every rank must hear of it, or the others would hang
             lock.release()
@@ -378,7 +309,10 @@ def claim_run_dir(cfg, rank: int, world: int, group=None) -> RunLock | None:
 
 
 def _os_message(cfg, e: OSError) -> str:
+    fix = "make it (and train.ckpt_dir) a writable directory"
+    if getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
+        fix = "free space on that disk (or raise the quota), or use another train.out_dir"
     return (
         f"cannot prepare the run directory train.out_dir={cfg.train.out_dir}: "
-        f"{type(e).__name__}: {e}. Fix: make it (and train.ckpt_dir) a writable directory"
+        f"{type(e).__name__}: {e}. Fix: {fix}"
     )

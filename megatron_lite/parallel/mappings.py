@@ -48,6 +48,13 @@ def guarded(kind: str, group, fn):
     return _guard(kind, group, fn)
 
 
+def recorded(kind: str, group, fn, shape: tuple):
+    """Run `fn()`, a collective of `shape` already recorded in comm_stats (by a caller such as
+    FSDP2's collectives, fsdp_comm.py): a failure or timeout becomes a CollectiveError naming
+    rank, step, op and group, as for the collectives of this module."""
+    return _guard(kind, group, fn, f" of shape {shape}")
+
+
 def _guard(kind: str, group, fn, detail: str = ""):
     try:
         return fn()

@@ -152,7 +152,10 @@ def exit_on_collective_error(
     error: BaseException, out_dir: str, rank: int, world_size: int, timeout_s: float
 ) -> None:
     """Dump, wait for the other ranks' dumps, print one line, exit 1 (see the module doc)."""
-    write_dump(error, out_dir, rank, world_size)
+    try:
+        write_dump(error, out_dir, rank, world_size)
+    except OSError as e:  # a full disk: the message still goes out, and says so
+        print(f"[hang] rank {rank}: could not write its hang dump: {e}", file=sys.stderr)
     # the file is written: from here on torchrun's SIGTERM (a peer exited) may end us at once
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     grace_s = min(timeout_s, 60.0) if is_timeout(error) else 0.0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -58,6 +59,7 @@ class MetricsLogger:
         self.window: list[dict] = []  # records since the last progress line
         self.wandb = None
         self.file = None
+        self.error: OSError | None = None  # a failed write of metrics.jsonl (rank 0)
         if not active:
             return
         os.makedirs(cfg.train.out_dir, exist_ok=True)
@@ -93,16 +95,30 @@ class MetricsLogger:
     def log(self, record: dict, first_step: int) -> None:
         if not self.active:
             return
-        if self.file is None:
-            self._open(first_step)
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
+        if self.error is None:
+            self._write(record, first_step)
         if self.wandb is not None:
             self.wandb.log(record, step=record["step"])
         self.window.append(record)
         if self.cfg.log.progress and reports_at(record["step"], self.cfg):
             self._print(record["step"] + 1, self.cfg.train.steps, first_step)
             self.window = []
+
+    def _write(self, record: dict, first_step: int) -> None:
+        """Append the record; a failed write (a full disk) is kept in `error`, naming the
+        file, and ends the writing: the trainer stops the run at the next step (trainer.py)."""
+        path = os.path.join(self.cfg.train.out_dir, "metrics.jsonl")
+        try:
+            if self.file is None:
+                self._open(first_step)
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+        except OSError as e:
+            self.error = OSError(e.errno, e.strerror, e.filename or path)
+            if self.file is not None:
+                with contextlib.suppress(OSError):  # its buffer cannot be written either
+                    self.file.close()
+                self.file = None
 
     def _print(self, step: int, total: int, first_step: int) -> None:
         """One progress line; loss, grad norm and throughput are means over the interval."""
@@ -129,6 +145,9 @@ class MetricsLogger:
 
     def close(self) -> None:
         if self.file is not None:
-            self.file.close()
+            try:
+                self.file.close()
+            except OSError as e:  # the last records' flush
+                self.error = self.error or OSError(e.errno, e.strerror, self.file.name)
         if self.wandb is not None:
             self.wandb.finish()

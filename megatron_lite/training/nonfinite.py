@@ -42,7 +42,8 @@ NamedGrads = Callable[[], Iterable[tuple[str, torch.Tensor]]]
 def describe(
     step: int, loss: float, grad_norm: float, local_loss: float, named_grads: NamedGrads
 ) -> str:
-    """What went non-finite at `step`, gathered over the world (call on every rank).
+    """What went non-finite at `step` (1-based, as the progress line), gathered over the
+    world (call on every rank).
     `local_loss` is this rank's share of the loss sum (0 on ranks that report none), a number
     or a 0-dim tensor, and `named_grads()` lists (parameter name, reduced local gradient); both
     are read only here, off the finite path."""

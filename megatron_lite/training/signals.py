@@ -48,21 +48,25 @@ class StopSignals:
             signal.signal(sig, handler)
         self._old_handlers.clear()
 
-    def after_step(self, record: dict, step: int, consumed_samples: int, stop: bool) -> bool:
+    def after_step(
+        self, record: dict, step: int, consumed_samples: int, stop: bool, why: str | None = None
+    ) -> bool:
         """Save when due (adds ckpt_blocked_s to the record); True = stop training now.
         `step`: optimizer steps done, `consumed_samples`: the data position; `stop`: whether
         any rank got a stop signal, already agreed by the caller (the trainer folds the flag
-        into its one per-step world all-reduce)."""
+        into its one per-step world all-reduce); `why`: the stop's reason other than a
+        signal, if this rank knows one."""
         t = self.train
         due = t.save_interval > 0 and (step % t.save_interval == 0 or step == t.steps)
         if due or (stop and t.save_interval > 0):
             record["ckpt_blocked_s"] = self.checkpointer.save(step, consumed_samples)
         if stop:
             self.checkpointer.wait()
-            why = self.received or "a signal on another rank"
+            cause = f"received {self.received}" if self.received else why
+            cause = cause or "received a signal on another rank"
             saved = f"checkpoint saved at step {step}"
             if t.save_interval == 0:
                 saved = "no checkpoint saved (train.save_interval=0)"
             if dist.get_rank() == 0:
-                print(f"[checkpoint] received {why}: {saved}; stopping cleanly", flush=True)
+                print(f"[checkpoint] {cause}: {saved}; stopping cleanly", flush=True)
         return stop

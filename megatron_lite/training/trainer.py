@@ -265,7 +265,8 @@ class Trainer:
             owner = mesh.is_last_stage and mesh.tp.rank == 0
             grad_sq = self.dp.grad_square_sum()
             loss_part = loss_sum.reshape(()).double() if owner else torch.zeros_like(grad_sq)
-            signalled = float(self.signals.received is not None)
+            # a failed write of metrics.jsonl (rank 0) stops the run like a signal (train.py)
+            signalled = float(self.signals.received is not None or self.logger.error is not None)
             changed = float(self._activations != self._activations_reduced)
             flags = [torch.full_like(grad_sq, signalled), torch.full_like(grad_sq, changed)]
             sums = torch.stack([grad_sq, loss_part, *flags])
@@ -275,7 +276,8 @@ class Trainer:
         self.stop_requested = signals > 0
         grad_norm = grad_sq**0.5
         loss = loss_total / n_tokens
-        skipped = self.guard.check(self.step, loss, grad_norm, loss_part, self._named_grads)
+        # 1-based, as the progress line counts steps (metrics.jsonl's "step" is 0-based)
+        skipped = self.guard.check(self.step + 1, loss, grad_norm, loss_part, self._named_grads)
         if skipped is None:
             with self._phase("optimizer", working=True):
                 self.dp.clip(grad_norm, cfg.train.grad_clip)
@@ -452,8 +454,13 @@ class Trainer:
                 if self._eval_due():
                     record["eval_loss"] = self.evaluate()
                 # saves when due; stops when a rank got a signal (agreed in train_step)
+                failed = self.logger.error
                 stop = self.signals.after_step(
-                    record, self.step, self.consumed_samples, self.stop_requested
+                    record,
+                    self.step,
+                    self.consumed_samples,
+                    self.stop_requested,
+                    f"could not write {failed.filename}" if failed else None,
                 )
                 self.logger.log(record, first)
                 records.append(record)

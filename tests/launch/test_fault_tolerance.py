@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from tests.dist_harness import run_ranks
+from tests.parallel.parity import TINY
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMOKE = os.path.join(ROOT, "configs", "smoke.yaml")
@@ -194,9 +195,70 @@ def test_checkpoint_control_collective_timeout_names_rank_step_op_group():
     assert last_op[:3] == (7, "checkpoint broadcast", "ckpt_ctl"), last_op
 
 
+def _zero3_stall(rank, world, out_dir, where):
+    """ZeRO-3 (FSDP2) on dp2 with parallel.timeout_s=2: at step 1, rank 1 stalls for 4 s in
+    the forward of layer 0 (rank 0 waits in FSDP2's next all-gather) or in the last
+    microbatch's backward at the embedding (rank 0 waits in the root's reduce-scatter).
+    Each rank handles the error as train.main does: hang dump, wait for the peers, message."""
+    from megatron_lite.parallel.mappings import CollectiveError
+    from megatron_lite.parallel.mesh import ParallelMesh, RankLayout
+    from megatron_lite.train import prepare
+    from megatron_lite.training import hang_dump
+    from megatron_lite.training.trainer import Trainer
+
+    args = [*TINY, "data.mock=true", "train.steps=3", "parallel.dp=2", "parallel.zero_stage=3"]
+    overrides = [*args, "parallel.timeout_s=2", f"train.out_dir={out_dir}"]
+    cfg, dataset, vocab = prepare(overrides, world_size=world)
+    mesh = ParallelMesh(RankLayout(world), timeout_s=cfg.parallel.timeout_s)
+    trainer = Trainer(cfg, mesh, dataset, vocab)
+    microbatches = cfg.train.global_batch_size // (cfg.train.micro_batch_size * world)
+    calls = []
+
+    def stall(*_):
+        if rank == 1 and trainer.step == 1:
+            calls.append(1)
+            if where == "forward" or len(calls) == microbatches:
+                time.sleep(4)
+
+    if where == "forward":
+        trainer.chunks[0].layers["0"].register_forward_hook(lambda m, i, o: stall())
+    else:
+        emb = trainer.chunks[0].embedding
+        emb.register_forward_hook(lambda m, i, o: o.register_hook(lambda g: stall()) and None)
+    try:
+        trainer.train()
+    except CollectiveError as e:
+        path = hang_dump.write_dump(e, out_dir, rank, world)
+        reported = hang_dump.wait_for_peers(out_dir, world, grace_s=10)
+        return path, hang_dump.summary(e, out_dir, rank, world, reported)
+    return None
+
+
+@pytest.mark.parametrize(
+    "where, op", [("forward", "all_gather_fsdp"), ("last backward", "reduce_scatter_fsdp")]
+)
+def test_zero3_collective_timeout_is_a_hang_with_a_dump(tmp_path, where, op):
+    """FSDP2's collectives end like every other: a CollectiveError naming rank, step, op and
+    group, the hang dump naming the same op as each rank's last, rank 0's message saying
+    where the dumps are (not a raw FSDP2/gloo traceback)."""
+    results = run_ranks(2, _zero3_stall, str(tmp_path), where, timeout=90)
+    assert all(r is not None for r in results), f"a rank trained through: {results}"
+    (path0, message0), (path1, message1) = results
+    assert message0.startswith(f"error: rank 0 step 1: {op} of shape ("), message0
+    assert " on group dp_cp ranks=[0, 1] failed: " in message0, message0
+    assert f"{tmp_path / 'hang'}/rank<R>.json (2 of 2 ranks wrote one)" in message0, message0
+    assert message1.startswith("[hang] rank 1 step 1: "), message1  # the peer that stalled
+    for rank, path in enumerate((path0, path1)):
+        dump = json.loads(open(path).read())
+        assert dump["rank"] == rank and dump["step"] == 1, dump
+        assert dump["last_op"]["kind"].endswith("_fsdp") and dump["last_op"]["group"] == "dp_cp"
+    assert json.loads(open(path0).read())["last_op"]["kind"] == op
+
+
 def test_stalled_rank_cli_reports_hang_files(tmp_path):
     """The real CLI: rank 1 is frozen (SIGSTOP) mid-run, rank 0's collective times out after
-    parallel.timeout_s, it writes hang/rank0.json, names the rank that wrote none, exits 1."""
+    parallel.timeout_s, it writes hang/rank0.json, names the rank that wrote none, exits 1
+    (and so does the launcher, with no torchrun report)."""
     out, log = tmp_path / "run", tmp_path / "launch.log"
     args = ["--config", SMOKE, "parallel.tp=2", "parallel.timeout_s=4", "train.steps=100000"]
     proc = launch([*args, "log.progress=false", f"train.out_dir={out}"], log)
@@ -207,11 +269,16 @@ def test_stalled_rank_cli_reports_hang_files(tmp_path):
         assert sorted(pids) == [0, 1], pids
         os.kill(pids[1], signal.SIGSTOP)
         wait_for(lambda: not alive(pids[0]), 60, "rank 0 to exit after its timeout", proc)
-        os.kill(pids[1], signal.SIGKILL)  # else torchrun waits 30 s for the frozen rank
+        # torchrun has seen rank 0's exit and SIGTERMed the frozen rank, which waits 30 s
+        # before torchrun's own SIGKILL; this one comes sooner, but a second after rank 0's
+        # exit as torchrun's would (a SIGKILL in the same second could be the first failure)
+        time.sleep(1.5)
+        os.kill(pids[1], signal.SIGKILL)
         output = finish(proc, log, timeout=60)
     finally:
         stop(proc, pids)
-    assert proc.returncode != 0, output
+    assert proc.returncode == 1, output  # rank 0's code (README: exit codes), not torchrun's
+    assert "ChildFailedError" not in output and "Traceback" not in output, output
     hang = out / "hang"
     assert (hang / "rank0.json").exists() and not (hang / "rank1.json").exists(), output
     dump = json.loads((hang / "rank0.json").read_text())

@@ -1,10 +1,10 @@
 """launch/slurm on a real two-node Slurm cluster (tests/launch/slurm_cluster.py, on this machine):
 a 2-node × 2-rank job of the quickstart layout (tp=2 with sequence parallelism × dp=2, smoke
-model on mock data, gloo) runs to completion through train.sbatch, and a job preempted with
+model on mock data, gloo) runs to completion through train.sbatch, a job preempted with
 SIGUSR1 checkpoints, requeues itself, resumes from `latest` and ends with exactly the losses of
-the uninterrupted job.
+the uninterrupted job, and a job its ranks refuse (exit 2) ends with exit code 2.
 
-Both jobs run at once (the nodes have room for two): ~1 minute on the 2-core CI machine.
+The jobs run at once (the nodes have room for them): ~1 minute on the 2-core CI machine.
 Needs root (it starts slurmctld, two slurmd and munged); installs Debian's Slurm if missing.
 """
 
@@ -102,6 +102,24 @@ def jobs(cluster, tmp_path_factory):
         env=dict(env, RDZV_PORT=str(free_port())),
         cwd=work,
     )
+    # a job its ranks refuse: a run.lock no run wrote (a dangling link) in its out_dir; one
+    # rank a node (tp=1) is enough, and keeps the three jobs' start-ups light on 2 cores
+    (work / "refused").mkdir()
+    os.symlink(work / "gone", work / "refused" / "run.lock")
+    refused = cluster.sbatch(
+        [
+            "--nodes=2",
+            "--job-name=refused",
+            f"--output={log_root}/%x-%j.out",
+            SBATCH,
+            *TRAIN_ARGS,
+            "parallel.tp=1",
+            "parallel.sequence_parallel=false",
+            f"train.out_dir={work / 'refused'}",
+        ],  # fmt: skip
+        env=dict(env, NPROC_PER_NODE="1", RDZV_PORT=str(free_port())),
+        cwd=work,
+    )
     r = subprocess.run(
         [SUBMIT, "2", "0", *TRAIN_ARGS[1:], f"train.out_dir={work / 'preempt'}"],
         env=dict(cluster.env, **env, SBATCH_ARGS="--job-name=preempt", RDZV_PORT=str(free_port())),
@@ -122,7 +140,8 @@ def jobs(cluster, tmp_path_factory):
         time.sleep(0.1)
     cluster.run(["scancel", "--signal=USR1", "--batch", str(preempt)])
     signalled = time.monotonic()
-    return {"work": work, "log_root": log_root, "ref": ref, "preempt": preempt, "t": signalled}
+    jobs = {"work": work, "log_root": log_root, "ref": ref, "preempt": preempt, "t": signalled}
+    return {**jobs, "refused": refused}
 
 
 def test_two_node_job_runs_to_completion(cluster, jobs):
@@ -157,7 +176,7 @@ def test_preempted_job_checkpoints_requeues_and_resumes_exactly(cluster, jobs):
     assert "got SIGUSR1" in batch and f"requeueing job {job}" in batch, batch
     assert "restart 1:" in batch, batch
     nodes = job_logs(log_root, "preempt", job, tail=10**6)  # rank 0 may change nodes
-    assert "received SIGTERM: checkpoint saved at step" in nodes, nodes
+    assert "received SIGUSR1: checkpoint saved at step" in nodes, nodes  # as the job got it
     assert "[checkpoint] resumed from" in nodes, nodes
     steps = [r["step"] for r in records(out)]
     assert steps == list(range(STEPS)), f"steps redone or skipped across the requeue: {steps}"
@@ -168,6 +187,22 @@ def test_preempted_job_checkpoints_requeues_and_resumes_exactly(cluster, jobs):
     diffs = {s: (got[s], want[s]) for s in want if got.get(s) != want[s]}
     assert not diffs, f"losses (requeued, uninterrupted) differ: {diffs}"
     print(f"[slurm] signal -> requeued run completed in {resumed_s:.1f}s")
+
+
+def test_a_job_the_ranks_refuse_exits_with_their_code(cluster, jobs):
+    """Both ranks (one per node) refuse the run directory (exit 2, agreed after the process
+    group exists): each node's torchrun, srun and so the job exit 2 (not torchrun's 1), and
+    the logs hold the rank's one paragraph, no torchrun report and no traceback."""
+    job, log_root = jobs["refused"], jobs["log_root"]
+    info = cluster.wait(job, ("COMPLETED", "FAILED", "CANCELLED"), JOB_TIMEOUT)
+    logs = job_logs(log_root, "refused", job, tail=10**6)
+    assert info["JobState"] == "FAILED" and info["ExitCode"] == "2:0", f"{info}\n{logs}"
+    assert info["Restarts"] == "0", info  # a user error is not requeued
+    assert "training finished with exit code 2" in logs, logs
+    lock = jobs["work"] / "refused" / "run.lock"
+    assert logs.count(f"error: the run directory lock {lock} is a symbolic link") == 1, logs
+    for noise in ("ChildFailedError", "Traceback", "failed (exitcode"):
+        assert noise not in logs, (noise, logs)
 
 
 def test_submit_rejects_a_bad_layout_before_queueing(tmp_path):

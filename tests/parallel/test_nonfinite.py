@@ -48,7 +48,7 @@ def test_nan_loss_stops_naming_step_and_rank(tmp_path):
     results = _run(tmp_path, [], poison="loss")
     for status, message, step in results:
         assert status == "stopped" and step == 0, message
-        assert message.startswith("step 0: the loss is nan (on rank 1)"), message
+        assert message.startswith("step 1: the loss is nan (on rank 1)"), message  # 1-based
         assert "Fix:" in message and "skip_nonfinite_steps" in message
 
 
@@ -56,7 +56,7 @@ def test_nan_gradient_names_the_parameter(tmp_path):
     results = _run(tmp_path, [], poison="layers.3.mlp.linear_fc1.weight")
     status, message, step = results[0]
     assert status == "stopped" and step == 2, message
-    assert "step 2: the gradient norm is nan: non-finite gradient in " in message
+    assert "step 3: the gradient norm is nan: non-finite gradient in " in message
     assert "layers.3.mlp.linear_fc1.weight on rank 1" in message
 
 
@@ -80,7 +80,7 @@ def test_nan_gradient_under_every_zero_stage_is_the_named_error(tmp_path):
         for stage, (status, message, step) in by_stage.items():
             where = f"ZeRO-{stage} rank {rank}"
             assert status == "stopped" and step == 2, f"{where}: {message}"
-            assert message.startswith("step 2: the gradient norm is nan: non-finite gradient in ")
+            assert message.startswith("step 3: the gradient norm is nan: non-finite gradient in ")
             # the NaN flows back through every earlier layer: the first few are named, per rank
             pattern = r"non-finite gradient in [\w.]+\.weight on rank [01]"
             assert re.search(pattern, message), f"{where}: {message}"

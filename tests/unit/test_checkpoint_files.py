@@ -24,7 +24,7 @@ def fake_save(ckpt_dir: str, step: int, keep: int = 2) -> str:
     for rank in range(2):
         with open(os.path.join(tmp, f"__{rank}_0.distcp"), "wb") as f:
             f.write(os.urandom(1000 + rank))
-    files.commit(tmp, final, {"kind": "train", "step": step})
+    files.commit(tmp, final, {"kind": "train", "step": step, "config": {}, "layout": {}})
     files.set_latest(ckpt_dir, final)
     files.prune(ckpt_dir, keep)
     return final
@@ -293,7 +293,7 @@ def test_item_checksums_check_exactly_what_a_rank_reads(tmp_path):
     table = files.file_table(d, ranges=ranges)
     assert set(table["__0_0.distcp"]["items"]) == {"0", "100", "250"}
     os.rename(d, d + ".tmp")
-    files.commit(d + ".tmp", d, {"kind": "train", "step": 1}, table)
+    files.commit(d + ".tmp", d, {"kind": "train", "step": 1, "config": {}, "layout": {}}, table)
     with open(data, "r+b") as f:
         f.seek(120)
         byte = f.read(1)

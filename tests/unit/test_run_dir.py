@@ -59,7 +59,7 @@ def test_lock_names_its_holder_and_is_released(tmp_path):
 
 
 def test_live_holder_is_refused_by_name(tmp_path, live_process):
-    from megatron_lite.checkpoint.run_dir import _start_ticks
+    from megatron_lite.checkpoint.lock_file import process_start_ticks as _start_ticks
 
     plant_lock(tmp_path, pid=live_process.pid, start_ticks=_start_ticks(live_process.pid))
     before = lock_holder(tmp_path)
@@ -197,7 +197,9 @@ def test_fresh_start_moves_old_metrics_aside(tmp_path):
 
 
 def test_takeover_mutex_left_by_a_dead_run_is_cleared(tmp_path):
-    plant_lock(tmp_path, host=socket.gethostname(), pid=2**22 + 1)  # no such process
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    plant_lock(tmp_path, host=socket.gethostname(), pid=dead.pid)  # no such process
     mutex = tmp_path / run_dir.TAKEOVER
     mutex.mkdir()
     old = os.stat(mutex).st_mtime - run_dir.TAKEOVER_STALE_S - 1

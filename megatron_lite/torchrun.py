@@ -1,0 +1,85 @@
+"""torchrun whose exit code is the ranks' own, without torchrun's failure report.
+
+    python -m megatron_lite.torchrun [torchrun args ...] -m megatron_lite.train ...
+
+torchrun exits 1 whenever a rank fails, whatever the rank's code, after a `ChildFailedError`
+traceback and report. The ranks' codes mean something here (README, "exit codes": 2 a user
+error, 3 a non-finite step), so this runs torchrun's own agent (`torch.distributed.run`, the
+module behind the `torchrun` command) in this process and exits with the code `exit_code`
+picks: the first rank to fail decides (what torchrun's report calls the root cause; the ranks
+that fail after it, and those torchrun stops with SIGTERM, follow from it):
+
+- it exited by itself with code C: C. The rank printed its message; nothing is added, so a
+  user error stays one paragraph;
+- it was killed by signal N: 128 + N (the shell's convention), with a line naming the rank;
+- several ranks failed first (torchrun times failures to the second): a rank killed by a
+  signal other than SIGTERM (a crash: the OOM killer's SIGKILL, SIGSEGV, ...) decides; else
+  their own codes: one code is the launcher's, different codes make it 1 (ranks that agree
+  on a stop exit with one code, so a mix is a crash) with a line listing each rank's; else
+  (SIGTERM only) 143.
+
+Used by `python -m megatron_lite.launch` and launch/slurm/train.sbatch, under
+megatron_lite/supervise.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+
+# torchrun's own failure lines, replaced here by the exit code (and a line for a crash)
+_AGENT_NOISE = ("failed (exitcode: ", "Sending process ")
+
+
+class _DropAgentNoise(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(_AGENT_NOISE)
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def exit_code(failures: dict[int, tuple[int, float]]) -> tuple[int, str | None]:
+    """(the exit code, a line to print or None) for failed ranks {rank: (exitcode, time)};
+    exitcode < 0 means killed by that signal (see the module doc for the rule)."""
+    listed = ", ".join(
+        f"rank {r}: " + (f"exit code {c}" if c > 0 else f"killed by {_signal_name(-c)}")
+        for r, (c, _) in sorted(failures.items())
+    )
+    t0 = min(t for _, t in failures.values())
+    first = {rank: code for rank, (code, t) in sorted(failures.items()) if t == t0}
+    crashed = [r for r, c in first.items() if c < 0 and -c != signal.SIGTERM]
+    own = {c for c in first.values() if c > 0}
+    if not crashed and len(own) == 1:
+        return own.pop(), None
+    if not crashed and own:
+        return 1, f"[launch] the ranks failed with different exit codes ({listed}): exit 1"
+    rank = crashed[0] if crashed else next(iter(first))  # else: SIGTERM only
+    code = 128 - first[rank]
+    name = _signal_name(-first[rank])
+    return code, f"[launch] rank {rank} was killed by {name} ({listed}): exit {code}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    args = parse_args(sys.argv[1:] if argv is None else argv)  # exits 2 on a bad argument
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_DropAgentNoise())
+    try:
+        run(args)
+    except ChildFailedError as e:
+        failures = {rank: (f.exitcode, f.timestamp) for rank, f in e.failures.items()}
+        code, line = exit_code(failures)
+        if line is not None:
+            print(line, file=sys.stderr, flush=True)
+        sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()
