@@ -24,7 +24,10 @@ def _model(group, blocks: int = 3) -> torch.nn.Sequential:
     for _ in range(blocks):
         layers += [ColumnParallelLinear(H, F, group), torch.nn.GELU()]
         layers += [RowParallelLinear(F, H, group), torch.nn.LayerNorm(H)]
-    return torch.nn.Sequential(*layers)
+    model = torch.nn.Sequential(*layers)
+    for p in model.parameters():  # the layers leave their weights to params.init_parameters
+        torch.nn.init.normal_(p, std=0.5)
+    return model
 
 
 class _Delay(torch.autograd.Function):
