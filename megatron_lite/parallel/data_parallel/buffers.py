@@ -23,7 +23,9 @@ the device thread, in backward order; the pre-hook recognises it (nothing to add
 None, so AccumulateGrad never materialises it into a weight-sized `.grad` (it would, since an
 expanded tensor breaks the gradient layout contract). Readiness stays autograd's: the
 accumulator runs once per backward, after every use of the parameter has contributed (a weight
-used twice, tied embeddings), which a callback from the linear could not know. The pre-hook
+used twice, tied embeddings), which a callback from the linear could not know (a weight two
+fused linears use in one backward gets two placeholders, which autograd's input buffer sums into
+a weight-sized tensor of zeros: correct, one temporary weight more). The pre-hook
 records the thread of a step's first gradient and refuses, with an error naming rank, step and
 parameter, one arriving on another thread before `finish()`. An accumulator that gets no
 gradient at all (a custom function returning None) is left alone, on whatever thread: the
