@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from megatron_lite.atomic import write_atomic
 from megatron_lite.config import Config, ConfigError, load_config, save_config
+from megatron_lite.parallel.nccl_env import set_nccl_env_defaults
 from megatron_lite.validation import check_hardware, validate
 
 
@@ -148,6 +149,9 @@ def init_distributed(cfg: Config) -> None:
     if torch.cuda.is_available():
         torch.cuda.set_device(local_device(int(os.environ.get("LOCAL_RANK", "0"))))
         backend = "nccl"
+        # NCCL's watchdog and flight recorder, where the user set nothing (parallel/nccl_env.py)
+        dump_prefix = os.path.join(os.path.abspath(cfg.train.out_dir), "nccl_trace_rank_")
+        set_nccl_env_defaults(os.environ, dump_prefix)
     else:
         backend = "gloo"
     if "RANK" in os.environ:

@@ -13,16 +13,24 @@ not x̂ [s, b, h]. "all_reduce" is the column-parallel layer without SP (identit
 all-reduced input gradient); "none" is the row-parallel layer (its collective follows it).
 
 Gradient accumulation fusion: when the weight has `main_grad` (data_parallel/buffers.py), g_W
-is added into it and no weight gradient is returned; the buffer's post-accumulate-grad hook
-still fires once per backward (with `p.grad` None). A weight with `ensure_main_grad` (ZeRO-2,
-whose buckets have storage only while they accumulate) gets it called before every write.
-FSDP2 parameters have no `main_grad`, and a weight with gradient hooks (`register_hook`) must
-show them its gradient: for both g_W is returned as usual.
+is added into it and autograd gets `weight.main_grad_placeholder` as the weight's gradient: a
+defined zero-stride zeros tensor the buffer made (one 0-dim element, no weight-sized memory),
+never None. Defined, so the weight's AccumulateGrad node runs on the device's autograd thread in
+backward order, like every other gradient (an undefined input sends it to the CPU thread, where
+the buffer's bookkeeping would race the device thread and launch buckets in a timing-dependent
+order); the buffer's pre-hook on that node recognises it and keeps autograd from storing it.
+(Megatron returns a dummy weight-sized gradient for the same reason; the planner counts no
+weight-sized tensor here, plan/working.py.) A weight with `main_grad` but no placeholder (set
+by hand, no buffer) gets None as before. A weight with `ensure_main_grad` (ZeRO-2, whose
+buckets have storage only while they accumulate) gets it called before every write. FSDP2
+parameters have no `main_grad`, and a weight with gradient hooks (`register_hook`) must show
+them its gradient: for both g_W is returned as usual.
 
 Deferred wgrad: with a `wgrad_queue` (a caller-owned list) captured at forward, backward does not
 run the wgrad GEMM but appends a closure that does; `run_wgrads(queue)` runs them later. While
 a weight's closure is queued, `weight.wgrad_pending` > 0 tells the gradient buffer not to count
-the weight as ready, so its bucket is reduced in `finish()`: run the closures before that.
+the weight as ready, so its bucket is reduced in `finish()`: run the closures before that. The
+backward hands autograd the placeholder there too (where the closure will write main_grad).
 """
 
 from __future__ import annotations
@@ -51,8 +59,14 @@ def _has_grad_hooks(weight: torch.Tensor) -> bool:
     return bool(getattr(weight, "_backward_hooks", None))
 
 
+def _placeholder(weight: torch.Tensor) -> torch.Tensor | None:
+    """The gradient autograd gets for a weight whose g_W went into main_grad (module docstring)."""
+    return getattr(weight, "main_grad_placeholder", None)
+
+
 def _weight_grad(weight: torch.Tensor, g2d: torch.Tensor, x2d: torch.Tensor, fuse: bool):
-    """gᵀ·x̂ [out, in]: added into `weight.main_grad` (None returned) when `fuse` and it has one."""
+    """gᵀ·x̂ [out, in], or, when `fuse` and the weight has `main_grad`, added into it (the
+    placeholder returned)."""
     main = getattr(weight, "main_grad", None) if fuse else None
     if main is None:
         return g2d.t().mm(x2d).to(weight.dtype)
@@ -61,9 +75,9 @@ def _weight_grad(weight: torch.Tensor, g2d: torch.Tensor, x2d: torch.Tensor, fus
         ensure()
     if g2d.dtype == main.dtype:
         main.addmm_(g2d.t(), x2d)  # the GEMM accumulates straight into the fp32 buffer
-    else:  # bf16 GEMM, fp32 accumulation (what the buffer's hook does with p.grad)
+    else:  # bf16 GEMM, fp32 accumulation (what the buffer does with a returned gradient)
         main.add_(g2d.t().mm(x2d))
-    return None
+    return _placeholder(weight)
 
 
 def _queue_wgrad(queue: list, weight, g2d: torch.Tensor, x2d: torch.Tensor) -> None:
@@ -72,8 +86,10 @@ def _queue_wgrad(queue: list, weight, g2d: torch.Tensor, x2d: torch.Tensor) -> N
     @torch.no_grad()  # run by the caller, outside backward
     def wgrad() -> None:
         # into main_grad whenever there is one: the buffer's hook has run, it would miss .grad
-        grad = _weight_grad(weight, g2d, x2d, fuse=True)
-        if grad is not None:
+        if getattr(weight, "main_grad", None) is not None:
+            _weight_grad(weight, g2d, x2d, fuse=True)
+        else:
+            grad = _weight_grad(weight, g2d, x2d, fuse=False)
             weight.grad = grad if weight.grad is None else weight.grad + grad
         weight.wgrad_pending -= 1
 
@@ -136,6 +152,8 @@ class _ParallelLinear(torch.autograd.Function):
         grad_w = None
         if ctx.queue is not None:
             _queue_wgrad(ctx.queue, weight, g2d, x2d)
+            if getattr(weight, "main_grad", None) is not None:  # the closure will write it
+                grad_w = _placeholder(weight)
         else:  # overlaps the reduction of grad_x
             grad_w = _weight_grad(weight, g2d, x2d, ctx.fuse)
         if reducing is not None:

@@ -14,15 +14,27 @@ dtype.
 
 Each op reports to `comm_stats` (kind p2p_send / p2p_recv). Waits have a deadline (the group
 timeout, parallel.timeout_s): on timeout or a backend error, `P2PError` names rank, step,
-action, microbatch, chunk and peer rank. MEGATRON_LITE_P2P_TRACE=1 prints every op as it is
-posted and every batch as it completes, so the last line a stuck rank printed shows what it waits
-for.
+action, microbatch, chunk and peer rank. The wait is the same timed `work.wait(timeout)` on
+every backend. On NCCL a plain `wait()` only orders the compute stream after the transfer and
+returns, so a stuck send/recv would end only in NCCL's watchdog (train.py configures it and its
+flight recorder); the timed wait also blocks the host until the batch has landed (NCCL polls
+every millisecond; Megatron synchronizes the device after each batched p2p by default) and on
+timeout aborts the communicator and raises here. MEGATRON_LITE_P2P_TRACE=1 prints every op
+as it is posted and every batch as it completes, so the last line a stuck rank printed shows
+what it waits for.
+
+`warm_up(group, device, timeout_s)` sends one tiny message each way on every link of the
+pipeline ring before step 1 (every rank of the group calls it): on NCCL that first p2p call also
+builds the group's communicator, so a broken NCCL/P2P setup or a rank that never arrives ends
+at start-up with a `P2PError` naming rank and peer, not in the middle of step 1.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
@@ -30,6 +42,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from megatron_lite.parallel import mappings
 from megatron_lite.parallel.comm_stats import STATS
 from megatron_lite.parallel.mappings import CollectiveError
 from megatron_lite.pipeline.schedules import Action, peer_of
@@ -39,6 +52,22 @@ TRACE_ENV = "MEGATRON_LITE_P2P_TRACE"
 
 class P2PError(CollectiveError):
     """A pipeline send/recv failed or timed out; names rank, step, action and peer rank."""
+
+
+def _wait_all(works, labels, deadline: float, timeout_s: float, error) -> None:
+    """Wait for each work in turn until `deadline` (time.monotonic()), a timed wait on every
+    backend (module docstring); `error(label, what)` builds the exception naming it."""
+    for label, work in zip(labels, works, strict=True):
+        remaining = deadline - time.monotonic()
+        try:
+            ok = remaining > 0 and work.wait(timedelta(seconds=remaining)) is not False
+        except RuntimeError as e:  # gloo/NCCL raise on timeout, and on a lost peer
+            text = str(e).lower()
+            late = "timed out" in text or "timeout" in text or time.monotonic() >= deadline
+            what = f"timed out after {timeout_s:g}s" if late else "failed"
+            raise error(label, f"{what}: {e}") from e
+        if not ok:
+            raise error(label, f"timed out after {timeout_s:g}s")
 
 
 def pipeline_dtype(precision: str, fp32_residual_connection: bool = False) -> torch.dtype:
@@ -118,24 +147,9 @@ class P2PCommunicator:
             works = dist.batch_isend_irecv(ops)
         except RuntimeError as e:
             raise self._error(batch, batch[0], f"failed to post: {e}") from e
-        # gloo returns one work per op; a coalesced backend may return one for the whole batch
+        # gloo returns one work per op; a coalesced backend (NCCL) one for the whole batch
         named = batch if len(works) == len(ops) else [batch[0]] * len(works)
-        if self.device.type == "cuda":
-            # NCCL: wait() only orders the compute stream after the transfer; a timed wait
-            # would poll on the host. Timeouts come from the group's timeout and watchdog.
-            for work in works:
-                work.wait()
-            works, named = [], []
-        for action, work in zip(named, works, strict=True):
-            remaining = deadline - time.monotonic()
-            try:
-                ok = remaining > 0 and work.wait(timedelta(seconds=remaining)) is not False
-            except RuntimeError as e:  # gloo raises on timeout, NCCL/gloo on a lost peer
-                late = "timed out" in str(e).lower()
-                what = f"timed out after {self.timeout_s:g}s" if late else "failed"
-                raise self._error(batch, action, f"{what}: {e}") from e
-            if not ok:
-                raise self._error(batch, action, f"timed out after {self.timeout_s:g}s")
+        _wait_all(works, named, deadline, self.timeout_s, functools.partial(self._error, batch))
         if self.trace:
             self._print(f"done [{' '.join(map(str, batch))}]")
         return received
@@ -171,3 +185,74 @@ class P2PCommunicator:
             f"(pp rank {self.pp_rank} of {self.pp_size}, batch [{' '.join(map(str, batch))}]) "
             f"{what}"
         )
+
+
+def _post(ops: list, deadline: float, device: torch.device):
+    """dist.batch_isend_irecv(ops) on a helper thread, None if it has not returned by the
+    deadline: on NCCL the group's first p2p call builds its communicator, which waits for every
+    rank of it and has no timeout of its own."""
+    out: dict = {}
+
+    def post() -> None:
+        try:
+            if device.type == "cuda":  # the current device is per thread
+                torch.cuda.set_device(device)
+            out["works"] = dist.batch_isend_irecv(ops)
+        except Exception as e:  # re-raised on the calling thread
+            out["error"] = e
+
+    thread = threading.Thread(target=post, name="p2p-warm-up", daemon=True)
+    thread.start()
+    thread.join(max(deadline - time.monotonic(), 0.0))
+    if "error" in out:
+        raise out["error"]
+    return out.get("works")
+
+
+def warm_up(group: dist.ProcessGroup, device: torch.device, timeout_s: float) -> None:
+    """Before step 1, on every rank of the pipeline group `group` (module docstring): each rank
+    sends its global rank to the next and the previous stage and checks what it receives from
+    them (the ring's wrap link included: interleaved schedules use it). Raises P2PError naming
+    rank and peer when a link fails, a peer does not take part within `timeout_s`, or the ranks
+    disagree on the group's order. Nothing to do on a group of one, or in a dry run."""
+    if mappings.size(group) == 1 or dist.get_backend(group) == "fake":
+        return
+    ranks = dist.get_process_group_ranks(group)
+    rank = dist.get_rank()
+    i, n = ranks.index(rank), len(ranks)
+    nxt, prev = ranks[(i + 1) % n], ranks[(i - 1) % n]
+    mine = torch.full((1,), rank, dtype=torch.int64, device=device)
+    from_prev, from_next = torch.empty_like(mine), torch.empty_like(mine)
+    ops = [
+        dist.P2POp(dist.isend, mine, nxt, group=group),
+        dist.P2POp(dist.irecv, from_prev, prev, group=group),
+        dist.P2POp(dist.isend, mine, prev, group=group),
+        dist.P2POp(dist.irecv, from_next, nxt, group=group),
+    ]
+    both = f"send/recv with peers {prev} and {nxt}"
+    labels = [f"send -> peer {nxt}", f"recv <- peer {prev}", f"send -> peer {prev}"]
+    labels.append(f"recv <- peer {nxt}")
+    STATS.note("p2p_warm_up", getattr(group, "group_desc", "pp"))
+
+    def error(label: str, what: str) -> P2PError:
+        return P2PError(
+            f"rank {rank} step {STATS.step}: pipeline warm-up {label} (pp rank {i} of {n}, "
+            f"group {mappings.group_name(group)}) {what}. The link between rank {rank} and its "
+            "peer does not work: check that the peer rank started and reached the warm-up, "
+            "and the NCCL set-up (NCCL_DEBUG=INFO prints the transport each link uses)"
+        )
+
+    deadline = time.monotonic() + timeout_s
+    try:
+        works = _post(ops, deadline, device)
+    except RuntimeError as e:
+        raise error(both, f"failed to post: {e}") from e
+    if works is None:
+        raise error(both, f"timed out after {timeout_s:g}s posting (NCCL communicator set-up)")
+    # gloo: one work per op; NCCL: one for the batch
+    named = labels if len(works) == len(ops) else [both] * len(works)
+    _wait_all(works, named, deadline, timeout_s, error)
+    have = [int(from_prev.item()), int(from_next.item())]
+    if have != [prev, nxt]:
+        what = f"got the messages of ranks {have}: the ranks disagree on the group's order"
+        raise error(f"recv <- peers {prev} and {nxt}", what)

@@ -33,9 +33,10 @@ dtype's bytes, f the MLP width, N the MoE rows a rank sends and receives):
 With gradient buffers (ZeRO 0-2) a dense layer's weight gradient goes into main_grad inside
 the linear's backward (parallel/linear_async.py): ZeRO-2 allocates the bucket first, then the
 GEMM adds into it (fp32: `addmm_` in place, no temporary; bf16: the bf16 product, then the
-add), while the layer's output gradient, input gradient and re-gathered input are alive. Under
-ZeRO-3 (FSDP2, no main_grad) the weight gradient is returned to autograd and the moments are
-those listed above.
+add; autograd gets the buffer's zero-stride placeholder, one 0-dim element per buffer, as the
+weight's gradient), while the layer's output gradient, input gradient and re-gathered input are
+alive. Under ZeRO-3 (FSDP2, no main_grad) the weight gradient is returned to autograd and the
+moments are those listed above.
 
 In a dry run the fake process group completes each collective at once, so a buffer handed to
 an asynchronous collective is freed as soon as the code drops it (the reduce-scatter input of

@@ -23,7 +23,7 @@ from megatron_lite.parallel.mesh import ParallelMesh
 from megatron_lite.parallel.params import init_parameters, unique_owner
 from megatron_lite.parallel.random import model_parallel_seed
 from megatron_lite.pipeline.engine import forward_backward
-from megatron_lite.pipeline.p2p import activation_shape, pipeline_dtype
+from megatron_lite.pipeline.p2p import activation_shape, pipeline_dtype, warm_up
 from megatron_lite.pipeline.trace import SpanRecorder, write_trace
 from megatron_lite.training.activation_memory import SavedTensorMeter
 from megatron_lite.training.flops import model_flops_per_token, peak_tflops
@@ -48,6 +48,9 @@ class Trainer:
             if torch.cuda.is_available()
             else torch.device("cpu")
         )
+        # before anything else: a broken pipeline link (NCCL/P2P set-up, a missing rank) fails
+        # here with a P2PError naming rank and peer, not in step 1
+        warm_up(mesh.pp.group, self.device, cfg.parallel.timeout_s)
         self.tracker = model_parallel_seed(cfg.train.seed, mesh.tp.rank, mesh.pp.rank)
         self.step = 0
         self.consumed_samples = 0  # the data position (a checkpoint restores it)

@@ -93,3 +93,80 @@ def _wrong_shape(rank, world):
 
 def test_wrong_payload_shape_is_rejected_before_sending():
     run_ranks(1, _wrong_shape, timeout=30)
+
+
+def _warm_up(rank, world, absent: int | None):
+    import time
+
+    import torch.distributed as dist
+
+    from megatron_lite.parallel.comm_stats import STATS
+    from megatron_lite.pipeline.p2p import P2PError, warm_up
+
+    if rank == absent:  # this stage never reaches the warm-up (stuck in its start-up)
+        time.sleep(2.5)
+        return None
+    STATS.start_step(0)
+    start = time.monotonic()
+    try:
+        warm_up(dist.group.WORLD, torch.device("cpu"), timeout_s=1.0)
+    except P2PError as e:
+        return str(e), time.monotonic() - start
+    return "ok", time.monotonic() - start
+
+
+def test_warm_up_exchanges_on_every_link_of_the_ring():
+    for rank, (message, _) in enumerate(run_ranks(3, _warm_up, None, timeout=30)):
+        assert message == "ok", f"rank {rank}: {message}"
+
+
+def test_warm_up_names_rank_and_peer_when_a_peer_never_joins():
+    """Ranks 1 and 2 wait for stage 0 (their previous and next stage) until the timeout."""
+    results = run_ranks(3, _warm_up, 0, timeout=30)
+    for rank in (1, 2):
+        message, elapsed = results[rank]
+        assert elapsed < 2.4, f"rank {rank} waited {elapsed:.1f}s for a 1s warm-up timeout"
+        for part in (f"rank {rank} step 0: pipeline warm-up", "peer 0", "timed out after 1s"):
+            assert part in message, f"rank {rank}: {part!r} missing from: {message}"
+
+
+def _stuck_device_batch(rank, world):
+    """A CUDA communicator's batch whose (stand-in) NCCL work never completes: NCCL's wait()
+    with a timeout blocks the host and raises once it passes; without one it returns at once
+    (it only orders the compute stream), which left a stuck send to NCCL's watchdog."""
+    import time
+
+    import torch.distributed as dist
+
+    from megatron_lite.parallel.comm_stats import STATS
+    from megatron_lite.pipeline.p2p import P2PCommunicator, P2PError
+    from megatron_lite.pipeline.schedules import Action
+
+    waits = []
+
+    class StuckNcclWork:
+        def wait(self, timeout=None):
+            waits.append(timeout)
+            if timeout is None:
+                return True
+            time.sleep(timeout.total_seconds())
+            raise RuntimeError("Watchdog caught collective operation timeout: WorkNCCL(SEND)")
+
+    dist.batch_isend_irecv = lambda ops: [StuckNcclWork()]  # one work per batch, as NCCL's
+    STATS.start_step(4)
+    p2p = P2PCommunicator(
+        dist.group.WORLD, [0, 1], SHAPE, torch.float32, torch.device("cuda"), 0.5, trace=False
+    )
+    send = Action("send_forward", 2, 0)
+    try:
+        p2p.exchange((send,), {send: torch.zeros(SHAPE)})
+    except P2PError as e:
+        return str(e), waits
+    return "no error", waits
+
+
+def test_a_stuck_nccl_batch_ends_in_a_timed_wait_naming_rank_step_op_and_peer():
+    message, waits = run_ranks(2, _stuck_device_batch, timeout=30)[0]
+    assert waits and all(w is not None for w in waits), f"untimed NCCL waits: {waits}"
+    for part in ("rank 0 step 4", "send_forward mb 2 chunk 0 -> peer 1", "timed out after 0.5s"):
+        assert part in message, f"{part!r} missing from: {message}"

@@ -4,12 +4,32 @@ are final, overlapping the rest of the backward (Megatron's ParamAndGradBuffer).
 One `GradBuffer` holds the parameters of one model chunk that reduce over the same group (dense:
 dp×cp; experts: expert-data-parallel). Each parameter's data is a view into `param_data` and
 its `main_grad` (fp32) a view into its bucket's gradient storage, laid out in backward order
-(the last layers first) and cut into buckets of about `bucket_size` elements. A hook after each
-gradient accumulation adds `p.grad` into `main_grad` and frees `p.grad` (linear_async adds the
-weight gradient into `main_grad` itself); the bucket's reduction is launched asynchronously
-once every parameter of it has its gradient: an all-reduce (ZeRO-0), or a reduce-scatter into
-this rank's shard (ZeRO-1/2; with hybrid sharding followed by an all-reduce of the shard
-across replicas). `finish()` launches what is left (parameters that got no gradient) and waits.
+(the last layers first) and cut into buckets of about `bucket_size` elements. A pre-hook on each
+parameter's gradient accumulator (autograd's AccumulateGrad node) takes the gradient that
+reached the parameter in this backward, adds it into `main_grad` and hands autograd nothing to
+store (`p.grad` stays None); the bucket's reduction is launched asynchronously once every
+parameter of it has its gradient: an all-reduce (ZeRO-0), or a reduce-scatter into this rank's
+shard (ZeRO-1/2; with hybrid sharding followed by an all-reduce of the shard across replicas).
+`finish()` launches what is left (parameters that got no gradient) and waits.
+
+One thread, in backward order. Bucket launches must come in the same order on every rank (NCCL
+pairs collectives by order), so the bookkeeping must never depend on which autograd thread runs
+an accumulator. On CUDA the engine runs a node on the thread of its input's device, and an
+accumulator whose input is undefined on the CPU thread, beside the device thread running the
+rest of the backward. So no writer of `main_grad` hands autograd an undefined gradient: it
+returns `p.main_grad_placeholder`, a zero-stride expand of one 0-dim zero on the parameter's
+device (the buffer's, 2 or 4 bytes, no storage per parameter) that keeps the accumulator on
+the device thread, in backward order; the pre-hook recognises it (nothing to add) and returns
+None, so AccumulateGrad never materialises it into a weight-sized `.grad` (it would, since an
+expanded tensor breaks the gradient layout contract). Readiness stays autograd's: the
+accumulator runs once per backward, after every use of the parameter has contributed (a weight
+used twice, tied embeddings), which a callback from the linear could not know (a weight two
+fused linears use in one backward gets two placeholders, which autograd's input buffer sums into
+a weight-sized tensor of zeros: correct, one temporary weight more). The pre-hook
+records the thread of a step's first gradient and refuses, with an error naming rank, step and
+parameter, one arriving on another thread before `finish()`. An accumulator that gets no
+gradient at all (a custom function returning None) is left alone, on whatever thread: the
+parameter is not counted and its bucket is reduced by `finish()`, in bucket order.
 
 Shards: a bucket is padded to a multiple of the shard group's size s; shard r of it is the
 r-th 1/s of it.
@@ -21,7 +41,7 @@ have the step's last microbatch's gradients.
 ZeRO-2 (`keep_full_grads=False`, s > 1): only the shard `grad_shard` (4Ψ/s fp32) persists.
 Each bucket has its own full-size storage, allocated when the bucket's first gradient of a
 microbatch is about to be written (`ensure`, which every writer of `main_grad` calls first:
-the hook, and linear_async through `p.ensure_main_grad`), reduce-scattered as soon as every
+the pre-hook, and linear_async through `p.ensure_main_grad`), reduce-scattered as soon as every
 parameter of it has its gradient of the microbatch, the reduced shard added into `grad_shard`,
 then freed. So gradients are reduced every microbatch, as DeepSpeed's ZeRO-2 does, and memory
 does not grow with the microbatches: M reduce-scatters of 4Ψ bytes per step where ZeRO-1 sends
@@ -44,12 +64,15 @@ accumulating (beyond the bound) and is reduced by `finish()`.
 from __future__ import annotations
 
 import functools
+import threading
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.autograd.graph import get_gradient_edge
 
 from megatron_lite.parallel import mappings
+from megatron_lite.parallel.comm_stats import STATS
 from megatron_lite.parallel.data_parallel.finalize import data_replicas
 
 
@@ -86,7 +109,8 @@ class GradBuffer:
     """See the module docstring. `shard_group` is the group a bucket is sharded over (None:
     replicated, ZeRO-0: all-reduce over `group`); `replica_group` all-reduces the shards across
     replicas (hybrid sharding); `keep_full_grads=False` is ZeRO-2, whose buckets in flight
-    are listed in `in_flight` (shared by the buffers of one reduction group; default: its own)."""
+    are listed in `in_flight` (shared by the buffers of one reduction group; default: its own).
+    `names` (id(p) -> name) names parameters in errors."""
 
     def __init__(
         self,
@@ -101,6 +125,7 @@ class GradBuffer:
         keep_full_grads: bool = True,
         overlap: bool = True,
         in_flight: list | None = None,
+        names: dict[int, str] | None = None,
     ):
         self.group, self.shard_group, self.replica_group = group, shard_group, replica_group
         self.shard_size = mappings.size(shard_group) if shard_group is not None else 1
@@ -131,6 +156,9 @@ class GradBuffer:
         self.grad_data = None  # ZeRO-0/1: the whole fp32 gradient buffer
         if not self.sharded_grads:
             self.grad_data = torch.zeros(self.numel, dtype=torch.float32, device=device)
+        # what writers of main_grad hand autograd (module docstring): no storage per parameter
+        self._zero = torch.zeros((), dtype=dtype, device=device)
+        self._placeholders: dict[int, torch.Tensor] = {}
         for b in self.buckets:
             n = b.end - b.start
             b.grad = (
@@ -142,6 +170,8 @@ class GradBuffer:
                 r = self.ranges[id(p)]
                 at = r.start - b.start
                 p.main_grad = b.grad[at : at + p.numel()].view_as(p)
+                p.main_grad_placeholder = self._zero.expand(p.shape)
+                self._placeholders[id(p)] = p.main_grad_placeholder
             if self.sharded_grads:  # ZeRO-2: storage only while the bucket reduces, so the
                 b.grad.untyped_storage().resize_(0)  # build holds one bucket at a time
         self.counts: dict[int, int] = {}
@@ -152,7 +182,14 @@ class GradBuffer:
             b.shard_at = c
         # ZeRO-2: (buffer, bucket) launched and not yet added into its shard, over the group
         self.in_flight: list[tuple[GradBuffer, Bucket]] = [] if in_flight is None else in_flight
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+        self.names = names or {}
+        self._thread: threading.Thread | None = None  # the thread of this step's gradients
+        # autograd holds a leaf's accumulator weakly: keep them, or the pre-hooks go with them
+        self._grad_accs = [get_gradient_edge(p).node for p in params]
+        self._hooks = [
+            acc.register_prehook(functools.partial(self._on_grad, p))
+            for acc, p in zip(self._grad_accs, params, strict=True)
+        ]
 
     def _layout(self, params, bucket_size: int, own_bucket) -> list[Bucket]:
         """Buckets in backward order; parameters in `own_bucket` (ids) get one each, so its
@@ -204,7 +241,7 @@ class GradBuffer:
     # ------------------------------------------------------------ the step
     def start_step(self, num_microbatches: int) -> None:
         """Called before the first backward of a step: gradients are final after this many."""
-        self.expected, self.counts = num_microbatches, {}
+        self.expected, self.counts, self._thread = num_microbatches, {}, None
         if self.sharded_grads:
             for b in self.buckets:  # nothing left from a step that did not finish
                 if b.work is not None:
@@ -228,14 +265,41 @@ class GradBuffer:
             self._allocate(b)
         b.dirty = True
 
-    def _on_grad(self, p: torch.nn.Parameter) -> None:
-        if p.grad is not None:  # None: linear_async added the weight gradient into main_grad
+    def _on_grad(self, p: torch.nn.Parameter, grads: tuple) -> tuple:
+        """Pre-hook of `p`'s AccumulateGrad: `grads[0]` is the sum of what reached `p` in this
+        backward and goes into main_grad (the placeholder: it is there already). Returns
+        (None,): autograd stores nothing in `p.grad`."""
+        grad = grads[0]
+        if grad is None or self._placeholders.get(id(p)) is not p.main_grad_placeholder:
+            return grads  # no gradient (module docstring), or a newer buffer owns `p`
+        self._check_thread(p)
+        if grad is not p.main_grad_placeholder:  # (the placeholder: linear_async wrote it)
             if self.sharded_grads:
                 self.ensure(p)
-            p.main_grad.add_(p.grad)  # accumulate in fp32, whatever the parameter dtype
-            p.grad = None
-        if getattr(p, "wgrad_pending", 0):  # its wgrad GEMM is queued: finish() reduces it
-            return
+            p.main_grad.add_(grad)  # accumulate in fp32, whatever the parameter dtype
+        if not getattr(p, "wgrad_pending", 0):  # a queued wgrad GEMM: finish() reduces it
+            self._count(p)
+        return (None,)
+
+    def _check_thread(self, p: torch.nn.Parameter) -> None:
+        """Every gradient of a step on one thread (module docstring), or a clear error."""
+        here = threading.current_thread()
+        if self._thread is None:
+            self._thread = here
+        elif here is not self._thread:
+            name = self.names.get(id(p), f"#{list(self.ranges).index(id(p))} {tuple(p.shape)}")
+            raise RuntimeError(
+                f"rank {dist.get_rank()} step {STATS.step}: the gradient hook of parameter "
+                f"{name} (buffer over group {mappings.group_name(self.group)}) ran on thread "
+                f"{here.name!r}, but this step's gradients so far reached the buffer on thread "
+                f"{self._thread.name!r}: bucket reductions would start in a timing-dependent "
+                "order and pair up wrong buckets across ranks. Fix: custom autograd functions "
+                "that write main_grad return `p.main_grad_placeholder` as the gradient (never "
+                "None), and every backward of a step runs from one thread"
+            )
+
+    def _count(self, p: torch.nn.Parameter) -> None:
+        """One more gradient of `p`: launch its bucket once every parameter has its last."""
         key = id(p)
         self.counts[key] = self.counts.get(key, 0) + 1
         bucket = self.ranges[key].bucket
@@ -308,6 +372,7 @@ class GradBuffer:
 
     def finish(self) -> None:
         """After the last backward of the step: every bucket reduced (launch what is left)."""
+        self._thread = None  # the step's backward is over
         if self.sharded_grads:
             self._finish_sharded()
             return

@@ -92,6 +92,7 @@ class DataParallel:
         in_flight = {"dp_cp": [], "edp": []}  # ZeRO-2: one reduce-scatter per group at a time
         for chunk in chunks:
             params = [p for p in chunk.parameters() if p.requires_grad]
+            names = {id(p): n for n, p in chunk.named_parameters()}
             for name, expert in (("dp_cp", False), ("edp", True)):
                 mine = [p for p in params if meta_of(p).is_expert == expert]
                 if not mine:
@@ -108,6 +109,7 @@ class DataParallel:
                     keep_full_grads=zero_stage < 2,
                     overlap=overlap_grad_reduce,
                     in_flight=in_flight[name],
+                    names=names,
                 )
                 self.buffers.append(buf)
         self.pieces = make_pieces(self.buffers, offload)

@@ -7,10 +7,23 @@ host under optimizer offload) and its gradient (a view of the reduced fp32 `main
 torch's AdamW steps the pieces (per tensor on CPU, so every layout does the same arithmetic per
 element; fused on CUDA), then the updated masters are written back into the parameters' shards
 and the buffers all-gather them (ZeRO-1/2).
+
+Offload on CUDA (`_Transfers`): the copies between the device and the pinned host masters run
+on a copy stream with non_blocking=True and are ordered by events, never by synchronizing a
+whole stream. The copy stream waits for an event recorded on the compute stream (the reduced,
+clipped gradients are final), copies the gradients to pinned host memory and records
+`grads_on_host`; the host waits for that event alone, and for `params_on_device` of the step
+before (whose copies still read the masters it is about to overwrite), then steps AdamW. The
+updated masters go back the same way (the copy stream first waits for the compute stream, which
+may still read the old weights), and the compute stream waits for `params_on_device` before
+anything after the step (the all-gather, the next forward) reads them; the host never waits for
+the device there. On a CPU run the host is the device: the events are no-ops and the copies the
+plain ones, so the results are bitwise those of a run without offload ordering.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -65,6 +78,103 @@ def make_pieces(buffers: list[GradBuffer], offload: bool) -> list[Piece]:
     return pieces
 
 
+class _NoEvent:
+    def record(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _HostOps:
+    """Streams and events where the host is the device (CPU, a dry run): none, copies in place."""
+
+    def event(self):
+        return _NoEvent()
+
+    def current_stream(self):
+        return None
+
+    def new_stream(self):
+        return None
+
+    def stream(self, stream):
+        return contextlib.nullcontext()
+
+    def wait_event(self, stream, event) -> None:
+        pass
+
+    def to_host(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to("cpu", non_blocking=True)  # already there: `t` itself, no copy
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src, non_blocking=True)
+
+
+class _CudaOps(_HostOps):
+    """CUDA streams and events; host copies land in pinned memory (asynchronous)."""
+
+    def event(self):
+        return torch.cuda.Event()
+
+    def current_stream(self):
+        return torch.cuda.current_stream()
+
+    def new_stream(self):
+        return torch.cuda.Stream()
+
+    def stream(self, stream):
+        return torch.cuda.stream(stream)
+
+    def wait_event(self, stream, event) -> None:
+        stream.wait_event(event)
+
+    def to_host(self, t: torch.Tensor) -> torch.Tensor:
+        return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+
+
+class _Transfers:
+    """Optimizer offload's copies of `pieces` between the device and the host, ordered by
+    events on a copy stream (module docstring). `ops`: `_CudaOps()`, `_HostOps()`, or a test's
+    stand-in that records the order of records, waits and copies."""
+
+    def __init__(self, pieces: list[Piece], ops: _HostOps):
+        self.pieces, self.ops = pieces, ops
+        self.copy_stream = ops.new_stream()
+        self.grads_on_host = None  # events recorded on the copy stream after its copies
+        self.params_on_device = None
+
+    def _after_compute(self) -> None:
+        """The copy stream waits for what the compute stream has queued so far."""
+        ready = self.ops.event()
+        ready.record(self.ops.current_stream())
+        self.ops.wait_event(self.copy_stream, ready)
+
+    def grads_to_host(self) -> None:
+        """Each piece's `master.grad` <- its gradient shard, in host memory; then the host waits
+        for those copies and for the last step's copies out of the masters."""
+        self._after_compute()
+        with self.ops.stream(self.copy_stream):
+            for pc in self.pieces:
+                pc.master.grad = self.ops.to_host(pc.grad)
+        self.grads_on_host = self.ops.event()
+        self.grads_on_host.record(self.copy_stream)
+        for event in (self.params_on_device, self.grads_on_host):
+            if event is not None:
+                event.synchronize()  # this event only, not the streams
+
+    def params_to_device(self) -> None:
+        """The parameters' shards <- the updated masters; later compute-stream work waits."""
+        self._after_compute()
+        with self.ops.stream(self.copy_stream):
+            for pc in self.pieces:
+                if not pc.aliased:
+                    self.ops.copy(pc.param_slice, pc.master)
+        self.params_on_device = self.ops.event()
+        self.params_on_device.record(self.copy_stream)
+        self.ops.wait_event(self.ops.current_stream(), self.params_on_device)
+
+
 def adamw(decay, no_decay, lr, betas, eps, weight_decay) -> torch.optim.AdamW:
     """torch AdamW with weight decay on `decay` only (per tensor on CPU, fused on CUDA and in
     a dry run: the GPU's kernel, and the per-tensor path reads its step count on the host)."""
@@ -87,6 +197,11 @@ class ShardedAdamW:
 
     def __init__(self, pieces: list[Piece], lr, betas, eps, weight_decay, offload: bool):
         self.pieces, self.offload = pieces, offload
+        self.transfers = None  # offload: the host copies (module docstring)
+        if offload:
+            device = pieces[0].grad.device if pieces else torch.device("cpu")
+            cuda = device.type == "cuda" and torch.cuda.is_available() and not fake.active()
+            self.transfers = _Transfers(pieces, _CudaOps() if cuda else _HostOps())
         decay = [pc.master for pc in pieces if pc.param.dim() >= 2]
         no_decay = [pc.master for pc in pieces if pc.param.dim() < 2]
         on_cuda = bool(pieces) and pieces[0].master.is_cuda
@@ -104,15 +219,20 @@ class ShardedAdamW:
 
     @torch.no_grad()
     def step(self) -> None:
-        for pc in self.pieces:
-            g = pc.grad
-            pc.master.grad = g.to(pc.master.device, non_blocking=True) if self.offload else g
-        if self.offload and torch.cuda.is_available():  # the host copies must have landed
-            torch.cuda.current_stream().synchronize()
+        offload = self.transfers
+        if offload is not None:
+            offload.grads_to_host()
+        else:
+            for pc in self.pieces:
+                pc.master.grad = pc.grad
         self.inner.step()
+        if offload is not None:
+            offload.params_to_device()
+        else:
+            for pc in self.pieces:
+                if not pc.aliased:
+                    pc.param_slice.copy_(pc.master, non_blocking=True)
         for pc in self.pieces:
-            if not pc.aliased:
-                pc.param_slice.copy_(pc.master, non_blocking=True)
             pc.master.grad = None
 
     @torch.no_grad()
