@@ -67,6 +67,7 @@ def exit_code(failures: dict[int, tuple[int, float]]) -> tuple[int, str | None]:
 
 def main(argv: list[str] | None = None) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import parse_args, run
 
     args = parse_args(sys.argv[1:] if argv is None else argv)  # exits 2 on a bad argument
@@ -79,6 +80,16 @@ def main(argv: list[str] | None = None) -> None:
         if line is not None:
             print(line, file=sys.stderr, flush=True)
         sys.exit(code)
+    except RendezvousError as e:  # another node's agent, which hosts the store, ended first
+        cause = e.__cause__ or e
+        print(
+            f"[launch] this node lost the rendezvous with the other nodes ({type(e).__name__}: "
+            f"{cause}): a node that ended first decides the job's exit code (srun reports the "
+            "largest); this node exits 1",
+            file=sys.stderr,
+            flush=True,
+        )
+        sys.exit(1)
 
 
 if __name__ == "__main__":

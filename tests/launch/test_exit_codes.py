@@ -136,3 +136,23 @@ def test_submit_checks_step_wait_before_queueing(tmp_path):
     )
     assert r.returncode == 2 and "error: STEP_WAIT_S='2m'" in r.stderr, r.stderr
     assert "Fix:" in r.stderr and not (tmp_path / "sbatch-called").exists()
+
+
+def test_a_lost_rendezvous_is_one_line_and_exit_1(monkeypatch, capsys):
+    """A node whose agent loses the store (its host, another node's agent, ended first: seen
+    on the refused Slurm job) prints one line naming it and exits 1, no traceback."""
+    import torch.distributed.run as torch_run
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+    from megatron_lite import torchrun
+
+    def lost(args):
+        raise RendezvousConnectionError("The connection to the C10d store has failed.")
+
+    monkeypatch.setattr(torch_run, "run", lost)
+    with pytest.raises(SystemExit) as stop:
+        torchrun.main(["--nnodes=1", "--nproc-per-node=1", "-m", "megatron_lite.train"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 1, err
+    assert "lost the rendezvous" in err and "RendezvousConnectionError" in err, err
+    assert "Traceback" not in err and err.count("\n") == 1, err
