@@ -158,16 +158,27 @@ def _walk(cfg: Config, pp_rank: int, kernels: str):
     in_flight = [0, 0]  # ZeRO-2: the (dense, expert) buckets the last backward left in flight
     last_chunk = None  # and its chunk
 
-    def zero2(ch, c: int, group: int, arrived: int, arriving: int | None = None) -> float:
-        """Bytes of ZeRO-2 buckets alive in chunk c's backward, its other group's in flight."""
-        if not ch.cuts[group]:
-            return grads + 4 * sum(in_flight)
-        same = last_chunk == c and len(ch.cuts[group]) == 1
-        mine = _live_buckets(ch.cuts[group], arrived, arriving, in_flight[group], same)
+    # an aux or z loss: the router's gradient (the MoE layer's first dense parameter in
+    # backward order) takes the objective's short path and reaches its bucket before the
+    # experts' backward
+    objective = bool(cfg.model.moe_aux_loss_coeff or cfg.model.moe_z_loss_coeff)
+
+    def zero2(ch, c: int, group: int, arrived: int, arriving: int | None = None,
+              router: bool = False) -> float:  # fmt: skip
+        """Bytes of ZeRO-2 buckets alive in chunk c's backward: `group`'s (`arrived`,
+        `arriving`: _live_buckets), the other group's in flight, or, in an MoE layer's
+        backward (`router`), the dense buckets of the head's gradients (the loss chunk) and of
+        the router's (with an objective)."""
+        mine = in_flight[group]
+        if ch.cuts[group]:
+            same = last_chunk == c and len(ch.cuts[group]) == 1
+            mine = _live_buckets(ch.cuts[group], arrived, arriving, in_flight[group], same)
         other = in_flight[1 - group]
-        if group == 1 and ch.loss and ch.cuts[0]:  # the head's dense gradients came first
+        head = ch.after if ch.loss else 0
+        if router and group == 1 and ch.cuts[0] and (head or objective):
             same = last_chunk == c and len(ch.cuts[0]) == 1
-            other = _live_buckets(ch.cuts[0], ch.after, None, in_flight[0], same)
+            first = head if objective else None
+            other = _live_buckets(ch.cuts[0], head, first, in_flight[0], same)
         return grads + 4 * (mine + other)
 
     seen = set()  # (action, state) already yielded: the steady state repeats itself
@@ -201,6 +212,9 @@ def _walk(cfg: Config, pp_rank: int, kernels: str):
         if ch.rebuilt:  # the recomputed group's (or module's) forward again
             rerun = ch.rebuilt + fwd[ch.last_moe] + ch.rerun_offset + root + 2 * layer
             yield "backward", (now, kept + recv * (not ch.loss), embedding, 0.0, rerun)
+            if ch.last_moe and objective:  # then the router's gradient first (see above)
+                g = zero2(ch, c, 1, 0, None, router=True)
+                yield "backward", (g, kept + recv * (not ch.loss), embedding, 0.0, rerun)
         for w, freed, group, arrived, arriving in bwd[ch.last_moe]:
             if ch.rebuilt:  # what the backward frees is of the rebuilt part first
                 w, freed = w + max(ch.rebuilt - freed, 0.0), max(freed - ch.rebuilt, 0.0)
@@ -208,7 +222,7 @@ def _walk(cfg: Config, pp_rank: int, kernels: str):
             before = ch.after if group == 0 and ch.loss else 0  # the head's, in already
             if arriving is not None:
                 arriving += before
-            g = zero2(ch, c, group, arrived + before, arriving)
+            g = zero2(ch, c, group, arrived + before, arriving, router=ch.last_moe)
             yield "backward", (g, act, embedding, 0.0, w + root + 2 * layer)
         kept -= ch.kept
         if ch.embedding:  # its weight gradient beside the output's, then into its bucket
