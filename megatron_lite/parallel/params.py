@@ -102,20 +102,19 @@ def _draw(
     dim: int,
     start: int,
     end: int,
-    rows: tuple[int, int] | None = None,
-    out: torch.Tensor | None = None,
+    rows: tuple[int, int] | None,
+    out: torch.Tensor,
 ) -> torch.Tensor:
-    """Indices [start, end) along `dim` of the logical full tensor: block b of the full tensor
-    (indices [b·B, (b+1)·B) along dim, everything else whole) comes from a generator seeded by
-    (seed, key, b), so a rank draws only the blocks its shard touches. `rows` (dim != 0): keep
-    only rows [a, b) along dim 0 of each block as it is drawn (an FSDP2 shard of a tensor
-    sharded along another dim holds one block at a time, never the whole tensor). `out`: copy
-    each block into it as it is drawn (any dtype; the extra memory is one block, not the
-    range), and return it."""
+    """Indices [start, end) along `dim` of the logical full tensor into `out` (any dtype):
+    block b of the full tensor (indices [b·B, (b+1)·B) along dim, everything else whole) comes
+    from a generator seeded by (seed, key, b), so a rank draws only the blocks its shard
+    touches, and each is copied into `out` as it is drawn (the extra memory is one block, not
+    the range). `rows` (dim != 0): keep only rows [a, b) along dim 0 of each block (an FSDP2
+    shard of a tensor sharded along another dim holds one block at a time)."""
     full, n = meta.full_shape, meta.full_shape[dim]
-    step, parts = _block_length(full, dim), []
+    step = _block_length(full, dim)
     if fake.active() and end > start:
-        return _draw_nothing(meta, dim, start, end, rows, step, out)
+        return _draw_nothing(meta, dim, start, end, step, out)
     for b in range(start // step, -(-end // step)):
         lo, hi = b * step, min((b + 1) * step, n)
         shape = list(full)
@@ -124,37 +123,20 @@ def _draw(
         if rows is not None:
             block = block[rows[0] : rows[1]]
         a, e = max(start, lo), min(end, hi)
-        if out is not None:
-            out.narrow(dim, a - start, e - a).copy_(block.narrow(dim, a - lo, e - a))
-            del block  # before the next draw: one block's draw and its scaled copy at most
-        else:
-            parts.append(block.narrow(dim, a - lo, e - a))
-    if out is not None:
-        return out
-    if not parts:
-        return torch.empty(_shape(meta, dim, 0, rows))
-    return torch.cat(parts, dim=dim)
+        out.narrow(dim, a - start, e - a).copy_(block.narrow(dim, a - lo, e - a))
+        del block  # before the next draw: one block's draw and its scaled copy at most
+    return out
 
 
-def _draw_nothing(meta: ParamMeta, dim: int, start: int, end: int, rows, step: int, out=None):
+def _draw_nothing(meta: ParamMeta, dim: int, start: int, end: int, step: int, out):
     """_draw's allocations without its ops per block, for a dry run (fake tensors, nothing to
-    draw): into `out`, one block's raw draw and its scaled copy for a moment; else every block
-    the range touches (all alive until the cat), one block's raw draw beside them for a
-    moment (it is scaled into a new block), then the cat's copy."""
+    draw): one block's raw draw and its scaled copy for a moment."""
     b0, b1 = start // step, -(-end // step)
     extent = min(b1 * step, meta.full_shape[dim]) - b0 * step
-    if out is not None:
-        raw = torch.empty(_shape(meta, dim, min(step, extent), None))
-        scaled = torch.empty(_shape(meta, dim, min(step, extent), None))
-        del raw, scaled
-        return out
-    blocks = torch.empty(_shape(meta, dim, extent, None))
     raw = torch.empty(_shape(meta, dim, min(step, extent), None))
-    del raw
-    kept = blocks.narrow(dim, start - b0 * step, end - start)
-    if rows is not None:
-        kept = kept[rows[0] : rows[1]]
-    return torch.cat([kept], dim=dim)
+    scaled = torch.empty(_shape(meta, dim, min(step, extent), None))
+    del raw, scaled
+    return out
 
 
 def _shape(meta: ParamMeta, dim: int, length: int, rows: tuple[int, int] | None) -> list[int]:
@@ -171,7 +153,8 @@ def full_tensor(meta: ParamMeta, name: str, seed: int) -> torch.Tensor:
     if meta.init in ("zeros", "ones"):
         return (torch.zeros if meta.init == "zeros" else torch.ones)(meta.full_shape)
     dim = meta.tp_dim or 0
-    return _draw(meta, meta.init_name or name, seed, dim, 0, meta.full_shape[dim])
+    out = torch.empty(meta.full_shape)
+    return _draw(meta, meta.init_name or name, seed, dim, 0, meta.full_shape[dim], None, out)
 
 
 def _tp_pieces(meta: ParamMeta) -> list[tuple[int, int, bool]]:
@@ -210,35 +193,26 @@ def init_shard(
 ) -> torch.Tensor:
     """This rank's shard of `full_tensor(meta, name, seed)`, drawing only the blocks it needs:
     time and memory follow the shard, not the whole parameter. `rows`: only rows [a, b) along
-    dim 0 of that shard (what FSDP2 keeps of it on this rank, see `fsdp_rows`). `out` (the
-    shard's shape, any dtype): written block by block as drawn and returned, so the draw's
-    extra memory is one generator block, not an fp32 copy of the shard."""
+    dim 0 of that shard (what FSDP2 keeps of it on this rank, see `fsdp_rows`). Written block
+    by block as drawn into `out` (the shard's shape, any dtype; default a new fp32 tensor) and
+    returned, so the draw's extra memory is one generator block."""
     dim = meta.tp_dim if meta.tp_dim is not None else 0
     pieces = _tp_pieces(meta)
     if rows is not None and dim == 0:  # the rows are pieces of the TP shard's own dim
         pieces, rows = _rows_of(pieces, *rows), None
-    if out is not None:
-        at = 0
-        for lo, hi, drawn in pieces:
-            dest = out.narrow(dim, at, hi - lo)
-            if not drawn or meta.init == "zeros":
-                dest.zero_()
-            elif meta.init == "ones":
-                dest.fill_(1)
-            else:
-                _draw(meta, meta.init_name or name, seed, dim, lo, hi, rows, out=dest)
-            at += hi - lo
-        return out
-    parts = []
+    if out is None:
+        out = torch.empty(_shape(meta, dim, sum(hi - lo for lo, hi, _ in pieces), rows))
+    at = 0
     for lo, hi, drawn in pieces:
-        if not drawn:
-            parts.append(torch.zeros(_shape(meta, dim, hi - lo, rows)))
-        elif meta.init in ("zeros", "ones"):
-            fill = torch.zeros if meta.init == "zeros" else torch.ones
-            parts.append(fill(_shape(meta, dim, hi - lo, rows)))
+        dest = out.narrow(dim, at, hi - lo)
+        if not drawn or meta.init == "zeros":
+            dest.zero_()
+        elif meta.init == "ones":
+            dest.fill_(1)
         else:
-            parts.append(_draw(meta, meta.init_name or name, seed, dim, lo, hi, rows))
-    return torch.cat(parts, dim=dim) if len(parts) > 1 else parts[0]
+            _draw(meta, meta.init_name or name, seed, dim, lo, hi, rows, dest)
+        at += hi - lo
+    return out
 
 
 def fsdp_rows(p: torch.Tensor) -> tuple[int, int] | None:

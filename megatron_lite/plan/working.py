@@ -96,17 +96,18 @@ def backward_moments(x: LayerShape, moe: bool = False) -> list[tuple]:
     fc2_in, act, fc1_in = T * f / t * A, up * T * f / t * A, T * h * A / (t if sp else 1)
     fc2_w, fc1_w = h * f / t * A, up * f / t * h * A  # weight gradients (bf16 in bf16)
     in_grad = T * h * A / t if sp else T * h * A  # fc1's input gradient (SP: its shard)
+    swiglu = ((up + 1) * T * f / t * A if x.gated else 2 * T * f / t * A, fc2_in, 0, 1, None)
     if x.main_grad:  # fused into main_grad; fp32: no temporary (module docstring)
         own = 0.0 if A == 4 else 1.0
         return [
             (g_out + T * f / t * A + own * fc2_w, 0.0, 0, 0, 0),  # fc2's, into its bucket
-            ((up + 1) * T * f / t * A if x.gated else 2 * T * f / t * A, fc2_in, 0, 1, None),
+            swiglu,
             (act + (T * h * A if sp else 0.0) + in_grad + own * fc1_w, fc2_in + act, 0, 1, 1),
         ]
     return [
         (g_out + T * f / t * A + fc2_w, 0.0, 0, 0, None),  # fc2's weight gradient
         (T * f / t * A + fc2_w, fc2_in, 0, 0, 0),  # it goes into its bucket
-        ((up + 1) * T * f / t * A if x.gated else 2 * T * f / t * A, fc2_in, 0, 1, None),
+        swiglu,
         (act + (T * h * A if sp else 0.0) + in_grad + fc1_w, fc2_in + act, 0, 1, None),
         (in_grad + fc1_w, fc2_in + act + fc1_in, 0, 1, 1),  # fc1's into its bucket
     ]
