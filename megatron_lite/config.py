@@ -28,6 +28,8 @@ class ModelConfig:
     hidden_size: int = 64
     num_attention_heads: int = 4
     num_query_groups: int | None = None  # None = num_attention_heads (plain multi-head)
+    kv_channels: int | None = None  # head dimension; None = hidden_size / num_attention_heads
+    qk_layernorm: bool = False  # RMSNorm/LayerNorm on each head's query and key (Qwen3)
     ffn_hidden_size: int | None = None  # None = 4·h (gpt) or multiple-of-64 8h/3 (llama)
     vocab_size: int | None = None  # None = the tokenizer's vocabulary (mock data: required)
     seq_length: int = 64
@@ -50,7 +52,20 @@ class ModelConfig:
     moe_aux_loss_coeff: float = 0.0
     moe_z_loss_coeff: float = 0.0
     moe_capacity_factor: float | None = None
-    moe_layer_freq: int = 1  # every k-th layer is MoE (1 = all)
+    # every k-th layer is MoE (1 = all), or a list of 0/1 per layer (1 = MoE), as in Megatron
+    moe_layer_freq: int | list[int] = 1
+    moe_first_k_dense_replace: int = 0  # the first k layers dense (DeepSeek-V3: 3)
+    moe_grouped_gemm: bool = True  # local experts as one grouped GEMM (False: a loop)
+    moe_shared_expert_ffn_hidden_size: int = 0  # a dense SwiGLU every token passes (0 = none)
+    moe_shared_expert_overlap: bool = False  # the shared expert beside the dispatch all-to-all
+    moe_router_score_function: str = "softmax"  # softmax | sigmoid
+    moe_router_topk_scaling_factor: float | None = None  # top-k weights × this (None = 1)
+    moe_router_norm_topk: bool | None = None  # renormalize the top-k (None: sigmoid yes)
+    moe_router_enable_expert_bias: bool = False  # aux-loss-free balancing (DeepSeek-V3)
+    moe_router_bias_update_rate: float = 1e-3  # bias += rate · sign(mean load - load)
+    moe_aux_loss_type: str = "global"  # global (over the microbatch) | seq (per sequence)
+    moe_router_num_groups: int | None = None  # group-limited routing: expert groups
+    moe_router_group_topk: int | None = None  # groups each token may use
     # activation recomputation (Megatron's names; parallel/recompute.py)
     recompute_granularity: str | None = None  # None | selective | full
     recompute_modules: list[str] = field(default_factory=lambda: ["core_attn"])  # selective
@@ -199,6 +214,8 @@ _SCALARS = {"int": int, "float": float, "bool": bool, "str": str}
 
 def _coerce(key: str, value, ftype: str, current):
     """Check a YAML value against the field's annotation ("int", "float | None", "list[str]")."""
+    if ftype.startswith("int | list["):  # a scalar or a list (moe_layer_freq)
+        ftype = ftype.split(" | ", 1)[1] if isinstance(value, list) else "int"
     base = ftype.split(" | ")[0].split("[")[0]
     if value is None:
         if ftype.endswith("| None"):

@@ -113,13 +113,31 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     return multiple * math.ceil(vocab_size / multiple)
 
 
-def is_moe_layer(num_experts: int | None, moe_layer_freq: int, layer_number: int) -> bool:
-    """Every moe_layer_freq-th layer (from layer 0) is MoE in a model with experts."""
-    return num_experts is not None and layer_number % moe_layer_freq == 0
+def moe_layer_pattern(m: ModelConfig) -> list[bool]:
+    """Which layers are MoE: `moe_layer_freq` as every k-th layer from layer 0 or a 0/1 list
+    per layer, then the first `moe_first_k_dense_replace` layers dense. All False when dense."""
+    if m.num_experts is None:
+        return [False] * m.num_layers
+    freq = m.moe_layer_freq
+    if isinstance(freq, list):
+        pattern = [bool(v) for v in freq]
+    else:
+        pattern = [i % freq == 0 for i in range(m.num_layers)]
+    return [moe and i >= m.moe_first_k_dense_replace for i, moe in enumerate(pattern)]
+
+
+def is_moe_layer(m: ModelConfig, layer_number: int) -> bool:
+    """Whether layer `layer_number` (0-based, over the whole model) is an MoE layer."""
+    return moe_layer_pattern(m)[layer_number]
 
 
 def num_moe_layers(m: ModelConfig) -> int:
-    return sum(is_moe_layer(m.num_experts, m.moe_layer_freq, i) for i in range(m.num_layers))
+    return sum(moe_layer_pattern(m))
+
+
+def kv_channels(m: ModelConfig) -> int:
+    """The head dimension: model.kv_channels, or hidden_size / num_attention_heads."""
+    return m.kv_channels or m.hidden_size // m.num_attention_heads
 
 
 def moe_aux_loss_scale(cfg: Config, dp: int) -> float:

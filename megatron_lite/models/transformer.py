@@ -19,6 +19,7 @@ from megatron_lite.context.ulysses import ulysses_attention, ulysses_kv_heads
 from megatron_lite.models.attention import attention_function
 from megatron_lite.models.transformer_config import TransformerConfig
 from megatron_lite.moe.layer import MoELayer
+from megatron_lite.moe.router import RouterOptions
 from megatron_lite.parallel import mappings
 from megatron_lite.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron_lite.parallel.mesh import ParallelMesh
@@ -100,9 +101,9 @@ class MLP(nn.Module):
     """fc1 (column-parallel; [gate, up] segments when gated) -> SwiGLU or GeLU -> fc2
     (row-parallel): [s(/tp), b, h] -> [s(/tp), b, h]."""
 
-    def __init__(self, config: TransformerConfig, tp_group):
+    def __init__(self, config: TransformerConfig, tp_group, ffn_hidden_size: int | None = None):
         super().__init__()
-        c, ffn = config, config.ffn_hidden_size
+        c, ffn = config, ffn_hidden_size or config.ffn_hidden_size
         self.gated = c.spec.gated_mlp
         out = [ffn, ffn] if self.gated else ffn  # SwiGLU: [gate, up] segments
         sp, gemm = c.sequence_parallel, c.linear_backend
@@ -126,7 +127,7 @@ class MLP(nn.Module):
 
 def build_mlp(config: TransformerConfig, mesh: ParallelMesh, layer_number: int) -> nn.Module:
     """The dense MLP, or an MoELayer on the MoE layers of a model with experts."""
-    c = config
+    c, shared = config, config.moe_shared_expert_ffn_hidden_size
     if not c.is_moe_layer(layer_number):
         return MLP(c, mesh.tp.group)
     return MoELayer(
@@ -145,6 +146,19 @@ def build_mlp(config: TransformerConfig, mesh: ParallelMesh, layer_number: int) 
         init_std=c.init_method_std,
         output_std=c.output_std,
         layer_number=layer_number,
+        router_options=RouterOptions(
+            score_function=c.moe_router_score_function,
+            topk_scaling_factor=c.moe_router_topk_scaling_factor,
+            norm_topk=c.moe_router_norm_topk,
+            enable_expert_bias=c.moe_router_enable_expert_bias,
+            bias_update_rate=c.moe_router_bias_update_rate,
+            aux_loss_type=c.moe_aux_loss_type,
+            num_groups=c.moe_router_num_groups,
+            group_topk=c.moe_router_group_topk,
+        ),
+        grouped_gemm=c.moe_grouped_gemm,
+        shared_expert=MLP(c, mesh.tp.group, shared) if shared else None,
+        shared_expert_overlap=c.moe_shared_expert_overlap,
     )
 
 

@@ -33,6 +33,8 @@ class TransformerConfig:
     hidden_size: int
     num_attention_heads: int
     num_query_groups: int
+    kv_channels: int  # the head dimension, resolved
+    qk_layernorm: bool
     ffn_hidden_size: int
     vocab_size: int
     padded_vocab_size: int  # a multiple of make_vocab_size_divisible_by·tp
@@ -55,7 +57,20 @@ class TransformerConfig:
     moe_aux_loss_coeff: float
     moe_z_loss_coeff: float
     moe_capacity_factor: float | None
-    moe_layer_freq: int
+    moe_layer_freq: int | tuple[int, ...]
+    moe_first_k_dense_replace: int
+    moe_grouped_gemm: bool
+    moe_shared_expert_ffn_hidden_size: int
+    moe_shared_expert_overlap: bool
+    moe_router_score_function: str
+    moe_router_topk_scaling_factor: float | None
+    moe_router_norm_topk: bool | None
+    moe_router_enable_expert_bias: bool
+    moe_router_bias_update_rate: float
+    moe_aux_loss_type: str
+    moe_router_num_groups: int | None
+    moe_router_group_topk: int | None
+    moe_layer_pattern: tuple[bool, ...]  # per layer of the whole model: MoE or dense
     moe_aux_loss_scale: float  # 1 / (microbatches · dp · MoE layers), see moe/layer.py
     recompute_granularity: str | None  # None | selective | full
     recompute_modules: tuple[str, ...]  # selective: core_attn, mlp, moe (else empty)
@@ -69,7 +84,7 @@ class TransformerConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.kv_channels
 
     @property
     def output_std(self) -> float:
@@ -77,7 +92,7 @@ class TransformerConfig:
         return scaled_std(self.init_method_std, self.num_layers)
 
     def is_moe_layer(self, layer_number: int) -> bool:
-        return resolve.is_moe_layer(self.num_experts, self.moe_layer_freq, layer_number)
+        return self.moe_layer_pattern[layer_number]
 
     @classmethod
     def from_config(cls, cfg: Config, world_size: int) -> TransformerConfig:
@@ -101,6 +116,11 @@ class TransformerConfig:
             "attention_backend": resolve.attention_backend(m.attention_backend, r.train.precision),
             "linear_backend": resolve.linear_backend(m.linear_backend, m.fp8, m.fp8_recipe),
             "moe_ffn_hidden_size": resolve.moe_ffn_hidden_size(m),
+            "moe_layer_freq": tuple(m.moe_layer_freq)
+            if isinstance(m.moe_layer_freq, list)
+            else m.moe_layer_freq,
+            "moe_layer_pattern": tuple(resolve.moe_layer_pattern(m)),
+            "kv_channels": resolve.kv_channels(m),
             "moe_aux_loss_scale": resolve.moe_aux_loss_scale(r, p.dp),
             "recompute_modules": resolve.recompute_modules(m),
             "recompute_num_layers": m.recompute_num_layers or 0,

@@ -46,8 +46,10 @@ class LocalExperts(nn.Module):
         sequence_parallel: bool = False,
         init_std: float = 0.02,
         output_std: float = 0.02,
+        grouped_gemm: bool = True,
     ):
         super().__init__()
+        self.grouped_gemm = grouped_gemm
         if num_experts % ep_size:
             raise ValueError(f"num_experts={num_experts} not divisible by ep={ep_size}")
         self.num_local = num_experts // ep_size

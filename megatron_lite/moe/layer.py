@@ -18,7 +18,7 @@ from torch import nn
 
 from megatron_lite.moe.dispatcher import AllToAllTokenDispatcher
 from megatron_lite.moe.experts import LocalExperts
-from megatron_lite.moe.router import MoEAuxLossAutoScaler, TopKRouter
+from megatron_lite.moe.router import MoEAuxLossAutoScaler, RouterOptions, TopKRouter
 from megatron_lite.parallel import host, mappings
 from megatron_lite.parallel.recompute import is_recomputing
 
@@ -55,6 +55,10 @@ class MoELayer(nn.Module):
         init_std: float = 0.02,
         output_std: float = 0.02,
         layer_number: int = 0,
+        router_options: RouterOptions | None = None,
+        grouped_gemm: bool = True,
+        shared_expert: nn.Module | None = None,
+        shared_expert_overlap: bool = False,
     ):
         super().__init__()
         ep_size = mappings.size(ep_group)
@@ -70,6 +74,7 @@ class MoELayer(nn.Module):
             token_groups=token_groups,
             sequence_parallel=sequence_parallel,
             init_std=init_std,
+            options=router_options or RouterOptions(),
         )
         self.experts = LocalExperts(
             num_experts,
@@ -81,7 +86,11 @@ class MoELayer(nn.Module):
             sequence_parallel=sequence_parallel,
             init_std=init_std,
             output_std=output_std,
+            grouped_gemm=grouped_gemm,
         )
+        # a dense MLP every token passes through, on the dense MLP's TP/SP layout
+        self.shared_expert = shared_expert
+        self.shared_expert_overlap = shared_expert_overlap
         self.dispatcher = AllToAllTokenDispatcher(num_experts, ep_group)
         self.aux_scale = aux_loss_scale
         # per forward since the last pop: float64 [E + 3] and what a dry run assumes it holds
@@ -96,6 +105,8 @@ class MoELayer(nn.Module):
         )
         expert_out = self.experts(expert_in, counts).to(x.dtype)  # [N_recv, h]
         out = self.dispatcher.combine(expert_out, handle).view(s, b, h)
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(x)
         if route.objective is not None and out.requires_grad:
             out = MoEAuxLossAutoScaler.apply(out, route.objective, self.aux_scale)
         if not is_recomputing():  # a backward-time recompute must not count the tokens again

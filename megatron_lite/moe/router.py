@@ -86,6 +86,21 @@ def gather_token_shards(
 
 
 # ---------------------------------------------------------------- the router module
+@dataclass(frozen=True)
+class RouterOptions:
+    """How the router scores and picks experts (the model.moe_router_* keys; defaults = the
+    Mixtral-style softmax top-k router)."""
+
+    score_function: str = "softmax"  # softmax | sigmoid
+    topk_scaling_factor: float | None = None  # the top-k weights × this (None = 1)
+    norm_topk: bool | None = None  # renormalize the top-k weights (None: sigmoid with k > 1)
+    enable_expert_bias: bool = False  # aux-loss-free balancing: a bias for selection only
+    bias_update_rate: float = 1e-3  # bias += rate · sign(mean load - load) after each step
+    aux_loss_type: str = "global"  # global (over the microbatch) | seq (per sequence)
+    num_groups: int | None = None  # group-limited routing: experts in this many groups
+    group_topk: int | None = None  # groups each token may route to
+
+
 @dataclass
 class Routing:
     """What the router decided for T local tokens, plus microbatch-global statistics."""
@@ -120,8 +135,10 @@ class TopKRouter(nn.Module):
         token_groups: list | None = None,
         sequence_parallel: bool = False,
         init_std: float = 0.02,
+        options: RouterOptions | None = None,
     ):
         super().__init__()
+        self.options = options or RouterOptions()
         self.num_experts, self.topk = num_experts, topk
         self.aux_loss_coeff, self.z_loss_coeff = aux_loss_coeff, z_loss_coeff
         self.capacity_factor = capacity_factor

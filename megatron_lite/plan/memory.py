@@ -12,7 +12,7 @@ from megatron_lite.parallel.data_parallel.memory import TERMS, formula_bytes, ze
 from megatron_lite.plan.activations import in_flight, layer_bytes, layer_shape, resolved
 from megatron_lite.plan.params import largest_params, rank_params
 from megatron_lite.plan.peak import peak_moment, saved_peak
-from megatron_lite.resolve import num_microbatches
+from megatron_lite.resolve import moe_layer_pattern, num_microbatches
 
 
 def model_states(cfg: Config, pp_rank: int) -> dict[str, float]:
@@ -69,7 +69,7 @@ def rank_memory(cfg: Config, world: int, pp_rank: int, kernels: str = "fused") -
     held = in_flight(p.pp, p.vpp, num_microbatches(r.train, p.dp), pp_rank)
     best = peak_moment(r, pp_rank, kernels)
     moe = bool(r.model.num_experts)  # the table shows an MoE layer where every layer is one
-    per_layer = layer_bytes(r, shape, moe and r.model.moe_layer_freq == 1)
+    per_layer = layer_bytes(r, shape, moe and all(moe_layer_pattern(r.model)))
     return RankMemory(pp_rank, best.terms, held, per_layer, best.phase)
 
 

@@ -9,7 +9,7 @@ import functools
 from megatron_lite.config import Config
 from megatron_lite.pipeline.schedules import virtual_stage
 from megatron_lite.resolve import (
-    is_moe_layer,
+    moe_layer_pattern,
     moe_ffn_hidden_size,
     num_query_groups,
     padded_vocab_size,
@@ -64,7 +64,7 @@ def chunk_moe(cfg: Config, pp_rank: int, chunk: int) -> list[bool]:
     """Whether each layer of the model chunk is an MoE layer."""
     m = cfg.model
     first, count = rank_layers(cfg, pp_rank)[chunk]
-    return [is_moe_layer(m.num_experts, m.moe_layer_freq, i) for i in range(first, first + count)]
+    return moe_layer_pattern(m)[first : first + count]
 
 
 def head_params(cfg: Config, pp_rank: int, chunk: int) -> tuple[list[Param], list[Param]]:

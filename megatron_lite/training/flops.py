@@ -50,7 +50,7 @@ def matmul_params_per_token(cfg: Config, vocab_size: int | None = None) -> float
     dense_mlp = mlp_mats * h * resolve.ffn_hidden_size(m)
     n = 0.0
     for layer in range(m.num_layers):
-        if resolve.is_moe_layer(m.num_experts, m.moe_layer_freq, layer):
+        if resolve.is_moe_layer(m, layer):
             expert = mlp_mats * h * resolve.moe_ffn_hidden_size(m)
             n += attention + h * m.num_experts + m.moe_router_topk * expert
         else:

@@ -4,6 +4,7 @@ needs the machine the ranks run on."""
 from __future__ import annotations
 
 from megatron_lite.config import Config, ConfigError
+from megatron_lite.resolve import moe_layer_pattern
 from megatron_lite.validation.rules import _choice, _rule
 
 
@@ -68,7 +69,7 @@ def _validate_fp8(cfg: Config) -> None:
         * head_dim
         // tp,
     }
-    if m.num_experts is None or m.moe_layer_freq > 1:  # dense MLPs (experts use local GEMMs)
+    if not all(moe_layer_pattern(m)):  # dense MLPs (experts use local GEMMs)
         widths["model.ffn_hidden_size / tp"] = m.ffn_hidden_size // tp
     for what, width in widths.items():
         _rule(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from megatron_lite.config import Config, ModelConfig
 from megatron_lite.parallel.mesh import expert_problem
-from megatron_lite.validation.rules import _rule
+from megatron_lite.validation.rules import _choice, _rule
 
 
 def _validate_moe(cfg: Config) -> None:
@@ -46,13 +46,61 @@ def _validate_moe(cfg: Config) -> None:
 
 
 def _validate_moe_ranges(m: ModelConfig) -> None:
+    freq = m.moe_layer_freq
+    if isinstance(freq, list):
+        _rule(
+            len(freq) == m.num_layers and all(v in (0, 1) for v in freq),
+            "model.moe_layer_freq",
+            freq,
+            f"a list must give 0 (dense) or 1 (MoE) for each of the {m.num_layers} layers",
+            f"list {m.num_layers} values of 0/1, or give an integer (every k-th layer is MoE)",
+        )
+    else:
+        _rule(
+            freq >= 1,
+            "model.moe_layer_freq",
+            freq,
+            "must be >= 1 (every k-th layer is MoE) or a 0/1 list per layer",
+            "use 1 for all layers",
+        )
     _rule(
-        m.moe_layer_freq >= 1,
-        "model.moe_layer_freq",
-        m.moe_layer_freq,
-        "must be >= 1 (every k-th layer is MoE)",
-        "use 1 for all layers",
+        0 <= m.moe_first_k_dense_replace <= m.num_layers,
+        "model.moe_first_k_dense_replace",
+        m.moe_first_k_dense_replace,
+        f"must be between 0 and num_layers={m.num_layers}",
+        "use 0 for no leading dense layers (DeepSeek-V3 uses 3)",
     )
+    _choice("model.moe_router_score_function", m.moe_router_score_function, ("softmax", "sigmoid"))
+    _choice("model.moe_aux_loss_type", m.moe_aux_loss_type, ("global", "seq"))
+    _rule(
+        m.moe_router_topk_scaling_factor is None or m.moe_router_topk_scaling_factor > 0,
+        "model.moe_router_topk_scaling_factor",
+        m.moe_router_topk_scaling_factor,
+        "must be > 0 when set",
+        "use e.g. 2.5 (DeepSeek-V3) or null for 1",
+    )
+    _rule(
+        m.moe_router_bias_update_rate >= 0,
+        "model.moe_router_bias_update_rate",
+        m.moe_router_bias_update_rate,
+        "must be >= 0",
+        "use e.g. 1e-3 (DeepSeek-V3)",
+    )
+    _rule(
+        m.moe_shared_expert_ffn_hidden_size >= 0,
+        "model.moe_shared_expert_ffn_hidden_size",
+        m.moe_shared_expert_ffn_hidden_size,
+        "must be >= 0",
+        "use 0 for no shared expert",
+    )
+    _rule(
+        not m.moe_shared_expert_overlap or m.moe_shared_expert_ffn_hidden_size > 0,
+        "model.moe_shared_expert_overlap",
+        m.moe_shared_expert_overlap,
+        "needs a shared expert to overlap",
+        "set model.moe_shared_expert_ffn_hidden_size or moe_shared_expert_overlap=false",
+    )
+    _validate_groups(m)
     _rule(
         m.moe_capacity_factor is None or m.moe_capacity_factor > 0,
         "model.moe_capacity_factor",
@@ -74,4 +122,35 @@ def _validate_moe_ranges(m: ModelConfig) -> None:
         m.moe_ffn_hidden_size,
         "must be >= 1 when set",
         "use a positive width or null for ffn_hidden_size",
+    )
+
+
+def _validate_groups(m: ModelConfig) -> None:
+    """Group-limited routing: groups divide the experts, each token picks group_topk groups
+    and its top-k experts inside them (the group score sums its top topk/group_topk)."""
+    groups, top = m.moe_router_num_groups, m.moe_router_group_topk
+    _rule(
+        (groups is None) == (top is None),
+        "model.moe_router_group_topk" if groups is not None else "model.moe_router_num_groups",
+        top if groups is not None else groups,
+        "group-limited routing needs both moe_router_num_groups and moe_router_group_topk",
+        "set both (e.g. num_groups=8, group_topk=4) or neither",
+    )
+    if groups is None:
+        return
+    E, k = m.num_experts, m.moe_router_topk
+    _rule(
+        groups >= 1 and E % groups == 0,
+        "model.moe_router_num_groups",
+        groups,
+        f"must divide model.num_experts={E}",
+        "use a divisor of the expert count, e.g. the number of nodes of the EP group",
+    )
+    _rule(
+        1 <= top <= groups and top <= k and k <= top * (E // groups),
+        "model.moe_router_group_topk",
+        top,
+        f"must be in [1, num_groups={groups}], at most moe_router_topk={k}, and its groups "
+        f"must hold k experts ({E // groups} per group)",
+        "pick group_topk with group_topk <= topk <= group_topk·experts per group",
     )
