@@ -9,8 +9,8 @@ import functools
 from megatron_lite.config import Config
 from megatron_lite.pipeline.schedules import virtual_stage
 from megatron_lite.resolve import (
-    moe_layer_pattern,
     moe_ffn_hidden_size,
+    moe_layer_pattern,
     num_query_groups,
     padded_vocab_size,
     stage_layers,

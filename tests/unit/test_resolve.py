@@ -66,7 +66,11 @@ def test_transformer_config_takes_every_model_field_by_name():
     layers = {f.name for f in dataclasses.fields(TransformerConfig)}
     assert model - layers == RUN_ONLY
     derived = {
-        "spec", "padded_vocab_size", "sequence_parallel", "moe_aux_loss_scale", "moe_layer_pattern"
+        "spec",
+        "padded_vocab_size",
+        "sequence_parallel",
+        "moe_aux_loss_scale",
+        "moe_layer_pattern",
     }
     assert layers - model == derived
     c = TransformerConfig.from_config(_cfg("model.norm_eps=1e-6", "model.rope_theta=5e5"), 1)
