@@ -22,6 +22,21 @@ from megatron_lite.parallel import host, mappings
 from megatron_lite.parallel.params import set_meta
 
 
+@dataclass(frozen=True)
+class RouterOptions:
+    """How the router scores and picks experts (the model.moe_router_* keys; defaults = the
+    Mixtral-style softmax top-k router)."""
+
+    score_function: str = "softmax"  # softmax | sigmoid
+    topk_scaling_factor: float | None = None  # the top-k weights × this (None = 1)
+    norm_topk: bool | None = None  # renormalize the top-k weights (None: sigmoid with k > 1)
+    enable_expert_bias: bool = False  # aux-loss-free balancing: a bias for selection only
+    bias_update_rate: float = 1e-3  # bias += rate · sign(mean load - load) after each step
+    aux_loss_type: str = "global"  # global (over the microbatch) | seq (per sequence)
+    num_groups: int | None = None  # group-limited routing: experts in this many groups
+    group_topk: int | None = None  # groups each token may route to
+
+
 # ---------------------------------------------------------------- pure functions (unit-tested)
 def topk_softmax(logits: torch.Tensor, topk: int):
     """Softmax over all experts, then top-k (Megatron's default; no renormalization).
@@ -31,6 +46,20 @@ def topk_softmax(logits: torch.Tensor, topk: int):
     probs = torch.softmax(logits, dim=-1)
     weights, indices = torch.topk(probs, topk, dim=-1)
     return probs, weights, indices
+
+
+def scale_topk(weights: torch.Tensor, options: RouterOptions, topk: int) -> torch.Tensor:
+    """The combine weights from the top-k scores [T, k]: renormalized to sum to 1 when
+    `options.norm_topk` (None: for sigmoid scores with k > 1, as DeepSeek-V3), then times
+    `options.topk_scaling_factor` (DeepSeek-V3: 2.5)."""
+    norm = options.norm_topk
+    if norm is None:
+        norm = options.score_function == "sigmoid" and topk > 1
+    if norm:
+        weights = weights / weights.sum(-1, keepdim=True)
+    if options.topk_scaling_factor is not None:
+        weights = weights * options.topk_scaling_factor
+    return weights
 
 
 def load_balancing_loss(
@@ -86,21 +115,6 @@ def gather_token_shards(
 
 
 # ---------------------------------------------------------------- the router module
-@dataclass(frozen=True)
-class RouterOptions:
-    """How the router scores and picks experts (the model.moe_router_* keys; defaults = the
-    Mixtral-style softmax top-k router)."""
-
-    score_function: str = "softmax"  # softmax | sigmoid
-    topk_scaling_factor: float | None = None  # the top-k weights × this (None = 1)
-    norm_topk: bool | None = None  # renormalize the top-k weights (None: sigmoid with k > 1)
-    enable_expert_bias: bool = False  # aux-loss-free balancing: a bias for selection only
-    bias_update_rate: float = 1e-3  # bias += rate · sign(mean load - load) after each step
-    aux_loss_type: str = "global"  # global (over the microbatch) | seq (per sequence)
-    num_groups: int | None = None  # group-limited routing: experts in this many groups
-    group_topk: int | None = None  # groups each token may route to
-
-
 @dataclass
 class Routing:
     """What the router decided for T local tokens, plus microbatch-global statistics."""
@@ -156,6 +170,7 @@ class TopKRouter(nn.Module):
         with torch.autocast(x.device.type, enabled=False):
             logits = F.linear(x.to(dtype), self.weight.to(dtype))  # [T, E]
         probs, weights, indices = topk_softmax(logits, k)
+        weights = scale_topk(weights, self.options, k)
         lse_sq = torch.logsumexp(logits, dim=-1).square()  # [T] for the z-loss
         assign = torch.zeros_like(probs).scatter_(1, indices, 1.0)  # [T, E] 0/1
         n_local = torch.full((1,), float(x.shape[0]), dtype=dtype, device=x.device)
