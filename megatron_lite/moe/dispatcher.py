@@ -64,39 +64,46 @@ class AllToAllTokenDispatcher:
         ones = torch.ones_like(expert_ids)
         counts = expert_ids.new_zeros(E + 1).scatter_add_(0, expert_ids, ones)[:E]  # [E] kept
         nominal = functools.partial(self._nominal, T * k, nominal_limit)  # a dry run's
-        if self.ep == 1:
-            per_expert = host.read(counts, nominal)
+        L, ep = self.num_local, self.ep
+        if ep == 1:
+            sizes = [counts, counts.sum().reshape(1)]
         else:
             # [E] by destination -> [ep·E_local] by (source rank, local expert)
             recv_counts = mappings.all_to_all(counts, 0, 0, self.ep_group)
-            both = host.read(torch.cat([counts, recv_counts]), nominal)  # one host sync
-            per_expert, arriving = both[:E], both[E:]
-        n = T * k if keep is None else sum(per_expert)
+            arriving = recv_counts.view(ep, L)
+            # rows to each EP rank, from each, per local expert; all kept rows
+            sizes = [counts.view(ep, L).sum(1), arriving.sum(1), arriving.sum(0)]
+            sizes.append(counts.sum().reshape(1))
+        both = host.read(torch.cat(sizes), nominal)  # the one host sync
+        n = T * k if keep is None else both[-1]
         order = torch.argsort(expert_ids, stable=True)[:n]  # kept, token order within expert
         token_ids, flat_w = order // k, weights.reshape(-1)[order]  # [N]
         permuted = tokens.index_select(0, token_ids)  # [N, h] sorted by expert
-        if self.ep == 1:
+        if ep == 1:
             handle = DispatchHandle(T, token_ids, flat_w, [], [], None)
-            return permuted, per_expert, handle
-        L = self.num_local
-        send = [sum(per_expert[r * L : (r + 1) * L]) for r in range(self.ep)]
-        recv = [sum(arriving[r * L : (r + 1) * L]) for r in range(self.ep)]
-        per_local = [sum(arriving[e::L]) for e in range(L)]
+            return permuted, both[:E], handle
+        send, recv, per_local = both[:ep], both[ep : 2 * ep], both[2 * ep : 2 * ep + L]
         received = mappings.all_to_all_uneven(permuted, recv, send, self.ep_group)  # [N_recv, h]
         # rows arrive as (source, local expert) blocks; experts want (local expert, source)
-        block = torch.arange(self.ep * L, device=tokens.device)
+        block = torch.arange(ep * L, device=tokens.device)
         block_of_row = block.repeat_interleave(recv_counts, output_size=sum(recv))  # [N_recv]
         source, local = block_of_row // L, block_of_row % L
-        regroup = torch.argsort(local * self.ep + source, stable=True)
+        regroup = torch.argsort(local * ep + source, stable=True)
         handle = DispatchHandle(T, token_ids, flat_w, send, recv, regroup)
         return received.index_select(0, regroup), per_local, handle
 
     def _nominal(self, assignments: int, limit: int | None) -> list[int]:
-        """A dry run's counts: this rank's [E] kept assignments per expert under balanced
-        routing, then (ep > 1) the [ep·E_local] that arrive, every EP rank routing alike."""
+        """A dry run's host read in dispatch, every EP rank routing alike under balanced routing
+        (this rank's [E] kept assignments per expert, at most `limit` each): ep = 1: the [E]
+        counts and their sum; ep > 1: the rows sent to each EP rank [ep], received from each
+        [ep], per local expert [E_local], and the sum."""
         mine = balanced_counts(assignments, self.num_experts, limit)
-        local = mine[self.ep_rank * self.num_local :][: self.num_local]
-        return mine if self.ep == 1 else mine + local * self.ep
+        L = self.num_local
+        if self.ep == 1:
+            return [*mine, sum(mine)]
+        local = mine[self.ep_rank * L :][:L]
+        send = [sum(mine[r * L : (r + 1) * L]) for r in range(self.ep)]
+        return send + [sum(local)] * self.ep + [c * self.ep for c in local] + [sum(mine)]
 
     def combine(self, expert_out: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """expert_out [N_recv, h] (dispatch's order) -> [T, h]: Σ over kept assignments of
