@@ -1,0 +1,155 @@
+"""MoE layer benchmark: one MoE layer's forward+backward on CPU, 2 ranks (gloo, ep=2), fixed
+tokens per rank and fixed active parameters (top-k · expert width constant), grouped-GEMM
+experts against the per-expert loop at (E, top-k) = (8, 2), (64, 6), (256, 8).
+
+    nice python tools/bench_moe.py [--tokens 1024] [--hidden 256] [--active-ffn 768] \
+        [--dtype fp32|bf16] [--reps 3] [--configs 8:2,64:6,256:8] [--paths grouped,loop]
+
+Each cell is the median over --reps timed steps (after one warm-up) of the slower rank's
+forward+backward (router, dispatch all-to-alls, experts, combine, aux loss), each rank on one
+thread. Prints the table, time(E=256)/time(E=8) per path (issue 21's target: ≤ 1.3 for
+grouped) and the grouped speedup over the loop at E=64 (target: ≥ 3x).
+
+If tools/bench_moe_routing.py exists, its `balancing()` and `group_destinations()` run after
+the table and what they return is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402  (no torch op runs in the parent before the ranks fork)
+import torch.multiprocessing as mp  # noqa: E402
+
+WORLD = 2
+
+
+def _rank(rank: int, store: str, args, cells: list, queue) -> None:
+    """One rank: for each (E, k, path) cell, the per-step times of one MoE layer."""
+    import torch.distributed as dist
+
+    from megatron_lite.moe import MoELayer
+
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    h, b = args.hidden, 4
+    results = []
+    for E, k, path in cells:
+        torch.manual_seed(0)
+        layer = MoELayer(
+            h,
+            args.active_ffn // k,
+            E,
+            k,
+            ep_group=dist.group.WORLD,
+            aux_loss_coeff=0.01,
+            grouped_gemm=path == "grouped",
+        )
+        with torch.no_grad():
+            for p in layer.parameters():
+                p.normal_(0, 0.02)
+        layer.to(dtype)
+        gen = torch.Generator().manual_seed(rank)
+        x = torch.randn(args.tokens // b, b, h, generator=gen).to(dtype).requires_grad_(True)
+        dy = torch.randn(x.shape, generator=gen).to(dtype)
+        times = []
+        for step in range(args.reps + 1):
+            for p in layer.parameters():
+                p.grad = None
+            dist.barrier()
+            start = time.perf_counter()
+            layer(x).backward(dy)
+            dist.barrier()  # the slower rank's time
+            if step:  # the first is a warm-up
+                times.append(time.perf_counter() - start)
+        layer.pop_stats()
+        results.append(statistics.median(times))
+    dist.destroy_process_group()
+    queue.put((rank, results))
+
+
+def run(args) -> dict[tuple[int, int, str], float]:
+    """Seconds per forward+backward of each (E, k, path) cell, the slower rank's."""
+    cells = [(E, k, path) for E, k in args.configs for path in args.paths]
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [
+            ctx.Process(target=_rank, args=(r, store, args, cells, queue)) for r in range(WORLD)
+        ]
+        for p in procs:
+            p.start()
+        got = dict(queue.get(timeout=args.timeout) for _ in procs)
+        for p in procs:
+            p.join()
+    return {cell: max(got[r][i] for r in got) for i, cell in enumerate(cells)}
+
+
+def report(args, times: dict[tuple[int, int, str], float]) -> list[str]:
+    lines = [
+        f"MoE layer fwd+bwd, {WORLD} ranks ep={WORLD}, {args.tokens} tokens/rank, "
+        f"h={args.hidden}, top-k·ffn={args.active_ffn}, {args.dtype}, {args.threads} thread/rank",
+        f"{'E':>5} {'top-k':>5} {'ffn':>5} " + " ".join(f"{p + ' ms':>11}" for p in args.paths),
+    ]
+    for E, k in args.configs:
+        row = " ".join(f"{times[E, k, p] * 1e3:11.1f}" for p in args.paths)
+        lines.append(f"{E:5d} {k:5d} {args.active_ffn // k:5d} {row}")
+    (e0, k0), (e1, k1) = args.configs[0], args.configs[-1]
+    for p in args.paths:
+        ratio = times[e1, k1, p] / times[e0, k0, p]
+        lines.append(f"{p}: time(E={e1}) / time(E={e0}) = {ratio:.2f}")
+    if {"grouped", "loop"} <= set(args.paths):
+        for E, k in args.configs:
+            speedup = times[E, k, "loop"] / times[E, k, "grouped"]
+            lines.append(f"E={E}: grouped {speedup:.1f}x faster than the loop")
+    return lines
+
+
+def routing_hook() -> list[str]:
+    """What tools/bench_moe_routing.py's balancing() and group_destinations() return, if that
+    file exists."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_moe_routing.py")
+    if not os.path.exists(path):
+        return ["(tools/bench_moe_routing.py not present: routing benchmarks skipped)"]
+    spec = importlib.util.spec_from_file_location("bench_moe_routing", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return [f"{name}(): {getattr(module, name)()}" for name in ("balancing", "group_destinations")]
+
+
+def _configs(text: str) -> list[tuple[int, int]]:
+    return [tuple(int(v) for v in pair.split(":")) for pair in text.split(",")]
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=1024, help="tokens per rank")
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--active-ffn", type=int, default=768, help="top-k · expert width")
+    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    ap.add_argument("--reps", type=int, default=3, help="timed steps per cell (median)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    ap.add_argument("--configs", type=_configs, default=_configs("8:2,64:6,256:8"), help="E:k,...")
+    ap.add_argument("--paths", default="grouped,loop", help="grouped and/or loop")
+    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds for all cells")
+    args = ap.parse_args(argv)
+    args.paths = args.paths.split(",")
+    for E, k in args.configs:
+        if E % WORLD or args.active_ffn % k:
+            ap.error(f"--configs {E}:{k}: E must divide by {WORLD}, --active-ffn by k")
+    lines = report(args, run(args))
+    print("\n".join(lines + routing_hook()))
+
+
+if __name__ == "__main__":
+    main()
