@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_lite import kernels
+from megatron_lite.parallel import fake
 from megatron_lite.parallel.params import set_meta
 
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what torch._grouped_mm takes
@@ -57,10 +58,31 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch
     `torch._grouped_mm` where it takes the inputs (`native_grouped_mm`); otherwise (float64,
     widths not a multiple of 16 bytes: exactness tests and tiny models) a block-sparse matmul
     that does the same exact work: row n of group g becomes a row of an [N, G·a] sparse matrix
-    with x[n] at columns g·a ... (g+1)·a, times w as [G·a, b]."""
+    with x[n] at columns g·a ... (g+1)·a, times w as [G·a, b]. Under a dry run's fake tensors
+    torch's meta kernel takes bf16 only (the CUDA kernel's rule), so other dtypes get
+    `_ShapesOnlyGroupedMM`: the native op's outputs and saved tensors, no data."""
+    if fake.is_fake(x) and not (native_grouped_mm(x, w) and x.dtype == torch.bfloat16):
+        return _ShapesOnlyGroupedMM.apply(x, w, offsets)
     if native_grouped_mm(x, w):
         return torch._grouped_mm(x, w, offs=offsets)
     return _BlockSparseGroupedMM.apply(x, w, offsets)
+
+
+class _ShapesOnlyGroupedMM(torch.autograd.Function):
+    """A dry run's `torch._grouped_mm` where its meta kernel refuses the dtype: allocates and
+    saves what the native op does (output [N, b]; x and w saved; gradients [N, a], [G, a, b])."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        return x.new_empty(x.shape[0], w.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x, w = ctx.saved_tensors
+        dx = dy.new_empty(x.shape) if ctx.needs_input_grad[0] else None
+        dw = dy.new_empty(w.shape) if ctx.needs_input_grad[1] else None
+        return dx, dw, None
 
 
 def _block_rows(x: torch.Tensor, group: torch.Tensor, groups: int) -> torch.Tensor:
@@ -177,11 +199,8 @@ class LocalExperts(nn.Module):
         w1, w2 = self.weight1.to(dtype), self.weight2.to(dtype)
         with torch.autocast(x.device.type, enabled=False):
             h = grouped_mm(x.to(dtype), w1.transpose(1, 2), offsets)  # [N, 2·ffn]
-            if self.gated:
-                gate, up = h.chunk(2, dim=-1)
-                h = _swiglu(gate, up)  # [N, ffn]
-            else:
-                h = F.gelu(h)
+            # [N, ffn]; fc1's output is not held through fc2 (the gate, up views die here)
+            h = _swiglu(*h.chunk(2, dim=-1)) if self.gated else F.gelu(h)
             return grouped_mm(h, w2.transpose(1, 2), offsets)  # [N, h]
 
     def _loop(self, x: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
