@@ -35,6 +35,9 @@ and fc2_in:
 | expert_act, expert_fc2_in | each expert's SwiGLU gate and up, its fc2 input | 2·N·f_e·A, N·f_e·A |
 | combine | all-to-all output (kept by the weighting), weighted rows (by index_add) | 2·N·h·A |
 | routing | token ids and the regroup order (int64), router weights (fp32) | 20·N |
+| shared_fc1_in | the shared expert's fc1 input: the MoE input (fp32: router_in) | T·u·h·A |
+| shared_act | its SwiGLU gate and up (width f_s; GeLU: its input) | 2·T·f_s/tp·A |
+| shared_fc2_in | its fc2 input | T·f_s/tp·A |
 
 Kernels "torch" (the plain-torch references that run on CPU) save fp32 intermediates instead:
 RMSNorm its fp32 input and the normalized product (8·T·h·u + 4·T·u; bf16: + the weight's fp32
@@ -102,6 +105,8 @@ class LayerShape:
     ep: int = 1
     gated: bool = True  # SwiGLU MLPs (llama); GeLU (gpt)
     main_grad: bool = True  # ZeRO 0-2: weight gradients go into the buffer's main_grad
+    shared_f: int = 0  # the MoE layer's shared expert width (0: none)
+    grouped_gemm: bool = True  # the local experts as one grouped GEMM (False: a loop)
 
     @property
     def tokens(self) -> float:
@@ -181,6 +186,25 @@ def moe_terms(x: LayerShape) -> dict[str, float]:
         "expert_fc2_in": n * f * A,
         "combine": 2 * n * h * A,
         "routing": n * (8 + 8 + 4),  # token ids, regroup order (int64), weights (fp32)
+    } | shared_expert_terms(x)
+
+
+def shared_expert_terms(x: LayerShape) -> dict[str, float]:
+    """The MoE layer's shared expert (a dense MLP of width shared_f on the dense MLP's TP/SP
+    layout, fed the MoE input): its fc1 input (the MoE input, already the router's fp32 copy in
+    fp32), SwiGLU's inputs (GeLU: its input) and fc2 input. Zeros without one."""
+    T, A, t, f = x.tokens, x.act_bytes, x.tp, x.shared_f
+    torch_k = x.kernels == "torch"
+    if not f:
+        return {"shared_fc1_in": 0.0, "shared_act": 0.0, "shared_fc2_in": 0.0}
+    if x.gated:
+        act = 3 * T * f / t * 4 if torch_k else 2 * T * f / t * A
+    else:
+        act = T * f / t * A
+    return {
+        "shared_fc1_in": 0.0 if A == 4 else T * x.h * A / (t if x.sp else 1),
+        "shared_act": act,
+        "shared_fc2_in": T * f / t * A,
     }
 
 
@@ -255,6 +279,8 @@ def layer_shape(cfg: Config, kernels: str = "fused") -> LayerShape:
         experts=m.num_experts or 0, topk=m.moe_router_topk if m.num_experts else 0,
         moe_f=moe_ffn_hidden_size(m) if m.num_experts else 0, ep=p.ep, gated=m.arch != "gpt",
         main_grad=p.zero_stage < 3,
+        shared_f=m.moe_shared_expert_ffn_hidden_size if m.num_experts else 0,
+        grouped_gemm=m.moe_grouped_gemm,
     )  # fmt: skip
 
 

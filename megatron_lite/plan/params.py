@@ -22,9 +22,10 @@ Param = tuple[int, bool]  # (elements, is_expert)
 def layer_param_list(cfg: Config, moe: bool) -> list[Param]:
     """One transformer layer's parameters in registration order (models/transformer.py):
     input norm, qkv, proj, pre-MLP norm, then fc1, fc2 (or the router and the stacked experts'
-    weight1, weight2)."""
+    weight1, weight2, then the shared expert's fc1, fc2 on the dense MLP's TP layout)."""
     m, p = cfg.model, cfg.parallel
-    experts = (m.num_experts, moe_ffn_hidden_size(m), p.ep) if moe else None
+    shared = m.moe_shared_expert_ffn_hidden_size or 0
+    experts = (m.num_experts, moe_ffn_hidden_size(m), p.ep, shared) if moe else None
     h, n, g = m.hidden_size, m.num_attention_heads, num_query_groups(m)
     return list(_layer_list(m.arch, h, n, g, m.ffn_hidden_size, p.tp, experts))
 
@@ -41,9 +42,12 @@ def _layer_list(arch: str, h: int, n: int, g: int, f: int, t: int, experts) -> t
     out = norm + linear(qkv // t, h, qkv // t) + linear(h, n * d // t, h) + norm
     up = 1 if gpt else 2
     if experts is not None:
-        e, f_e, ep = experts
+        e, f_e, ep, f_s = experts
         local = e // ep
-        return tuple(out + [(e * h, False), (local * up * f_e * h, True), (local * h * f_e, True)])
+        out += [(e * h, False), (local * up * f_e * h, True), (local * h * f_e, True)]
+        if f_s:  # the shared expert: a dense MLP of width f_s
+            out += linear(up * f_s // t, h, up * f_s // t) + linear(h, f_s // t, h)
+        return tuple(out)
     return tuple(out + linear(up * f // t, h, up * f // t) + linear(h, f // t, h))
 
 

@@ -223,6 +223,8 @@ def _walk(cfg: Config, pp_rank: int, kernels: str):
             if arriving is not None:
                 arriving += before
             g = zero2(ch, c, group, arrived + before, arriving, router=ch.last_moe)
+            # the loss chunk's output gradient (the final norm's) is the step's own temporary
+            w += recv if ch.loss else 0.0
             yield "backward", (g, act, embedding, 0.0, w + root + 2 * layer)
         kept -= ch.kept
         if ch.embedding:  # its weight gradient beside the output's, then into its bucket

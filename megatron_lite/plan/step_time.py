@@ -5,7 +5,8 @@ Overlap model (what our code overlaps):
 - TP: forward all-gathers / reduce-scatters (all-reduces without SP) are exposed; in backward the
   async linear re-gathers the input during the input-gradient GEMM and reduce-scatters the input
   gradient during the weight-gradient GEMM, so each hides up to half the layer's backward GEMMs.
-- CP (Ulysses) and EP (MoE) all-to-alls are exposed.
+- CP (Ulysses) and EP (MoE) all-to-alls are exposed: EP's dispatch and combine, T·u·k·h·A
+  each, in forward, backward and a recompute's rerun, on the MoE layers (moe_layer_freq).
 - PP: each send/receive batch costs its p2p time on the schedule's critical path (simulator).
 - DP: gradient buckets reduce during the last microbatch's backward, all but the last bucket
   hidden (ZeRO-2 reduce-scatters every microbatch: the earlier ones hide behind their backward
@@ -24,7 +25,7 @@ from megatron_lite.config import Config
 from megatron_lite.plan.activations import layer_shape, recompute_settings, resolved
 from megatron_lite.plan.comm import collective_time, group_links
 from megatron_lite.plan.params import rank_layers, rank_params
-from megatron_lite.resolve import num_microbatches, stage_layers
+from megatron_lite.resolve import moe_layer_pattern, num_microbatches, stage_layers
 from megatron_lite.training.flops import model_flops_per_token
 
 
@@ -126,18 +127,24 @@ def step_time(cfg: Config, world: int, gpu, mfu: float, gpus_per_node: int,
         qkv = T * (m_.num_attention_heads / p.tp + 2 * max(g / p.tp, p.cp)) * d * A
         out = T * m_.num_attention_heads / p.tp * d * A
         cp_l = 2 * sum(collective_time("all_to_all", x, p.cp, links["cp"], gpu) for x in (qkv, out))
-    ep_l = 0.0
+    ep_f = ep_b = 0.0
     if m_.num_experts is not None and p.ep > 1:
-        tokens = T * shape.u * m_.moe_router_topk * m_.hidden_size * A
-        ep_l = 4 * collective_time("all_to_all", tokens, p.ep, links["ep"], gpu)
+        # dispatch and combine each move the T·u·k (token, expert) rows of h, forward and
+        # backward; a recompute of the MoE layer dispatches and combines again in backward.
+        # Per mean layer: times the share of MoE layers (moe_layer_freq)
+        rows = T * shape.u * m_.moe_router_topk * m_.hidden_size * A
+        share = sum(moe_layer_pattern(m_)) / m_.num_layers
+        one = share * collective_time("all_to_all", rows, p.ep, links["ep"], gpu)
+        rerun = gran == "full" or (gran == "selective" and "moe" in modules)
+        ep_f, ep_b = 2 * one, (4 if rerun else 2) * one
     p2p = collective_time("send", size * shape.u, 2, links["pp"], gpu) if p.pp > 1 else 0.0
 
     # virtual-stage weights in mean-layer units, the output layer on the last one
     counts = stage_layers(m_, p)
     weights = [float(c) for c in counts]
     weights[-1] += head / 3 / layer_fwd
-    fwd = t_fwd + tp_f + cp_l + ep_l / 2
-    bwd = 2 * t_fwd + extra * t_fwd + tp_b + cp_l + ep_l / 2
+    fwd = t_fwd + tp_f + cp_l + ep_f
+    bwd = 2 * t_fwd + extra * t_fwd + tp_b + cp_l + ep_b
     busy, bubble, pp_exp = _pipeline(p.pp, p.vpp, m, tuple(weights), fwd, bwd, p2p, simulate)
     compute = (
         max(m * sum(weights[s] for s in range(rk, p.pp * p.vpp, p.pp)) for rk in range(p.pp))
@@ -147,7 +154,7 @@ def step_time(cfg: Config, world: int, gpu, mfu: float, gpus_per_node: int,
     layers_busiest = max(sum(c for _, c in rank_layers(r, rk)) for rk in range(p.pp))
     tp_exp = m * layers_busiest * (tp_f + tp_b)
     cp_exp = m * layers_busiest * 2 * cp_l
-    ep_exp = m * layers_busiest * ep_l
+    ep_exp = m * layers_busiest * (ep_f + ep_b)
 
     dp_exp, dp_hidden = _dp_time(r, world, gpu, links, m, t_fwd, layers_busiest)
     total = busy + bubble + pp_exp + dp_exp

@@ -18,15 +18,24 @@ dtype's bytes, f the MLP width, N the MoE rows a rank sends and receives):
   input T·h·A and the input gradient's reduce-scattered shard T·h·A/tp (else the input
   gradient T·h·A), and its weight gradient 2·f/tp·h·A; fc2's and SwiGLU's saved inputs
   (3·T·f/tp·A) freed;
-- MoE forward (E_l = E/ep local experts of N/E_l rows each), the larger of: at the cat of the
-  expert outputs, the attention's output and the MoE input (2·T·u·h·A), the last expert's fc1
-  output 2·(N/E_l)·f·A, and the expert outputs and their cat (2·N·h·A) where the combine's
-  saved rows (2·N·h·A) are not made yet; at the combine's sum, those two, the expert output
-  and its reordered copy (2·N·h·A) and the [T·u, h] zeros and sum (2·T·u·h·A);
-- MoE backward, the larger of: the combine's gradients, 3·N·h·A (its saved product N·h·A
-  freed); the last expert's SwiGLU backward, 3·(N/E_l)·f·A, and with E_l > 1 the other experts'
-  output gradients N·h·A and the stacked fc2 weight gradient E_l·h·f·A (the combine's saved
-  2·N·h·A and that expert's fc2 input freed);
+- MoE forward (E_l = E/ep local experts, N rows in all), the larger of: at SwiGLU (grouped
+  GEMM, the default), the attention's output and the MoE input (2·T·u·h·A) and every expert's
+  fc1 output at once 2·N·f·A, the combine's saved rows (2·N·h·A) not made yet; with the loop,
+  at the cat of the expert outputs, those two, the last expert's fc1 output 2·(N/E_l)·f·A, and
+  the expert outputs and their cat (2·N·h·A) where the combine's saved rows are not made yet;
+  at the combine's sum, those two, the expert output and its reordered copy (2·N·h·A) and the
+  [T·u, h] zeros and sum (2·T·u·h·A); with a shared expert (width f_s, run after the combine:
+  its saved terms are not made at those moments), also its dense-MLP forward moment beside the
+  routed output T·u·h·A;
+- MoE backward: first the shared expert's (a dense MLP's moments; its input gradient T·u·h·A
+  then stays alive through the rest), then the combine's gradients, 3·N·h·A (its saved product
+  N·h·A freed); grouped GEMM: fc2's input and stacked weight gradients with its output's
+  (N·h·A + N·f·A + E_l·h·f·A), the weight gradient into its bucket, SwiGLU's (3·N·f·A), the
+  [gate, up] gradient (4·N·f·A, SwiGLU's saved inputs freed), fc1's input and stacked weight
+  gradients with its output's (2·N·f·A + N·h·A + 2·E_l·h·f·A) and that weight gradient into
+  its bucket; the loop: the last expert's SwiGLU backward, 3·(N/E_l)·f·A, and with E_l > 1 the
+  other experts' output gradients N·h·A and the stacked fc2 weight gradient E_l·h·f·A (the
+  combine's saved 2·N·h·A and that expert's fc2 input freed);
 - loss backward (the last stage): the fp32 gradient of the logits [T, V/tp] beside the saved
   logits (torch kernels: also exp of them), plan/activations.py head_terms.
 
@@ -45,7 +54,9 @@ fc1's input gradient); NCCL keeps it until the wait, a few T·h·A more on a GPU
 
 from __future__ import annotations
 
-from megatron_lite.plan.activations import LayerShape, moe_assignments
+from dataclasses import replace
+
+from megatron_lite.plan.activations import LayerShape, moe_assignments, shared_expert_terms
 
 
 def _reduction(x: LayerShape) -> float:
@@ -62,11 +73,20 @@ def forward_working(x: LayerShape, moe: bool = False) -> float:
     T, h, A, t, u = x.tokens, x.h, x.act_bytes, x.tp, x.u
     attn = T * u * h * A  # the attention's output, alive to the end of the layer's forward
     if moe:
-        n = moe_assignments(x)
-        rows = n * x.ep / x.experts  # one local expert's
-        experts = attn + T * u * h * A + 2 * rows * x.moe_f * A  # (+ 2·N·h·A - 2·N·h·A)
+        n, f = moe_assignments(x), x.moe_f
         combine = attn + T * u * h * A + 2 * n * h * A + 2 * T * u * h * A
-        return max(experts, combine)
+        if x.grouped_gemm:  # every expert's fc1 output at once, the combine's not made yet
+            experts = attn + T * u * h * A + (2 * n * f * A if x.gated else 0) - 2 * n * h * A
+        else:
+            rows = n * x.ep / x.experts  # one local expert's
+            experts = attn + T * u * h * A + 2 * rows * f * A  # (+ 2·N·h·A - 2·N·h·A)
+        if not x.shared_f:
+            return max(experts, combine)
+        # the shared expert runs after the combine: its saved terms are not made before; then
+        # the routed output beside a dense MLP's forward moment
+        later = sum(shared_expert_terms(x).values())
+        shared = forward_working(replace(x, f=x.shared_f)) + T * u * h * A
+        return max(experts - later, combine - later, shared)
     fc1_out = (2 if x.gated else 0) * T * x.f / t * A  # GeLU saves it (the act term)
     return attn + fc1_out + T * h * A + _reduction(x)
 
@@ -77,18 +97,9 @@ def backward_moments(x: LayerShape, moe: bool = False) -> list[tuple]:
     being added or None) at the moments a layer's backward can peak, its own saved
     activations all alive before the first; parameters in backward order (see the module
     docstring)."""
+    if moe:
+        return _moe_backward_moments(x)
     T, h, A, t, f = x.tokens, x.h, x.act_bytes, x.tp, x.f
-    if moe:  # the combine's gradients; the last local expert's SwiGLU backward
-        n = moe_assignments(x)
-        rows, local = n * x.ep / x.experts, x.experts // x.ep
-        freed = 2 * n * h * A + rows * x.moe_f * A  # the combine's, the expert's fc2 input
-        combine = (3 * n * h * A, n * h * A, 1, 0, None)
-        swiglu = 3 * rows * x.moe_f * A  # fc2's input gradient, SwiGLU's two
-        if local > 1:  # the other experts' output gradients and the stacked fc2 gradient
-            return [combine, (swiglu + n * h * A + local * h * x.moe_f * A, freed, 1, 0, None)]
-        # one local expert: its fc2 gradient reaches the bucket before SwiGLU's backward
-        fc2 = (rows * x.moe_f * A + h * x.moe_f * A, freed, 1, 0, 0)
-        return [combine, fc2, (swiglu, freed, 1, 1, None)]
     sp = x.sp and t > 1
     cast = x.residual_bytes != A  # the residual stream's gradient cast to the branch's dtype
     g_out = T * h * A if sp or cast else 0.0
@@ -111,3 +122,47 @@ def backward_moments(x: LayerShape, moe: bool = False) -> list[tuple]:
         (act + (T * h * A if sp else 0.0) + in_grad + fc1_w, fc2_in + act, 0, 1, None),
         (in_grad + fc1_w, fc2_in + act + fc1_in, 0, 1, 1),  # fc1's into its bucket
     ]
+
+
+def _moe_backward_moments(x: LayerShape) -> list[tuple]:
+    """An MoE layer's backward moments: the shared expert's first (a dense MLP's, created
+    last), its saved terms then freed and its input gradient alive; the combine's gradients;
+    then the experts' (grouped GEMM: all at once; the loop: the last local expert's)."""
+    T, h, A, u = x.tokens, x.h, x.act_bytes, x.u
+    out: list[tuple] = []
+    freed_shared, held = 0.0, 0.0
+    if x.shared_f:
+        shared = replace(x, f=x.shared_f)
+        out = backward_moments(shared)
+        freed_shared = sum(shared_expert_terms(x).values())
+        out = [(w, min(fr, freed_shared), g, a, i) for w, fr, g, a, i in out]
+        held = T * u * h * A  # its input gradient, summed with the routed one's at the end
+    routed = _routed_moments(x)
+    return out + [(w + held, fr + freed_shared, g, a, i) for w, fr, g, a, i in routed]
+
+
+def _routed_moments(x: LayerShape) -> list[tuple]:
+    h, A, f = x.h, x.act_bytes, x.moe_f
+    n, local = moe_assignments(x), x.experts // x.ep
+    combine = (3 * n * h * A, n * h * A, 1, 0, None)  # the combine's gradients
+    if x.grouped_gemm:  # each projection's input and weight gradients at once
+        up = 2 if x.gated else 1
+        saved = 2 * n * h * A  # the combine's
+        w2, w1 = local * h * f * A, up * local * h * f * A  # the stacked weight gradients
+        return [
+            combine,
+            (n * h * A + n * f * A + w2, saved, 1, 0, None),  # fc2's
+            (n * f * A + w2, saved + n * f * A, 1, 0, 0),  # its weight gradient into the bucket
+            ((up + 1) * n * f * A, saved + n * f * A, 1, 1, None),  # SwiGLU's
+            (2 * up * n * f * A, saved + (up + 1) * n * f * A, 1, 1, None),  # [gate, up] grad
+            (up * n * f * A + n * h * A + w1, saved + (up + 1) * n * f * A, 1, 1, None),  # fc1
+            (n * h * A + w1, saved + (up + 1) * n * f * A, 1, 1, 1),  # its into the bucket
+        ]
+    rows = n * x.ep / x.experts
+    freed = 2 * n * h * A + rows * f * A  # the combine's, the expert's fc2 input
+    swiglu = 3 * rows * f * A  # fc2's input gradient, SwiGLU's two
+    if local > 1:  # the other experts' output gradients and the stacked fc2 gradient
+        return [combine, (swiglu + n * h * A + local * h * f * A, freed, 1, 0, None)]
+    # one local expert: its fc2 gradient reaches the bucket before SwiGLU's backward
+    fc2 = (rows * f * A + h * f * A, freed, 1, 0, 0)
+    return [combine, fc2, (swiglu, freed, 1, 1, None)]

@@ -7,6 +7,11 @@ measures what the code allocates (training/memory_tracker.py); the planner is fo
 (plan/activations.py, plan/working.py, plan/peak.py): every term and the peak agree within 3%
 and the peak is in the same phase.
 
+The same on a fine-grained MoE with a shared expert (configs/moe_fine_grained.yaml: h 2048,
+64 experts of ffn 1408, top-6, plus a shared expert of ffn 2816 as DeepSeek-MoE's two, bf16),
+2 layers, ep8 dp8: the shared expert's parameters, saved activations and moments, and the
+grouped-GEMM experts' working set.
+
 The dry run initializes a fake process group, process-global state, so it runs in a child
 process (never in pytest's); tools/bench_dry_run.py runs the same comparison at full depth."""
 
@@ -15,13 +20,19 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-WORLD = 32
-CONFIG = "configs/llama3_70b.yaml"
-OVERRIDES = [
-    "parallel.tp=4", "parallel.pp=2", "parallel.vpp=1", "parallel.cp=2", "parallel.dp=2",
-    "parallel.zero_stage=2", "model.num_layers=4",
-]  # fmt: skip
+# name: (config, world, overrides, pipeline ranks the dry run runs)
+LAYOUTS = {
+    "70b-tp4-pp2-cp2-zero2": ("configs/llama3_70b.yaml", 32, [
+        "parallel.tp=4", "parallel.pp=2", "parallel.vpp=1", "parallel.cp=2", "parallel.dp=2",
+        "parallel.zero_stage=2", "model.num_layers=4",
+    ], [0, 1]),
+    "moe-shared-expert-ep8": ("configs/moe_fine_grained.yaml", 8, [
+        "model.num_layers=2", "model.moe_shared_expert_ffn_hidden_size=2816",
+    ], [0]),
+}  # fmt: skip
 TOLERANCE = 0.03
 
 CHILD = """
@@ -39,19 +50,21 @@ print(json.dumps(out))
 """
 
 
-def _dry_run() -> list[dict]:
+def _dry_run(config: str, world: int, overrides: list[str]) -> list[dict]:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     out = subprocess.run(
-        [sys.executable, "-c", CHILD, CONFIG, str(WORLD), *OVERRIDES],
+        [sys.executable, "-c", CHILD, config, str(world), *overrides],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_planner_terms_match_the_dry_run_of_a_full_size_layer():
-    results = _dry_run()
-    assert [r["coords"]["pp"] for r in results] == [0, 1]
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_planner_terms_match_the_dry_run_of_a_full_size_layer(layout):
+    config, world, overrides, stages = LAYOUTS[layout]
+    results = _dry_run(config, world, overrides)
+    assert [r["coords"]["pp"] for r in results] == stages
     gib = 2**30
     for res in results:
         at = f"pp rank {res['coords']['pp']}"
