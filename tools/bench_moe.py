@@ -3,11 +3,14 @@ tokens per rank and fixed active parameters (top-k · expert width constant), gr
 experts against the per-expert loop at (E, top-k) = (8, 2), (64, 6), (256, 8).
 
     nice python tools/bench_moe.py [--tokens 1024] [--hidden 256] [--active-ffn 768] \
-        [--dtype fp32|bf16] [--reps 3] [--configs 8:2,64:6,256:8] [--paths grouped,loop]
+        [--dtype fp32|bf16] [--reps 3] [--configs 8:2,64:6,256:8] [--paths grouped,loop] \
+        [--skew]
 
 Each cell is the median over --reps timed steps (after one warm-up) of the slower rank's
 forward+backward (router, dispatch all-to-alls, experts, combine, aux loss), each rank on one
-thread. Prints the table, time(E=256)/time(E=8) per path (issue 21's target: ≤ 1.3 for
+thread; routing is the router's on random tokens (about balanced), or with --skew every token
+has expert 0 among its top-k (E/k times the mean load). Prints the table (with rank 0's max/mean
+tokens per expert), time(E=256)/time(E=8) per path (issue 21's target: ≤ 1.3 for
 grouped) and the grouped speedup over the loop at E=64 (target: ≥ 3x).
 
 If tools/bench_moe_routing.py exists, its `balancing()` and `group_destinations()` run after
@@ -57,9 +60,15 @@ def _rank(rank: int, store: str, args, cells: list, queue) -> None:
         with torch.no_grad():
             for p in layer.parameters():
                 p.normal_(0, 0.02)
-        layer.to(dtype)
         gen = torch.Generator().manual_seed(rank)
-        x = torch.randn(args.tokens // b, b, h, generator=gen).to(dtype).requires_grad_(True)
+        x = torch.randn(args.tokens // b, b, h, generator=gen)
+        if args.skew:  # a direction every token shares, which expert 0's router row follows
+            v = torch.randn(h, generator=torch.Generator().manual_seed(1))
+            x += 2 * v / v.norm()
+            with torch.no_grad():
+                layer.router.weight[0] = 10 * v / v.norm()
+        layer.to(dtype)
+        x = x.to(dtype).requires_grad_(True)
         dy = torch.randn(x.shape, generator=gen).to(dtype)
         times = []
         for step in range(args.reps + 1):
@@ -71,8 +80,8 @@ def _rank(rank: int, store: str, args, cells: list, queue) -> None:
             dist.barrier()  # the slower rank's time
             if step:  # the first is a warm-up
                 times.append(time.perf_counter() - start)
-        layer.pop_stats()
-        results.append(statistics.median(times))
+        stats = layer.pop_stats()[0][0]  # this rank's tokens per expert: the hot one's share
+        results.append((statistics.median(times), float(stats[:E].max() / stats[:E].mean())))
     dist.destroy_process_group()
     queue.put((rank, results))
 
@@ -92,18 +101,24 @@ def run(args) -> dict[tuple[int, int, str], float]:
         got = dict(queue.get(timeout=args.timeout) for _ in procs)
         for p in procs:
             p.join()
-    return {cell: max(got[r][i] for r in got) for i, cell in enumerate(cells)}
+    times = {cell: max(got[r][i][0] for r in got) for i, cell in enumerate(cells)}
+    loads = {cell: got[0][i][1] for i, cell in enumerate(cells)}
+    return times, loads
 
 
-def report(args, times: dict[tuple[int, int, str], float]) -> list[str]:
+def report(args, times: dict, loads: dict) -> list[str]:
+    routing = "skewed (every token picks expert 0)" if args.skew else "the router's (random)"
     lines = [
         f"MoE layer fwd+bwd, {WORLD} ranks ep={WORLD}, {args.tokens} tokens/rank, "
-        f"h={args.hidden}, top-k·ffn={args.active_ffn}, {args.dtype}, {args.threads} thread/rank",
-        f"{'E':>5} {'top-k':>5} {'ffn':>5} " + " ".join(f"{p + ' ms':>11}" for p in args.paths),
+        f"h={args.hidden}, top-k·ffn={args.active_ffn}, {args.dtype}, {args.threads} thread/rank, "
+        f"routing {routing}",
+        f"{'E':>5} {'top-k':>5} {'ffn':>5} {'max/mean load':>13} "
+        + " ".join(f"{p + ' ms':>11}" for p in args.paths),
     ]
     for E, k in args.configs:
         row = " ".join(f"{times[E, k, p] * 1e3:11.1f}" for p in args.paths)
-        lines.append(f"{E:5d} {k:5d} {args.active_ffn // k:5d} {row}")
+        load = loads[E, k, args.paths[0]]
+        lines.append(f"{E:5d} {k:5d} {args.active_ffn // k:5d} {load:13.1f} {row}")
     (e0, k0), (e1, k1) = args.configs[0], args.configs[-1]
     for p in args.paths:
         ratio = times[e1, k1, p] / times[e0, k0, p]
@@ -141,13 +156,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--configs", type=_configs, default=_configs("8:2,64:6,256:8"), help="E:k,...")
     ap.add_argument("--paths", default="grouped,loop", help="grouped and/or loop")
+    ap.add_argument("--skew", action="store_true", help="every token routes to expert 0")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds for all cells")
     args = ap.parse_args(argv)
     args.paths = args.paths.split(",")
     for E, k in args.configs:
         if E % WORLD or args.active_ffn % k:
             ap.error(f"--configs {E}:{k}: E must divide by {WORLD}, --active-ffn by k")
-    lines = report(args, run(args))
+    lines = report(args, *run(args))
     print("\n".join(lines + routing_hook()))
 
 

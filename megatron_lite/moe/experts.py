@@ -8,11 +8,13 @@ Two paths over the same weights, chosen by `grouped_gemm` (model.moe_grouped_gem
   grow with the number of experts.
 - the loop: one pair of matmuls per expert over its block of rows, the reference path.
 
-Measured on CPU (forward+backward, 1024 tokens, h=256, top-k·ffn=768, one thread): fp32 loop
-96/492/14500 ms at (E, k) = (8, 2)/(64, 6)/(256, 8), grouped 81/96/133 ms, bitwise equal; bf16
-loop 1048/1445/3998 ms, grouped 1003/1053/1237 ms. The loop's backward also adds every expert's
-weight gradient into a zero tensor of the whole stack (the backward of `weight[e]`), E² work.
-So grouped is the default; tools/bench_moe.py times the whole layer on 2 ranks.
+Measured on CPU, the experts alone (forward+backward, 1024 tokens, h=256, top-k·ffn=768, one
+thread, 2-core shared machine), balanced / skewed (half the rows to one expert) routing, at
+(E, k) = (8, 2), (64, 6), (256, 8): fp32 loop 96/97, 492/643, 14507/19882 ms, grouped 81/69,
+96/105, 133/136 ms, bitwise equal; bf16 loop 1048/1116, 1445/2037, 3998/4410 ms, grouped
+1003/1018, 1053/1725, 1237/1202 ms. The loop's backward also adds every expert's weight gradient
+into a zero tensor of the whole stack (the backward of `weight[e]`), E² work. Grouped was never
+slower, so it is the default; tools/bench_moe.py times the whole layer on 2 ranks.
 """
 
 from __future__ import annotations
