@@ -29,7 +29,7 @@ from megatron_lite import kernels
 from megatron_lite.parallel import fake
 from megatron_lite.parallel.params import set_meta
 
-_NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what torch._grouped_mm takes
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # torch._grouped_mm on a CPU
 
 
 def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -40,12 +40,14 @@ def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def native_grouped_mm(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether `torch._grouped_mm` takes x [N, a] and w [G, a, b]: torch has it, fp32, bf16 or
-    fp16, and every row 16-byte aligned (a and b multiples of 16 bytes)."""
+    """Whether `torch._grouped_mm` takes x [N, a] and w [G, a, b]: torch has it, bf16 (on a
+    CPU also fp32 and fp16; the CUDA kernel's rule, which torch's meta kernel states, is bf16),
+    and every row 16-byte aligned (a and b multiples of 16 bytes)."""
     row = 16 // x.element_size()
+    dtypes = _NATIVE_DTYPES if x.device.type == "cpu" else (torch.bfloat16,)
     return (
         hasattr(torch, "_grouped_mm")
-        and x.dtype in _NATIVE_DTYPES
+        and x.dtype in dtypes
         and w.dtype == x.dtype
         and x.shape[-1] % row == 0
         and w.shape[-1] % row == 0
@@ -57,17 +59,31 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch
     strides), offsets [G] int32 cumulative with offsets[-1] = N -> [N, b]: each group's rows
     times its own matrix, in one op (differentiable in x and w).
 
-    `torch._grouped_mm` where it takes the inputs (`native_grouped_mm`); otherwise (float64,
-    widths not a multiple of 16 bytes: exactness tests and tiny models) a block-sparse matmul
+    `torch._grouped_mm` where it takes the inputs (`native_grouped_mm`); otherwise (float64, fp32
+    on a GPU, widths not a multiple of 16 bytes: exactness tests, tiny models) a block-sparse matmul
     that does the same exact work: row n of group g becomes a row of an [N, G·a] sparse matrix
     with x[n] at columns g·a ... (g+1)·a, times w as [G·a, b]. Under a dry run's fake tensors
     torch's meta kernel takes bf16 only (the CUDA kernel's rule), so other dtypes get
     `_ShapesOnlyGroupedMM`: the native op's outputs and saved tensors, no data."""
     if fake.is_fake(x) and not (native_grouped_mm(x, w) and x.dtype == torch.bfloat16):
+        # (a fake tensor's device is the run's: fp32 on a CPU is native there, not in meta)
         return _ShapesOnlyGroupedMM.apply(x, w, offsets)
     if native_grouped_mm(x, w):
-        return torch._grouped_mm(x, w, offs=offsets)
+        return _DenseGrad.apply(torch._grouped_mm(x, w, offs=offsets))
     return _BlockSparseGroupedMM.apply(x, w, offsets)
+
+
+class _DenseGrad(torch.autograd.Function):
+    """Identity whose backward hands on a dense gradient: `torch._grouped_mm`'s backward
+    rejects zero-stride ones (the expanded gradient of a `.sum()`)."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor) -> torch.Tensor:
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor) -> torch.Tensor:
+        return dy.contiguous()
 
 
 class _ShapesOnlyGroupedMM(torch.autograd.Function):

@@ -90,6 +90,21 @@ def test_grouped_experts_match_the_loop(routing, ffn, dtype, gated):
         torch.testing.assert_close(a, r, **tol, msg=lambda m, n=name: f"{routing} {n}: {m}")
 
 
+def test_grouped_experts_take_an_expanded_output_gradient():
+    """`.sum().backward()` hands the experts a zero-stride gradient, which torch._grouped_mm's
+    own backward rejects: the same gradients as the loop."""
+    counts = ROUTINGS["skewed"]
+    x = torch.randn(sum(counts), H, generator=torch.Generator().manual_seed(4))
+    grads = []
+    for grouped in (True, False):
+        ex = _experts(grouped, True, torch.float32)
+        xi = x.clone().requires_grad_(True)
+        ex(xi, counts).sum().backward()
+        grads.append((xi.grad, ex.weight1.grad, ex.weight2.grad))
+    for name, a, r in zip(("x", "weight1", "weight2"), *grads, strict=True):
+        torch.testing.assert_close(a, r, rtol=1e-6, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
 @pytest.mark.parametrize("routing", ["balanced", "skewed"])
 def test_grouped_experts_bf16_close_to_fp32(routing):
     """bf16 weights and input (as train.precision=bf16) against the loop in fp32 on the same
