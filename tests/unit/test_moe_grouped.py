@@ -191,11 +191,19 @@ MOE = [
 ]
 
 
-@pytest.mark.parametrize("world, layout", [(1, []), (2, ["parallel.ep=2"])])
-def test_training_with_grouped_experts_matches_the_loop(world, layout):
-    """The tiny MoE model (h 64, 4 experts of ffn 64, fp32) trained 4 steps with grouped
-    experts and with the loop, same seed and layout: every loss and gradient norm within 1e-6
-    (relative); the routing statistics equal."""
+@pytest.mark.parametrize(
+    "world, layout, tol",
+    [
+        (1, [], 1e-6),
+        (2, ["parallel.ep=2"], 1e-6),
+        (2, ["parallel.ep=2", "train.precision=bf16"], 1e-2),
+    ],
+)
+def test_training_with_grouped_experts_matches_the_loop(world, layout, tol):
+    """The tiny MoE model (h 64, 4 experts of ffn 64) trained 4 steps with grouped experts and
+    with the loop, same seed and layout: every loss and gradient norm within 1e-6 (relative) in
+    fp32; in bf16 (bf16 weights, fp32 main_grad in the gradient buffer) within 1e-2, the two
+    summing bf16 products in different orders."""
     from tests.parallel.parity import max_rel_diff, train_records
 
     keys = ("loss", "grad_norm", "aux_loss", "tokens_per_expert_max")
@@ -204,7 +212,7 @@ def test_training_with_grouped_experts_matches_the_loop(world, layout):
     for key in ("loss", "grad_norm", "aux_loss"):
         diff = max_rel_diff([r[key] for r in grouped], [r[key] for r in loop])
         print(f"grouped vs loop, world {world}, {key}: {diff:.1e}")
-        assert diff <= 1e-6, f"world {world}: {key} differs by {diff:.2e} (relative)"
+        assert diff <= tol, f"world {world} {layout}: {key} differs by {diff:.2e} (relative)"
     counts = [
         (r["tokens_per_expert_max"], q["tokens_per_expert_max"])
         for r, q in zip(grouped, loop, strict=True)
