@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from megatron_lite.config import Config
 from megatron_lite.plan.activations import layer_shape, recompute_settings, resolved
 from megatron_lite.plan.comm import collective_time, group_links
-from megatron_lite.plan.params import rank_layers, rank_params
+from megatron_lite.plan.params import chunk_moe, rank_layers, rank_params
 from megatron_lite.resolve import moe_layer_pattern, num_microbatches, stage_layers
 from megatron_lite.training.flops import model_flops_per_token
 
@@ -82,6 +82,29 @@ def _simulated(pp, vpp, m, weights, fwd, bwd, comm) -> float:
     return t2 + (m - m2) * (t2 - t1) / (m2 - m1)
 
 
+def ep_rows_bytes(cfg: Config) -> float:
+    """Bytes of one EP token all-to-all (`cfg` resolved): dispatch and combine each move the
+    T·u·k (token, expert) rows of h of a microbatch (a dry run's balanced dropless routing)."""
+    shape = layer_shape(cfg)
+    return shape.tokens * shape.u * cfg.model.moe_router_topk * shape.h * shape.act_bytes
+
+
+def ep_calls(cfg: Config) -> int:
+    """Token all-to-alls per MoE layer and microbatch: dispatch and combine, forward and
+    backward, and again in backward where the MoE layer is recomputed."""
+    gran, modules, _, _ = recompute_settings(cfg)
+    return 6 if gran == "full" or (gran == "selective" and "moe" in modules) else 4
+
+
+def ep_all_to_all_bytes(cfg: Config, pp_rank: int, microbatches: int) -> float:
+    """Bytes one rank of pipeline rank `pp_rank` sends through the EP token all-to-alls in
+    `microbatches` microbatches (`cfg` resolved; 0 without EP)."""
+    if not cfg.model.num_experts or cfg.parallel.ep == 1:
+        return 0.0
+    layers = sum(sum(chunk_moe(cfg, pp_rank, c)) for c in range(cfg.parallel.vpp))
+    return microbatches * layers * ep_calls(cfg) * ep_rows_bytes(cfg)
+
+
 def step_time(cfg: Config, world: int, gpu, mfu: float, gpus_per_node: int,
               simulate: bool = True) -> StepTime:  # fmt: skip
     """Predicted step time of `cfg` on `world` GPUs of type `gpu`."""
@@ -129,14 +152,10 @@ def step_time(cfg: Config, world: int, gpu, mfu: float, gpus_per_node: int,
         cp_l = 2 * sum(collective_time("all_to_all", x, p.cp, links["cp"], gpu) for x in (qkv, out))
     ep_f = ep_b = 0.0
     if m_.num_experts is not None and p.ep > 1:
-        # dispatch and combine each move the T·u·k (token, expert) rows of h, forward and
-        # backward; a recompute of the MoE layer dispatches and combines again in backward.
-        # Per mean layer: times the share of MoE layers (moe_layer_freq)
-        rows = T * shape.u * m_.moe_router_topk * m_.hidden_size * A
+        # per mean layer: times the share of MoE layers (moe_layer_freq)
         share = sum(moe_layer_pattern(m_)) / m_.num_layers
-        one = share * collective_time("all_to_all", rows, p.ep, links["ep"], gpu)
-        rerun = gran == "full" or (gran == "selective" and "moe" in modules)
-        ep_f, ep_b = 2 * one, (4 if rerun else 2) * one
+        one = share * collective_time("all_to_all", ep_rows_bytes(r), p.ep, links["ep"], gpu)
+        ep_f, ep_b = 2 * one, (ep_calls(r) - 2) * one
     p2p = collective_time("send", size * shape.u, 2, links["pp"], gpu) if p.pp > 1 else 0.0
 
     # virtual-stage weights in mean-layer units, the output layer on the last one

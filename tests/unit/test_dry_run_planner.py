@@ -10,7 +10,8 @@ and the peak is in the same phase.
 The same on a fine-grained MoE with a shared expert (configs/moe_fine_grained.yaml: h 2048,
 64 experts of ffn 1408, top-6, plus a shared expert of ffn 2816 as DeepSeek-MoE's two, bf16),
 2 layers, ep8 dp8: the shared expert's parameters, saved activations and moments, and the
-grouped-GEMM experts' working set.
+grouped-GEMM experts' working set; and the bytes of its EP all-to-alls (plan/step_time.py)
+against the dry run's collectives, within 1%.
 
 The dry run initializes a fake process group, process-global state, so it runs in a child
 process (never in pytest's); tools/bench_dry_run.py runs the same comparison at full depth."""
@@ -44,8 +45,14 @@ from megatron_lite.validation import validate
 
 config, world, overrides = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 cfg = validate(with_vocab(load_config(config, overrides)), world)
+from megatron_lite.plan.step_time import ep_all_to_all_bytes
+
 results = dry_run(cfg, world, None, "steady", workers=1, kernels="fused")  # one rank a stage
-out = [dict(j, predicted_phase=r.predicted.phase) for j, r in zip(to_json(results), results)]
+out = [
+    dict(j, predicted_phase=r.predicted.phase,
+         predicted_a2a=ep_all_to_all_bytes(cfg, j["coords"]["pp"], j["microbatches"]))
+    for j, r in zip(to_json(results), results)
+]
 print(json.dumps(out))
 """
 
@@ -75,6 +82,12 @@ def test_planner_terms_match_the_dry_run_of_a_full_size_layer(layout):
             )
         got, want = res["peak_bytes"], res["predicted_peak_bytes"]
         assert abs(got - want) <= TOLERANCE * want, f"{at}, peak: dry run {got}, planner {want}"
+        if "moe" in layout:  # the EP token all-to-alls (no CP here: no Ulysses all-to-all)
+            got, want = res["comm"].get("comm_bytes/all_to_all", 0.0), res["predicted_a2a"]
+            print(f"{layout} {at}: EP all-to-all bytes, dry run {got:.0f}, planner {want:.0f}")
+            assert want > 0 and abs(got - want) <= 0.01 * want, (
+                f"{at}, EP all-to-all bytes: dry run {got}, planner {want}"
+            )
         kind = res["peak_phase"].split()[0]  # "forward layer 1", "backward", "recompute layer 0"
         assert res["predicted_phase"].endswith("forward" if kind == "forward" else "backward"), (
             f"{at}: peak in {res['peak_phase']!r} (dry run) vs {res['predicted_phase']!r} (planner)"
