@@ -10,20 +10,22 @@ from tests.parallel.parity import SHORT, assert_parity, reference_losses, train_
 
 # 4 heads of width 24: q = 96 != hidden 64
 QK = ["model.qk_layernorm=true", "model.kv_channels=24", *SHORT]
+GPT = ["model.arch=gpt"]  # LayerNorm q/k norms: weight and bias summed over TP
 LAYOUTS = {
-    "tp2": (2, ["parallel.tp=2"]),
-    "tp2_sp": (2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
-    "cp2": (2, ["parallel.cp=2"]),
+    "tp2": (2, [], ["parallel.tp=2"]),
+    "tp2_sp": (2, [], ["parallel.tp=2", "parallel.sequence_parallel=true"]),
+    "cp2": (2, [], ["parallel.cp=2"]),
+    "gpt_tp2": (2, GPT, ["parallel.tp=2"]),
 }
 
 
 @pytest.mark.parity
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_qk_layernorm_loss_parity(layout, tmp_path):
-    world, parallel = LAYOUTS[layout]
-    ref = reference_losses(tuple(QK))
+    world, model, parallel = LAYOUTS[layout]
+    ref = reference_losses(tuple(QK + model))
     assert ref[-1] < ref[0] - 0.1, f"reference loss did not fall: {list(ref)}"
-    got = train_losses(world, [*QK, *parallel], str(tmp_path))
+    got = train_losses(world, [*QK, *model, *parallel], str(tmp_path))
     assert_parity(got, ref, f"qk_layernorm {layout}")
 
 

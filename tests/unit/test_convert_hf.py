@@ -227,3 +227,15 @@ def test_moe_unsupported_fields_are_errors(tmp_path):
         to_hf_config({**ours, "moe_shared_expert_ffn_hidden_size": 64}, 128)
     with pytest.raises(CheckpointError, match="Mixtral"):  # dense layer, no q/k norms
         to_hf_config({**ours, "num_layers": 2, "moe_layer_freq": [0, 1]}, 128)
+
+
+def test_llama_head_dim_maps_to_kv_channels():
+    """A Llama head_dim other than hidden/heads (model.kv_channels) converts both ways."""
+    from tools.hf_families import from_hf_config, to_hf_config
+
+    config = LlamaConfig(hidden_size=64, num_attention_heads=4, head_dim=32).to_dict()
+    ours = from_hf_config(config)
+    assert ours["kv_channels"] == 32
+    assert from_hf_config({**config, "head_dim": 16})["kv_channels"] is None  # = hidden/heads
+    back = to_hf_config(ours, vocab_size=config["vocab_size"])
+    assert back["head_dim"] == 32 and back["architectures"] == ["LlamaForCausalLM"]
