@@ -1,5 +1,7 @@
-"""Convert between megatron_lite checkpoints and Hugging Face models (safetensors + config.json):
-Llama (LlamaForCausalLM), Mixtral (MixtralForCausalLM) and Qwen3-MoE (Qwen3MoeForCausalLM).
+"""Convert between megatron_lite checkpoints and Hugging Face Llama, Mixtral and Qwen3-MoE.
+
+HF directories hold safetensors + config.json for LlamaForCausalLM, MixtralForCausalLM or
+Qwen3MoeForCausalLM.
 
     python tools/convert_checkpoint.py dcp-to-hf runs/x/checkpoints/step_1000 hf/llama-x
     python tools/convert_checkpoint.py hf-to-dcp hf/llama-x ckpt/llama-x
