@@ -16,6 +16,13 @@ BASE = ["model.vocab_size=256", "model.num_layers=2", "model.hidden_size=32",
 CASES = {
     "llama_gqa": ["model.num_query_groups=2", "model.ffn_hidden_size=64"],
     "gpt": ["model.arch=gpt", "model.ffn_hidden_size=64"],
+    # heads · kv_channels = 64 != hidden 32 (Qwen3-style), q/k norms are no matmuls
+    "llama_kv_channels": [
+        "model.num_query_groups=2",
+        "model.ffn_hidden_size=64",
+        "model.kv_channels=16",
+        "model.qk_layernorm=true",
+    ],
     "moe": [
         "model.num_experts=4",
         "model.moe_router_topk=2",
@@ -64,7 +71,8 @@ def test_matches_counted_matmuls(case, tmp_path):
     attention = {k: v for k, v in by_op.items() if "attention" in k}
     matmul = sum(v for k, v in by_op.items() if k not in attention)
     m = cfg.model
-    causal = 6 * m.num_layers * m.seq_length * m.hidden_size * tokens  # q = h here
+    q = m.num_attention_heads * (m.kv_channels or m.hidden_size // m.num_attention_heads)
+    causal = 6 * m.num_layers * m.seq_length * q * tokens
     assert matmul + causal == model_flops_per_token(cfg) * tokens, by_op
     if attention:  # SDPA is counted on CUDA, not for the CPU kernel: full s×s scores
         assert sum(attention.values()) == 2 * causal, by_op
