@@ -141,6 +141,68 @@ def test_skipped_step_leaves_the_expert_bias(tmp_path):
     assert biases[1] != biases[0] and biases[3] != biases[2], "a finite step must update it"
 
 
+# ---------------------------------------------------------------- metrics of layers on two stages
+def _stage_metrics(rank, world):
+    """Rank r holds MoE layer 2r of a 3-layer model (layer 1 dense), routes 2 microbatches,
+    then moe_metrics with the bias update: (metrics, each forward's stats, bias before/after)."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_lite.moe import MoELayer, moe_metrics
+    from megatron_lite.moe.router import RouterOptions
+
+    torch.manual_seed(rank)
+    options = RouterOptions(score_function="sigmoid", enable_expert_bias=True)
+    layer = MoELayer(
+        16, 8, 4, 2, layer_number=2 * rank, router_options=options, capacity_factor=0.8
+    )
+    with torch.no_grad():
+        layer.router.weight.normal_(0.0, 0.5)
+        layer.router.expert_bias.copy_(torch.tensor([0.1, -0.2, 0.0, 0.3]) * (rank + 1))
+    before = layer.router.expert_bias.tolist()
+    for _ in range(2):
+        layer(torch.randn(6, 2, 16))  # [s, b, h]
+    stats = [st.tolist() for st, _ in layer.stats]
+    metrics = moe_metrics(
+        [layer], 3, 4, True, group=dist.group.WORLD, expert_bias=True, update_bias=True
+    )
+    return metrics, stats, before, layer.router.expert_bias.tolist()
+
+
+def test_moe_metrics_per_layer_over_stages_and_bias_update():
+    """Per-layer figures of layers held on different ranks, from one all-reduce: load max/mean
+    and dropped tokens from each layer's own counts, the bias range of each, and each layer's
+    bias moved by rate · sign(mean − load) of its counts (default rate 1e-3)."""
+    import torch
+
+    results = run_ranks(2, _stage_metrics, timeout=60)
+    metrics = results[0][0]
+    assert all(r[0] == metrics for r in results), "every rank reports the same figures"
+    assert not any(k.startswith("moe/layer_1/") for k in metrics), "layer 1 is dense"
+    for rank, (_, stats, before, after) in enumerate(results):
+        i = 2 * rank
+        counts = [sum(st[e] for st in stats) for e in range(4)]
+        dropped = sum(st[6] for st in stats)
+        assert dropped > 0, "capacity 0.8 should drop some assignments"
+        ratio = max(counts) / (sum(counts) / 4)
+        assert abs(metrics[f"moe/layer_{i}/load_max_mean_ratio"] - ratio) < 1e-12
+        assert metrics[f"moe/layer_{i}/dropped_tokens"] == dropped
+        assert metrics[f"moe/layer_{i}/expert_bias_min"] == min(before)
+        assert metrics[f"moe/layer_{i}/expert_bias_max"] == max(before)
+        mean = sum(counts) / 4
+        want = [
+            torch.tensor(b, dtype=torch.float32).item()
+            + (1e-3 if c < mean else -1e-3 if c > mean else 0.0)
+            for b, c in zip(before, counts, strict=True)
+        ]
+        assert max(abs(a - w) for a, w in zip(after, want, strict=True)) < 1e-7, (after, want)
+        assert after != before
+    all_before = [b for r in results for b in r[2]]
+    assert metrics["expert_bias_min"] == min(all_before)
+    assert metrics["expert_bias_max"] == max(all_before)
+    assert metrics["dropped_tokens"] == sum(st[6] for r in results for st in r[1])
+
+
 # ---------------------------------------------------------------- destinations per token
 E, K, H, EP = 8, 4, 16, 4
 

@@ -320,3 +320,40 @@ def test_group_limited_mask_keeps_best_groups():
     # group sums (top 2 of 2): 1.0, 0.5, 0.85, 0.5 -> best two: groups 0 and 2
     mask = group_limited_mask(select, 4, 2, 4)
     assert mask.tolist() == [[True, True, False, False, True, True, False, False]]
+
+
+def test_dry_run_routes_with_every_router_option():
+    """Under a dry run (fake tensors, torch's fake process group, EP rank 1 of 2) a layer with
+    sigmoid scores, the expert bias, the sequence-wise aux loss and group-limited routing runs
+    forward, backward, moe_metrics and the bias update on balanced routing's nominal counts."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from megatron_lite.moe import MoELayer, moe_metrics
+    from megatron_lite.parallel.fake import FakeTensorMode
+
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
+    try:
+        options = RouterOptions(
+            score_function="sigmoid",
+            enable_expert_bias=True,
+            aux_loss_type="seq",
+            num_groups=2,
+            group_topk=1,
+        )
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            layer = MoELayer(
+                16, 8, 4, 2, ep_group=dist.group.WORLD, aux_loss_coeff=0.01, router_options=options
+            )
+            x = torch.randn(7, 2, 16, requires_grad=True)  # [s, b, h]
+            layer(x).sum().backward()
+            metrics = moe_metrics(
+                [layer], 1, 4, True, group=dist.group.WORLD, expert_bias=True, update_bias=True
+            )
+    finally:
+        dist.destroy_process_group()
+    # 14 tokens · 2 = 28 assignments over 4 experts: 7 each
+    assert metrics["aux_loss"] == 1.0 and metrics["load_max_mean_ratio"] == 1.0
+    assert metrics["expert_bias_min"] == metrics["expert_bias_max"] == 0.0
+    assert metrics["moe/layer_0/expert_bias_max"] == 0.0
+    assert metrics["tokens_per_expert_max"] == metrics["tokens_per_expert_min"] == 7
