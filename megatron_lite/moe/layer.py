@@ -154,9 +154,9 @@ def moe_metrics(
     expert_bias_min/_max over every (layer, expert), the bias this step routed with.
     `per_layer`: also moe/layer_<i>/load_max_mean_ratio, /dropped_tokens (and
     /expert_bias_min, /expert_bias_max) for each MoE layer i of the model.
-    `update_bias` (the optimizer stepped): then every layer here moves its expert bias by the
-    layer's global token counts (TopKRouter.update_expert_bias), identically on every rank and
-    layout, since the counts are exact integers.
+    `update_bias` (the optimizer stepped; with `expert_bias`): every layer here moves its bias
+    by the layer's global token counts (TopKRouter.update_expert_bias), identically on every
+    rank and layout, since the counts are exact integers.
     """
     layers = moe_layers(modules)
     E, L = num_experts, num_layers
@@ -185,7 +185,7 @@ def moe_metrics(
                 totals += torch.stack([st[E], st[E + 1], st.new_ones(()), st[E + 2]])
                 dropped_at[i] += st[E + 2]
     mappings.all_reduce(vec, group or dist.group.WORLD, kind="all_reduce_report")
-    if update_bias:
+    if update_bias and expert_bias:
         for layer in layers:
             i = layer.layer_number
             layer.router.update_expert_bias(vec[i * E : (i + 1) * E])

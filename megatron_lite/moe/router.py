@@ -214,6 +214,29 @@ class Routing:
     nominal_stats: Callable[[], list[float]]  # [E + 3] the values of `stats`
 
 
+def _check_options(opt: RouterOptions, num_experts: int, topk: int) -> None:
+    """The router's own checks, for users who build it without our config validation."""
+    if opt.score_function not in ("softmax", "sigmoid"):
+        raise ValueError(
+            f"RouterOptions.score_function={opt.score_function!r}: use softmax or sigmoid"
+        )
+    if opt.aux_loss_type not in ("global", "seq"):
+        raise ValueError(f"RouterOptions.aux_loss_type={opt.aux_loss_type!r}: use global or seq")
+    if (opt.num_groups is None) != (opt.group_topk is None):
+        raise ValueError(
+            f"RouterOptions num_groups={opt.num_groups}, group_topk={opt.group_topk}: "
+            "group-limited routing needs both (or neither)"
+        )
+    if opt.num_groups is not None:
+        G, M = opt.num_groups, opt.group_topk
+        if num_experts % G or not 1 <= M <= G or not M <= topk <= M * (num_experts // G):
+            raise ValueError(
+                f"RouterOptions num_groups={G}, group_topk={M} with {num_experts} experts, "
+                f"top-{topk}: groups must divide the experts and group_topk <= topk <= "
+                "group_topk · experts per group"
+            )
+
+
 class TopKRouter(nn.Module):
     """Linear router h -> E computed in fp32: scores (softmax or sigmoid), top-k selection
     (with the expert bias and group limit of `options`), aux/z losses and capacity.
@@ -243,6 +266,7 @@ class TopKRouter(nn.Module):
     ):
         super().__init__()
         self.options = options or RouterOptions()
+        _check_options(self.options, num_experts, topk)
         self.num_experts, self.topk = num_experts, topk
         self.aux_loss_coeff, self.z_loss_coeff = aux_loss_coeff, z_loss_coeff
         self.capacity_factor = capacity_factor

@@ -357,3 +357,19 @@ def test_dry_run_routes_with_every_router_option():
     assert metrics["expert_bias_min"] == metrics["expert_bias_max"] == 0.0
     assert metrics["moe/layer_0/expert_bias_max"] == 0.0
     assert metrics["tokens_per_expert_max"] == metrics["tokens_per_expert_min"] == 7
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(score_function="tanh"),
+        dict(aux_loss_type="token"),
+        dict(num_groups=4),
+        dict(num_groups=3, group_topk=1),  # 3 does not divide 8
+        dict(num_groups=4, group_topk=2, enable_expert_bias=True),  # k=1 < group_topk
+    ],
+)
+def test_router_rejects_inconsistent_options(kw):
+    k = 1 if "enable_expert_bias" in kw else 2
+    with pytest.raises(ValueError, match="RouterOptions"):
+        TopKRouter(8, 8, k, options=RouterOptions(**kw))
