@@ -6,6 +6,10 @@ Aux-loss scaling: the trained objective is
 so each microbatch's aux term gets gradient 1 / (num_microbatches · dp · num_moe_layers) — a
 constant of the config, the same on every layout. Gradients of the router are then summed over
 dp×cp (and over TP under sequence parallelism) by the gradient finalizer like any other.
+
+Aux-loss-free balancing: the routers' expert biases are not trained by any optimizer;
+`moe_metrics` moves them after each optimizer step from the global token counts it has just
+all-reduced (the same integers on every rank, so the bias stays replicated exactly).
 """
 
 from __future__ import annotations

@@ -348,6 +348,11 @@ class TopKRouter(nn.Module):
         assignments over the global batch, identical on every rank). A ZeRO-3 (FSDP2) shard
         updates its own rows."""
         bias = self.expert_bias
+        if bias is None:
+            raise RuntimeError(
+                "update_expert_bias: this router has no expert bias. Fix: build it with "
+                "RouterOptions(enable_expert_bias=True) (model.moe_router_enable_expert_bias)"
+            )
         delta = expert_bias_delta(counts, self.options.bias_update_rate).to(bias.dtype)
         rows = fsdp_rows(bias)
         if rows is None:
