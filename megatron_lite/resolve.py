@@ -11,6 +11,8 @@ backends (`attention_backend`, `linear_backend`).
 from __future__ import annotations
 
 import copy
+import dataclasses
+import functools
 import math
 import os
 
@@ -116,14 +118,20 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
 def moe_layer_pattern(m: ModelConfig) -> list[bool]:
     """Which layers are MoE: `moe_layer_freq` as every k-th layer from layer 0 or a 0/1 list
     per layer, then the first `moe_first_k_dense_replace` layers dense. All False when dense."""
-    if m.num_experts is None:
-        return [False] * m.num_layers
-    freq = m.moe_layer_freq
-    if isinstance(freq, list):
+    freq = tuple(m.moe_layer_freq) if isinstance(m.moe_layer_freq, list) else m.moe_layer_freq
+    dense = m.num_experts is None
+    return list(_pattern(dense, freq, m.moe_first_k_dense_replace, m.num_layers))
+
+
+@functools.lru_cache(maxsize=256)
+def _pattern(dense: bool, freq, first_dense: int, layers: int) -> tuple[bool, ...]:
+    if dense:
+        return (False,) * layers
+    if isinstance(freq, tuple):
         pattern = [bool(v) for v in freq]
     else:
-        pattern = [i % freq == 0 for i in range(m.num_layers)]
-    return [moe and i >= m.moe_first_k_dense_replace for i, moe in enumerate(pattern)]
+        pattern = [i % freq == 0 for i in range(layers)]
+    return tuple(moe and i >= first_dense for i, moe in enumerate(pattern))
 
 
 def is_moe_layer(m: ModelConfig, layer_number: int) -> bool:
@@ -203,9 +211,23 @@ def linear_backend(requested: str, fp8: str | None, recipe: str = "tensorwise") 
     return requested
 
 
+def _copy(cfg: Config) -> Config:
+    """A copy of `cfg` sharing nothing mutable: each section copied, its lists too (every
+    field is a scalar or a flat list of scalars; copy.deepcopy was the planner's search's
+    largest cost)."""
+    sections = {}
+    for f in dataclasses.fields(cfg):
+        section = copy.copy(getattr(cfg, f.name))
+        for name, value in vars(section).items():
+            if isinstance(value, list):
+                setattr(section, name, list(value))
+        sections[f.name] = section
+    return dataclasses.replace(cfg, **sections)
+
+
 def resolve(cfg: Config, world_size: int) -> Config:
     """A copy of `cfg` with every null derived field filled in; `cfg` is left as it is."""
-    out = copy.deepcopy(cfg)
+    out = _copy(cfg)
     out.parallel.dp = data_parallel_size(cfg.parallel, world_size)
     out.model.num_query_groups = num_query_groups(cfg.model)
     out.model.ffn_hidden_size = ffn_hidden_size(cfg.model)

@@ -30,7 +30,18 @@ from megatron_lite.resolve import stage_layers
 
 __all__ = ["LoadJob", "Loader", "consumed_samples", "layout_of"]
 # model settings that must match the checkpoint's (tensor shapes are checked separately)
-FUNCTION_KEYS = ("arch", "num_attention_heads", "norm_eps", "rope_theta", "moe_router_topk")
+FUNCTION_KEYS = (
+    "arch",
+    "num_attention_heads",
+    "norm_eps",
+    "rope_theta",
+    "moe_router_topk",
+    "moe_router_score_function",
+    "moe_router_norm_topk",
+    "moe_router_topk_scaling_factor",
+    "moe_router_num_groups",
+    "moe_router_group_topk",
+)
 
 
 def layout_of(cfg) -> dict:

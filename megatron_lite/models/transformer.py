@@ -40,6 +40,12 @@ class Attention(nn.Module):
     """Self-attention over this rank's n/tp query heads and g/tp KV groups, with Ulysses
     all-to-all over the CP group when cp > 1: [s(/tp), b, h] -> [s(/tp), b, h].
 
+    The head dimension d is config.head_dim (model.kv_channels), so the query width n·d may
+    differ from h. With qk_layernorm each query and key head is normalized over d (RMSNorm, or
+    LayerNorm for GPT; weight [d] shared by all heads, Qwen3's q_norm/k_norm) after the
+    projection and before RoPE. Those weights are replicated over TP while each TP rank
+    normalizes its own heads, so they are marked for the TP gradient sum (as SP norms are).
+
     Selective recompute of core_attn recomputes the local attention only (softmax, attention
     dropout and the weighted sum, after the Ulysses all-to-all): it keeps q, k, v and reruns
     the attention in backward under the same TP-rank dropout generator; no collective repeats.
@@ -67,6 +73,11 @@ class Attention(nn.Module):
             gemm=c.linear_backend,
             **common,
         )
+        # `sequence_parallel=True`: each TP rank's grad covers only its heads, summed over TP
+        self.q_layernorm = self.k_layernorm = None
+        if c.qk_layernorm:
+            self.q_layernorm = c.spec.norm(self.head_dim, c.norm_eps, sequence_parallel=True)
+            self.k_layernorm = c.spec.norm(self.head_dim, c.norm_eps, sequence_parallel=True)
         self.linear_proj = RowParallelLinear(
             q, c.hidden_size, mesh.tp.group, init_std=c.output_std, gemm=c.linear_backend, **common
         )
@@ -77,6 +88,8 @@ class Attention(nn.Module):
         s, b = qkv.shape[:2]
         q, k, v = qkv.split([n * d, g * d, g * d], dim=-1)
         q, k, v = q.view(s, b, n, d), k.view(s, b, g, d), v.view(s, b, g, d)
+        if self.q_layernorm is not None:  # per head, over d
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rope is not None:
             q, k = kernels.apply_rope(q, *rope), kernels.apply_rope(k, *rope)
         p = self.dropout_p

@@ -6,6 +6,10 @@ Aux-loss scaling: the trained objective is
 so each microbatch's aux term gets gradient 1 / (num_microbatches · dp · num_moe_layers) — a
 constant of the config, the same on every layout. Gradients of the router are then summed over
 dp×cp (and over TP under sequence parallelism) by the gradient finalizer like any other.
+
+Aux-loss-free balancing: the routers' expert biases are not trained by any optimizer;
+`moe_metrics` moves them after each optimizer step from the global token counts it has just
+all-reduced (the same integers on every rank, so the bias stays replicated exactly).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from megatron_lite.moe.dispatcher import AllToAllTokenDispatcher
 from megatron_lite.moe.experts import LocalExperts
 from megatron_lite.moe.router import MoEAuxLossAutoScaler, RouterOptions, TopKRouter
 from megatron_lite.parallel import host, mappings
+from megatron_lite.parallel.params import fsdp_rows
 from megatron_lite.parallel.recompute import is_recomputing
 
 
@@ -99,7 +104,7 @@ class MoELayer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         s, b, h = x.shape
         tokens = x.reshape(s * b, h)  # [T, h], T = s/cp(/tp)·b in (s, b) order
-        route = self.router(tokens)
+        route = self.router(tokens, b)
         expert_in, counts, handle = self.dispatcher.dispatch(
             tokens, route.indices, route.weights, route.keep, route.nominal_limit
         )
@@ -130,63 +135,127 @@ def moe_metrics(
     count_here: bool,
     with_z_loss: bool = False,
     group=None,
+    *,
+    expert_bias: bool = False,
+    update_bias: bool = False,
+    per_layer: bool = True,
 ) -> dict:
     """Step metrics of every MoE layer, reduced over `group` (default: the world) with one
-    all-reduce. Call on every rank of the group once per step, after the forward/backward passes.
+    all-reduce, and the expert-bias update. Call on every rank of the group once per step,
+    after the forward/backward passes and the optimizer step.
 
     `num_layers` bounds the layer numbers (`MoELayer.layer_number`) over the whole model (a rank
     may hold no MoE layer: a pipeline stage of dense layers);
     `count_here` is true on the one rank per microbatch shard group whose statistics count
     (they are microbatch-global, identical on its TP and CP ranks: tp rank 0 and cp rank 0).
-    Returns aux_loss (the unscaled load-balancing loss, 1.0 = uniform, mean over the microbatches
-    of the global batch and the MoE layers), z_loss (same mean, only when a layer has a z-loss
-    coefficient), tokens_per_expert_min/_max (token assignments per expert summed over the global
-    batch, before capacity dropping; min/max over every (layer, expert)) and dropped_tokens
-    (assignments dropped over capacity, summed over the global batch and layers); z_loss too
-    with `with_z_loss`.
+    Returns aux_loss (the unscaled load-balancing loss of the configured type, 1.0 = uniform,
+    mean over the microbatches of the global batch and the MoE layers), z_loss (same mean, with
+    `with_z_loss`), tokens_per_expert_min/_max (token assignments per expert summed over the
+    global batch, before capacity dropping; min/max over every (layer, expert)),
+    dropped_tokens (assignments dropped over capacity, summed over the global batch and
+    layers) and load_max_mean_ratio (max over the layers of max/mean tokens per expert).
+    `expert_bias` (the layers route with one; the same on every rank): also
+    expert_bias_min/_max over every (layer, expert), the bias this step routed with.
+    `per_layer`: also moe/layer_<i>/load_max_mean_ratio, /dropped_tokens (and
+    /expert_bias_min, /expert_bias_max) for each MoE layer i of the model.
+    `update_bias` (the optimizer stepped; with `expert_bias`): every layer here moves its bias
+    by the layer's global token counts (TopKRouter.update_expert_bias), identically on every
+    rank and layout, since the counts are exact integers.
     """
     layers = moe_layers(modules)
     E, L = num_experts, num_layers
+    B = L * E if expert_bias else 0
     device = next(modules[0].parameters()).device  # NCCL reduces device tensors only
     # [L·E] tokens per (layer, expert) | aux sum, z sum, (microbatch, layer) entries, dropped |
-    # [L] 1 where a rank holds that MoE layer (so dense layers stay out of the min/max)
-    vec = torch.zeros(L * E + 4 + L, dtype=torch.float64, device=device)
-    totals, held = vec[L * E : L * E + 4], vec[L * E + 4 :]
+    # [L] 1 where a rank holds that MoE layer (so dense layers stay out of the min/max) |
+    # [L] dropped per layer | expert_bias: [L·E] bias sums, [L·E] ranks holding each element
+    vec = torch.zeros(L * E + 4 + 2 * L + 2 * B, dtype=torch.float64, device=device)
+    totals, held = vec[L * E : L * E + 4], vec[L * E + 4 : L * E + 4 + L]
+    dropped_at = vec[L * E + 4 + L : L * E + 4 + 2 * L]
+    bias_sum = vec[L * E + 4 + 2 * L : L * E + 4 + 2 * L + B].view(-1, E)
+    bias_holders = vec[L * E + 4 + 2 * L + B :].view(-1, E)
     forwards = []  # (layer number, a dry run's stats) of each forward here
     for layer in layers:
         i = layer.layer_number
         held[i] = 1.0
+        if expert_bias:  # the local rows (ZeRO-3 holds a shard): summed with their holders
+            lo, hi, values = _local_bias(layer.router.expert_bias)
+            bias_sum[i, lo:hi] += values
+            bias_holders[i, lo:hi] += 1.0
         for st, nominal in layer.pop_stats():
             forwards.append((i, nominal))
             if count_here:
                 vec[i * E : (i + 1) * E] += st[:E]
                 totals += torch.stack([st[E], st[E + 1], st.new_ones(()), st[E + 2]])
+                dropped_at[i] += st[E + 2]
     mappings.all_reduce(vec, group or dist.group.WORLD, kind="all_reduce_report")
+    if update_bias and expert_bias:
+        for layer in layers:
+            i = layer.layer_number
+            layer.router.update_expert_bias(vec[i * E : (i + 1) * E])
     here = [layer.layer_number for layer in layers]
-    values = host.read(vec, lambda: _own_share(L, E, here, forwards))
-    counts = [c for i in range(L) if values[L * E + 4 + i] > 0 for c in values[i * E : (i + 1) * E]]
+    values = host.read(vec, lambda: _own_share(L, E, B, here, forwards))
+    return _summary(values, L, E, B, with_z_loss, per_layer)
+
+
+def _local_bias(bias: torch.Tensor) -> tuple[int, int, torch.Tensor]:
+    """(start, end, values) of the expert-bias elements this rank holds (a ZeRO-3 shard's
+    rows, or all of them), as float64."""
+    rows = fsdp_rows(bias)
+    if rows is None:
+        return 0, bias.shape[0], bias.detach().double()
+    return rows[0], rows[1], bias.to_local().detach().double()
+
+
+def _summary(values: list[float], L: int, E: int, B: int, with_z: bool, per_layer: bool):
+    """moe_metrics' record from the reduced vector (see the layout there)."""
+    held = values[L * E + 4 : L * E + 4 + L]
+    moe = [i for i in range(L) if held[i] > 0]
+    counts = {i: values[i * E : (i + 1) * E] for i in moe}
     aux, z, entries, dropped = values[L * E : L * E + 4]
+    ratio = {i: max(c) / max(sum(c) / E, 1e-30) for i, c in counts.items()}
     out = {
         "aux_loss": aux / max(entries, 1.0),
-        "tokens_per_expert_min": int(min(counts, default=0.0)),
-        "tokens_per_expert_max": int(max(counts, default=0.0)),
+        "tokens_per_expert_min": int(min((min(c) for c in counts.values()), default=0.0)),
+        "tokens_per_expert_max": int(max((max(c) for c in counts.values()), default=0.0)),
         "dropped_tokens": int(dropped),
+        "load_max_mean_ratio": max(ratio.values(), default=0.0),
     }
-    if with_z_loss:
+    if with_z:
         out["z_loss"] = z / max(entries, 1.0)
+    bias = {}
+    if B:
+        sums, holders = values[L * E + 4 + 2 * L :][:B], values[L * E + 4 + 2 * L + B :]
+        for i in moe:  # every element of a layer is held somewhere: exact means of copies
+            row = slice(i * E, (i + 1) * E)
+            bias[i] = [s / h for s, h in zip(sums[row], holders[row], strict=True)]
+        out["expert_bias_min"] = min((min(b) for b in bias.values()), default=0.0)
+        out["expert_bias_max"] = max((max(b) for b in bias.values()), default=0.0)
+    if per_layer:
+        dropped_at = values[L * E + 4 + L : L * E + 4 + 2 * L]
+        for i in moe:
+            out[f"moe/layer_{i}/load_max_mean_ratio"] = ratio[i]
+            out[f"moe/layer_{i}/dropped_tokens"] = int(dropped_at[i])
+            if B:
+                out[f"moe/layer_{i}/expert_bias_min"] = min(bias[i])
+                out[f"moe/layer_{i}/expert_bias_max"] = max(bias[i])
     return out
 
 
-def _own_share(L: int, E: int, held: list[int], forwards: list) -> list[float]:
+def _own_share(L: int, E: int, B: int, held: list[int], forwards: list) -> list[float]:
     """A dry run's `vec` in moe_metrics (no other rank to sum): this rank's layers and the
-    nominal stats of its own forwards, whether or not it is the rank that counts them."""
-    vec = [0.0] * (L * E + 4 + L)
+    nominal stats of its own forwards, whether or not it is the rank that counts them; a zero
+    expert bias (its value at the start, which a dry run cannot read)."""
+    vec = [0.0] * (L * E + 4 + 2 * L + 2 * B)
     for i in held:
         vec[L * E + 4 + i] = 1.0
+        for e in range(E if B else 0):
+            vec[L * E + 4 + 2 * L + B + i * E + e] = 1.0
     for i, nominal in forwards:
         st = nominal()  # [E + 3]
         for e in range(E):
             vec[i * E + e] += st[e]
         for j, v in enumerate([st[E], st[E + 1], 1.0, st[E + 2]]):
             vec[L * E + j] += v
+        vec[L * E + 4 + L + i] += st[E + 2]
     return vec

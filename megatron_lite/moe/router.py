@@ -1,4 +1,15 @@
-"""Top-k softmax router: expert choice, load-balancing aux loss, z-loss and capacity dropping.
+"""Top-k router (softmax or sigmoid scores): expert choice, aux-loss-free balancing by an
+expert bias, group-limited routing, load-balancing aux loss (global or per sequence), z-loss
+and capacity dropping.
+
+DeepSeek-V3 conventions (arXiv 2412.19437, eqs. 12-20; Megatron-Core agrees): selection ranks
+scores + expert_bias (the bias only picks, it never weights); the combine weights are the
+selected unbiased scores (normalized over the top-k for sigmoid, times the scaling factor);
+with groups, each token keeps the group_topk groups whose top (topk // group_topk) selection
+scores sum highest, then takes its top-k inside them. The aux losses read P from the scores
+normalized per token (softmax: the probabilities; sigmoid: s / Σ_j s_j) and f from the top-k
+of those unbiased scores over all experts (eq. 18's indicator), so neither the bias nor the
+group limit changes them.
 
 Routing is per token, but the aux loss, the z-loss and the capacity are defined over ALL tokens
 of a microbatch. Under context or sequence parallelism a rank holds a contiguous sequence shard
@@ -19,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_lite.parallel import host, mappings
-from megatron_lite.parallel.params import set_meta
+from megatron_lite.parallel.params import fsdp_rows, set_meta
 
 
 @dataclass(frozen=True)
@@ -48,6 +59,68 @@ def topk_softmax(logits: torch.Tensor, topk: int):
     return probs, weights, indices
 
 
+def router_scores(logits: torch.Tensor, score_function: str) -> torch.Tensor:
+    """logits [T, E] -> scores [T, E]: softmax over the experts, or sigmoid of each (DeepSeek-V3
+    eq. 15: token-to-expert affinities in (0, 1), independent across experts)."""
+    if score_function == "softmax":
+        return torch.softmax(logits, dim=-1)
+    if score_function == "sigmoid":
+        return torch.sigmoid(logits)
+    raise ValueError(
+        f"model.moe_router_score_function={score_function!r}: must be softmax or sigmoid"
+    )
+
+
+def aux_loss_scores(scores: torch.Tensor, score_function: str) -> torch.Tensor:
+    """The P of the aux losses: scores [T, E] normalized per token (softmax scores already
+    are; sigmoid scores are divided by their sum, DeepSeek-V3 eq. 19)."""
+    if score_function == "sigmoid":
+        return scores / (scores.sum(-1, keepdim=True) + 1e-20)
+    return scores
+
+
+def group_limited_mask(
+    select: torch.Tensor, num_groups: int, group_topk: int, topk: int
+) -> torch.Tensor:
+    """Group-limited routing (DeepSeek-V3 node-limited routing): the experts are num_groups
+    contiguous groups; a group's score for a token is the sum of its top (topk // group_topk)
+    selection scores; each token keeps its group_topk best groups.
+
+    select [T, E] -> mask [T, E] bool, True where the token may pick the expert."""
+    T, E = select.shape
+    per_group = E // num_groups
+    group_scores = select.view(T, num_groups, per_group).topk(topk // group_topk, dim=-1)
+    best = group_scores.values.sum(-1).topk(group_topk, dim=-1).indices  # [T, group_topk]
+    keep = torch.zeros(T, num_groups, dtype=torch.bool, device=select.device)
+    keep.scatter_(1, best, True)
+    return keep.repeat_interleave(per_group, dim=1)  # [T, G] -> [T, E]
+
+
+def select_experts(
+    scores: torch.Tensor,
+    topk: int,
+    expert_bias: torch.Tensor | None = None,
+    num_groups: int | None = None,
+    group_topk: int | None = None,
+) -> torch.Tensor:
+    """The top-k experts of each token: scores [T, E] (+ expert_bias [E], selection only),
+    limited to its best groups when num_groups is set -> indices [T, k]."""
+    select = scores.detach()
+    if expert_bias is not None:
+        select = select + expert_bias.to(select.dtype)
+    if num_groups is not None:
+        allowed = group_limited_mask(select, num_groups, group_topk, topk)
+        select = select.masked_fill(~allowed, float("-inf"))
+    return torch.topk(select, topk, dim=-1).indices
+
+
+def expert_bias_delta(counts: torch.Tensor, rate: float) -> torch.Tensor:
+    """Aux-loss-free balancing's update (DeepSeek-V3 sec. 2.1.2): rate · sign(mean load −
+    load_i), from the token counts [E] of one layer over the global batch -> [E] float64."""
+    counts = counts.double()
+    return rate * torch.sign(counts.mean() - counts)
+
+
 def scale_topk(weights: torch.Tensor, options: RouterOptions, topk: int) -> torch.Tensor:
     """The combine weights from the top-k scores [T, k]: renormalized to sum to 1 when
     `options.norm_topk` (None: for sigmoid scores with k > 1, as DeepSeek-V3), then times
@@ -70,6 +143,18 @@ def load_balancing_loss(
     Equals 1 for perfectly uniform routing. prob_sum, counts: [E]."""
     num_experts = counts.shape[0]
     return num_experts / (num_tokens * num_tokens * topk) * (prob_sum * counts).sum()
+
+
+def sequence_load_balancing_loss(
+    prob_sum: torch.Tensor, counts: torch.Tensor, tokens_per_sequence: float, topk: int
+) -> torch.Tensor:
+    """DeepSeek-V3's complementary sequence-wise balance loss (eqs. 17-20, without its α):
+    per sequence f_i = E/(k·T_s) · counts_i and P_i = prob_sum_i / T_s, loss Σ_i f_i·P_i,
+    averaged over the sequences (Megatron's seq_aux_loss; 1 for uniform routing, as the
+    global loss). prob_sum, counts: [b, E] per sequence; T_s tokens per sequence."""
+    b, num_experts = counts.shape
+    scale = num_experts / (tokens_per_sequence * tokens_per_sequence * topk * b)
+    return scale * (prob_sum * counts).sum()
 
 
 def expert_capacity(num_tokens: int, num_experts: int, topk: int, factor: float) -> int:
@@ -119,7 +204,7 @@ def gather_token_shards(
 class Routing:
     """What the router decided for T local tokens, plus microbatch-global statistics."""
 
-    weights: torch.Tensor  # [T, k] top-k probabilities (differentiable)
+    weights: torch.Tensor  # [T, k] combine weights: the scaled top-k scores (differentiable)
     indices: torch.Tensor  # [T, k] expert ids
     keep: torch.Tensor | None  # [T, k] bool, False = dropped over capacity; None = dropless
     objective: torch.Tensor | None  # local term whose grads, summed over shards, are d(aux)
@@ -129,12 +214,40 @@ class Routing:
     nominal_stats: Callable[[], list[float]]  # [E + 3] the values of `stats`
 
 
-class TopKRouter(nn.Module):
-    """Linear router h -> E computed in fp32, softmax top-k, aux/z losses and capacity.
+def _check_options(opt: RouterOptions, num_experts: int, topk: int) -> None:
+    """The router's own checks, for users who build it without our config validation."""
+    if opt.score_function not in ("softmax", "sigmoid"):
+        raise ValueError(
+            f"RouterOptions.score_function={opt.score_function!r}: use softmax or sigmoid"
+        )
+    if opt.aux_loss_type not in ("global", "seq"):
+        raise ValueError(f"RouterOptions.aux_loss_type={opt.aux_loss_type!r}: use global or seq")
+    if (opt.num_groups is None) != (opt.group_topk is None):
+        raise ValueError(
+            f"RouterOptions num_groups={opt.num_groups}, group_topk={opt.group_topk}: "
+            "group-limited routing needs both (or neither)"
+        )
+    if opt.num_groups is not None:
+        G, M = opt.num_groups, opt.group_topk
+        if num_experts % G or not 1 <= M <= G or not M <= topk <= M * (num_experts // G):
+            raise ValueError(
+                f"RouterOptions num_groups={G}, group_topk={M} with {num_experts} experts, "
+                f"top-{topk}: groups must divide the experts and group_topk <= topk <= "
+                "group_topk · experts per group"
+            )
 
-    forward(x [T, h]) -> Routing. `token_groups` lists the groups holding the other sequence
-    shards of the same microbatch (innermost first); the weight is replicated, and with
-    `sequence_parallel` its gradient is summed over TP by the gradient finalizer.
+
+class TopKRouter(nn.Module):
+    """Linear router h -> E computed in fp32: scores (softmax or sigmoid), top-k selection
+    (with the expert bias and group limit of `options`), aux/z losses and capacity.
+
+    forward(x [T, h], batch_size b) -> Routing, the T = s_local·b tokens in (s, b) order.
+    `token_groups` lists the groups holding the other sequence shards of the same microbatch
+    (innermost first); the weight is replicated, and with `sequence_parallel` its gradient is
+    summed over TP by the gradient finalizer. With options.enable_expert_bias, `expert_bias`
+    [E] fp32 is a parameter that no optimizer trains (requires_grad False, so the data-parallel
+    wrappers leave it out) and the checkpoint stores; `update_expert_bias` moves it after
+    each optimizer step from the global token counts (moe_metrics).
     """
 
     def __init__(
@@ -153,6 +266,7 @@ class TopKRouter(nn.Module):
     ):
         super().__init__()
         self.options = options or RouterOptions()
+        _check_options(self.options, num_experts, topk)
         self.num_experts, self.topk = num_experts, topk
         self.aux_loss_coeff, self.z_loss_coeff = aux_loss_coeff, z_loss_coeff
         self.capacity_factor = capacity_factor
@@ -163,25 +277,48 @@ class TopKRouter(nn.Module):
             std=init_std,
             sequence_parallel=sequence_parallel,
         )
+        self.expert_bias: nn.Parameter | None = None
+        if self.options.enable_expert_bias:
+            self.expert_bias = set_meta(
+                nn.Parameter(torch.zeros(num_experts), requires_grad=False),
+                full_shape=(num_experts,),
+                init="zeros",
+            )
 
-    def forward(self, x: torch.Tensor) -> Routing:
-        E, k = self.num_experts, self.topk
+    def forward(self, x: torch.Tensor, batch_size: int = 1) -> Routing:
+        E, k, opt = self.num_experts, self.topk, self.options
         dtype = torch.promote_types(x.dtype, torch.float32)  # route in fp32 (or finer)
         with torch.autocast(x.device.type, enabled=False):
             logits = F.linear(x.to(dtype), self.weight.to(dtype))  # [T, E]
-        probs, weights, indices = topk_softmax(logits, k)
-        weights = scale_topk(weights, self.options, k)
+        scores = router_scores(logits, opt.score_function)  # [T, E]
+        indices = select_experts(scores, k, self.expert_bias, opt.num_groups, opt.group_topk)
+        weights = scale_topk(scores.gather(1, indices), opt, k)  # [T, k] unbiased scores
+        probs = aux_loss_scores(scores, opt.score_function)  # [T, E] the aux losses' P
         lse_sq = torch.logsumexp(logits, dim=-1).square()  # [T] for the z-loss
         assign = torch.zeros_like(probs).scatter_(1, indices, 1.0)  # [T, E] 0/1
+        aux_assign = assign  # eq. 18's top-k: of the unbiased scores over all experts
+        if self.expert_bias is not None or opt.num_groups is not None:
+            aux_idx = torch.topk(probs.detach(), k, dim=-1).indices
+            aux_assign = torch.zeros_like(probs).scatter_(1, aux_idx, 1.0)
+        seq = opt.aux_loss_type == "seq"
         n_local = torch.full((1,), float(x.shape[0]), dtype=dtype, device=x.device)
-        local = torch.cat(
-            [assign.sum(0), probs.detach().sum(0), lse_sq.detach().sum().reshape(1), n_local]
-        ).double()  # [2E + 2]
-        total, before = gather_token_shards(local, self.token_groups)  # [2E + 2]
-        counts, prob_sum, z_sum, n_tokens = total[:E], total[E : 2 * E], total[2 * E], total[-1]
+        parts = [assign.sum(0), aux_assign.sum(0), probs.detach().sum(0)]
+        parts += [lse_sq.detach().sum().reshape(1), n_local]
+        if seq:  # per-sequence [b, E] counts and P sums: token t is of sequence t mod b
+            parts += [aux_assign.view(-1, batch_size, E).sum(0).reshape(-1)]
+            parts += [probs.detach().view(-1, batch_size, E).sum(0).reshape(-1)]
+        local = torch.cat(parts).double()  # [3E + 2 (+ 2bE)]
+        total, before = gather_token_shards(local, self.token_groups)
+        counts, aux_counts, prob_sum = total[:E], total[E : 2 * E], total[2 * E : 3 * E]
+        z_sum, n_tokens = total[3 * E], total[3 * E + 1]
         shards = math.prod(mappings.size(g) for g in self.token_groups)
         n = host.read(n_tokens, float(x.shape[0] * shards))  # a dry run: even sequence shards
-        aux = load_balancing_loss(prob_sum, counts, n, k)
+        if seq:
+            seq_counts = total[3 * E + 2 : 3 * E + 2 + batch_size * E].view(batch_size, E)
+            seq_probs = total[3 * E + 2 + batch_size * E :].view(batch_size, E)
+            aux = sequence_load_balancing_loss(seq_probs, seq_counts, n / batch_size, k)
+        else:
+            aux = load_balancing_loss(prob_sum, aux_counts, n, k)
         keep, dropped = None, torch.zeros((), dtype=torch.float64, device=x.device)
         cap = None
         if self.capacity_factor is not None:
@@ -190,9 +327,13 @@ class TopKRouter(nn.Module):
             dropped = (counts - cap).clamp(min=0).sum()  # global: first `cap` in order kept
         objective = None
         if self.aux_loss_coeff:  # f is a constant; P's gradient flows through local tokens
-            objective = self.aux_loss_coeff * load_balancing_loss(
-                probs.sum(0), counts.to(probs.dtype), n, k
-            )
+            if seq:
+                local_p = probs.view(-1, batch_size, E).sum(0)  # [b, E] this shard's P sums
+                f = seq_counts.to(probs.dtype)
+                aux_term = sequence_load_balancing_loss(local_p, f, n / batch_size, k)
+            else:
+                aux_term = load_balancing_loss(probs.sum(0), aux_counts.to(probs.dtype), n, k)
+            objective = self.aux_loss_coeff * aux_term
         if self.z_loss_coeff:
             z_term = self.z_loss_coeff * lse_sq.sum() / n
             objective = z_term if objective is None else objective + z_term
@@ -201,9 +342,28 @@ class TopKRouter(nn.Module):
         nominal = functools.partial(self.nominal_stats, round(n), cap)
         return Routing(weights, indices, keep, objective, stats, share, nominal)
 
+    @torch.no_grad()
+    def update_expert_bias(self, counts: torch.Tensor) -> None:
+        """expert_bias += rate · sign(mean − counts) (counts [E]: this layer's token
+        assignments over the global batch, identical on every rank). A ZeRO-3 (FSDP2) shard
+        updates its own rows."""
+        bias = self.expert_bias
+        if bias is None:
+            raise RuntimeError(
+                "update_expert_bias: this router has no expert bias. Fix: build it with "
+                "RouterOptions(enable_expert_bias=True) (model.moe_router_enable_expert_bias)"
+            )
+        delta = expert_bias_delta(counts, self.options.bias_update_rate).to(bias.dtype)
+        rows = fsdp_rows(bias)
+        if rows is None:
+            bias.add_(delta)
+        else:
+            bias.to_local().add_(delta[rows[0] : rows[1]])
+
     def nominal_stats(self, num_tokens: int, capacity: int | None) -> list[float]:
         """`stats` of a microbatch of `num_tokens` under a dry run's routing: balanced counts,
-        and uniform probabilities (aux loss 1; zero logits, so every logsumexp is log E)."""
+        and uniform probabilities (aux loss 1, global or per sequence; zero logits, so every
+        logsumexp is log E)."""
         E = self.num_experts
         counts = balanced_counts(num_tokens * self.topk, E)
         dropped = 0 if capacity is None else sum(max(c - capacity, 0) for c in counts)

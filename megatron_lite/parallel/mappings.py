@@ -370,6 +370,58 @@ class _AllToAllUneven(torch.autograd.Function):
         return _all_to_all_uneven(g, in_splits, out_splits, ctx.group), None, None, None
 
 
+class _AllToAllUnevenStart(torch.autograd.Function):
+    """Starts all_to_all_single into a new tensor and returns it unfilled; `_AllToAllWait`
+    finishes it. Whatever runs between the two overlaps the exchange. Backward: the reverse
+    exchange, blocking (the gradient arrives after _AllToAllWait's backward, an identity)."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group, box):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        t = x.contiguous()
+        launch = functools.partial(
+            dist.all_to_all_single,
+            out,
+            t,
+            output_split_sizes=out_splits,
+            input_split_sizes=in_splits,
+            group=group,
+            async_op=True,
+        )
+        box.append((_start("all_to_all", "all_to_all", t, group, launch), t))
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        out_splits, in_splits = ctx.splits
+        return _all_to_all_uneven(g, in_splits, out_splits, ctx.group), None, None, None, None
+
+
+class _AllToAllWait(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, out, box):
+        work, _ = box.pop()  # the input stays referenced until the exchange is done
+        work.wait()
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+def all_to_all_uneven_overlap(x, out_splits: list[int], in_splits: list[int], group, during):
+    """all_to_all_uneven(x, ...) with `during()` run while the exchange is in flight (e.g. the
+    MoE shared expert beside the dispatch). Returns (exchanged x, during's result). The forward
+    overlaps; the backward's reverse exchange is blocking."""
+    if size(group) == 1:
+        return x, during()
+    box: list = []
+    out = _AllToAllUnevenStart.apply(x, list(out_splits), list(in_splits), group, box)
+    result = during()
+    return _AllToAllWait.apply(out, box), result
+
+
 # ---------------------------------------------------------------- public wrappers
 def copy_to_tensor_parallel_region(x, group):
     """Identity forward; all-reduce of the gradient over `group`."""

@@ -69,6 +69,7 @@ from dataclasses import dataclass
 
 from megatron_lite.config import Config
 from megatron_lite.resolve import (
+    kv_channels,
     moe_ffn_hidden_size,
     num_query_groups,
     padded_vocab_size,
@@ -107,10 +108,16 @@ class LayerShape:
     main_grad: bool = True  # ZeRO 0-2: weight gradients go into the buffer's main_grad
     shared_f: int = 0  # the MoE layer's shared expert width (0: none)
     grouped_gemm: bool = True  # the local experts as one grouped GEMM (False: a loop)
+    head_dim: int = 0  # model.kv_channels (0: h / n)
 
     @property
     def tokens(self) -> float:
         return self.s / self.cp * self.b
+
+    @property
+    def d(self) -> int:
+        """The head dimension."""
+        return self.head_dim or self.h // self.n
 
     @property
     def u(self) -> float:
@@ -135,7 +142,7 @@ def layer_terms(x: LayerShape, moe: bool = False) -> dict[str, float]:
     """{term: bytes} one layer saves for backward on one rank, one microbatch, no recompute
     (moe: an MoE layer, whose MLP terms are moe_terms)."""
     T, u, A, t = x.tokens, x.u, x.act_bytes, x.tp
-    d = x.h // x.n
+    d = x.d
     paper, torch_k = x.arch == "paper", x.kernels == "torch"
     out: dict[str, float] = {"norms": 2 * norm_bytes(x)}
     lin_in = T * x.h * A / (t if x.sp else 1)  # SP: the linears keep their [s/tp] input
@@ -213,7 +220,7 @@ MOE_TERMS = tuple(moe_terms(LayerShape("llama", 1, 1, 1, 1, 1, 1, topk=1)))
 
 def rope_table_bytes(x: LayerShape) -> float:
     """RoPE's fp32 cos/sin tables [s/cp, d]: buffers, one pair per model chunk."""
-    return 2 * x.s / x.cp * (x.h // x.n) * 4 if x.arch == "llama" else 0.0
+    return 2 * x.s / x.cp * x.d * 4 if x.arch == "llama" else 0.0
 
 
 def layer_input_bytes(x: LayerShape) -> float:
@@ -278,7 +285,7 @@ def layer_shape(cfg: Config, kernels: str = "fused") -> LayerShape:
         residual_bytes=residual_bytes(cfg), dropout=m.hidden_dropout > 0, kernels=kernels,
         experts=m.num_experts or 0, topk=m.moe_router_topk if m.num_experts else 0,
         moe_f=moe_ffn_hidden_size(m) if m.num_experts else 0, ep=p.ep, gated=m.arch != "gpt",
-        main_grad=p.zero_stage < 3,
+        main_grad=p.zero_stage < 3, head_dim=kv_channels(m),
         shared_f=m.moe_shared_expert_ffn_hidden_size if m.num_experts else 0,
         grouped_gemm=m.moe_grouped_gemm,
     )  # fmt: skip

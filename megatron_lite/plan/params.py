@@ -9,6 +9,7 @@ import functools
 from megatron_lite.config import Config
 from megatron_lite.pipeline.schedules import virtual_stage
 from megatron_lite.resolve import (
+    kv_channels,
     moe_ffn_hidden_size,
     moe_layer_pattern,
     num_query_groups,
@@ -21,25 +22,30 @@ Param = tuple[int, bool]  # (elements, is_expert)
 
 def layer_param_list(cfg: Config, moe: bool) -> list[Param]:
     """One transformer layer's parameters in registration order (models/transformer.py):
-    input norm, qkv, proj, pre-MLP norm, then fc1, fc2 (or the router and the stacked experts'
-    weight1, weight2, then the shared expert's fc1, fc2 on the dense MLP's TP layout)."""
+    input norm, qkv, (q and k norms with qk_layernorm), proj, pre-MLP norm, then fc1, fc2 (or the
+    router and the stacked experts' weight1, weight2, then the shared expert's fc1, fc2 on the
+    dense MLP's TP layout)."""
     m, p = cfg.model, cfg.parallel
     shared = m.moe_shared_expert_ffn_hidden_size or 0
     experts = (m.num_experts, moe_ffn_hidden_size(m), p.ep, shared) if moe else None
     h, n, g = m.hidden_size, m.num_attention_heads, num_query_groups(m)
-    return list(_layer_list(m.arch, h, n, g, m.ffn_hidden_size, p.tp, experts))
+    d, qk_norm = kv_channels(m), m.qk_layernorm
+    return list(_layer_list(m.arch, h, n, g, m.ffn_hidden_size, p.tp, experts, d, qk_norm))
 
 
 @functools.lru_cache(maxsize=4096)  # the search asks for the same few shapes many times
-def _layer_list(arch: str, h: int, n: int, g: int, f: int, t: int, experts) -> tuple:
-    d, gpt = h // n, arch == "gpt"
+def _layer_list(
+    arch: str, h: int, n: int, g: int, f: int, t: int, experts, d: int, qk_norm: bool
+) -> tuple:
+    gpt = arch == "gpt"  # d: the head dim (model.kv_channels), qk_norm: model.qk_layernorm
     norm = [(h, False), (h, False)] if gpt else [(h, False)]
+    qk_norms = ([(d, False), (d, False)] if gpt else [(d, False)]) * 2 if qk_norm else []
 
     def linear(out: int, inp: int, bias: int) -> list[Param]:
         return [(out * inp, False)] + ([(bias, False)] if gpt else [])
 
     qkv = (n + 2 * g) * d
-    out = norm + linear(qkv // t, h, qkv // t) + linear(h, n * d // t, h) + norm
+    out = norm + linear(qkv // t, h, qkv // t) + qk_norms + linear(h, n * d // t, h) + norm
     up = 1 if gpt else 2
     if experts is not None:
         e, f_e, ep, f_s = experts

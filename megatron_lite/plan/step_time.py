@@ -25,7 +25,7 @@ from megatron_lite.config import Config
 from megatron_lite.plan.activations import layer_shape, recompute_settings, resolved
 from megatron_lite.plan.comm import collective_time, group_links
 from megatron_lite.plan.params import chunk_moe, rank_layers, rank_params
-from megatron_lite.resolve import moe_layer_pattern, num_microbatches, stage_layers
+from megatron_lite.resolve import kv_channels, moe_layer_pattern, num_microbatches, stage_layers
 from megatron_lite.training.flops import model_flops_per_token
 
 
@@ -146,7 +146,7 @@ def step_time(cfg: Config, world: int, gpu, mfu: float, gpus_per_node: int,
         hidden += (gathers + scatters - tp_b) * m * sum(stage_layers(m_, p)) / p.pp
     cp_l = 0.0
     if p.cp > 1:
-        d, g = m_.hidden_size // m_.num_attention_heads, m_.num_query_groups
+        d, g = kv_channels(m_), m_.num_query_groups
         qkv = T * (m_.num_attention_heads / p.tp + 2 * max(g / p.tp, p.cp)) * d * A
         out = T * m_.num_attention_heads / p.tp * d * A
         cp_l = 2 * sum(collective_time("all_to_all", x, p.cp, links["cp"], gpu) for x in (qkv, out))

@@ -8,12 +8,13 @@ gradient and one for the weight gradient per forward GEMM), a multiply-add count
     6·N_active + 6·L·s·q
 
 N_active: the weights every token multiplies, i.e. per layer the attention projections
-h·(q + 2·kv) + q·h (q = heads·head_dim, kv = query_groups·head_dim: grouped-query attention at
-its real width), the dense MLP (3·h·ffn with SwiGLU, 2·h·ffn with GeLU) or for a MoE layer the
-router h·E plus topk experts' MLPs, and the output layer h·V (V the unpadded vocabulary; counted
-when tied too, its GEMM runs). Not counted: the embedding lookup, biases, norms, activations,
-softmax, RoPE, the loss, and the vocabulary padding columns; MoE counts topk experts per token
-whatever the capacity drops.
+h·(q + 2·kv) + q·h (q = heads·head_dim, kv = query_groups·head_dim with head_dim =
+model.kv_channels, so q may differ from h; grouped-query attention at its real width), the dense
+MLP (3·h·ffn with SwiGLU, 2·h·ffn with GeLU) or for a MoE layer the router h·E plus topk experts'
+MLPs, and the output layer h·V (V the unpadded vocabulary; counted when tied too, its GEMM runs).
+Not counted: the embedding lookup, biases, norms (qk_layernorm's too), activations, softmax,
+RoPE, the loss, and the vocabulary padding columns; MoE counts topk experts per token whatever
+the capacity drops.
 6·L·s·q: attention scores Q·Kᵀ and the weighted sum A·V, 2·s·q FLOPs each per token and layer
 over s keys, halved for the causal mask (each query sees s/2 keys on average), ×3 for forward +
 backward. This is Megatron's / TorchTitan's 6N + 12·L·h·s per token with the causal halving and
@@ -43,7 +44,7 @@ def matmul_params_per_token(cfg: Config, vocab_size: int | None = None) -> float
     v = vocab_size if m.vocab_size is None else m.vocab_size
     if v is None:
         raise ValueError("model.vocab_size is null: pass the tokenizer's vocab_size")
-    h, d = m.hidden_size, m.hidden_size // m.num_attention_heads
+    h, d = m.hidden_size, resolve.kv_channels(m)
     q, kv = m.num_attention_heads * d, resolve.num_query_groups(m) * d
     mlp_mats = 3 if SPECS[m.arch].gated_mlp else 2  # SwiGLU: gate, up, down; GeLU: fc1, fc2
     attention = h * (q + 2 * kv) + q * h
@@ -61,7 +62,7 @@ def matmul_params_per_token(cfg: Config, vocab_size: int | None = None) -> float
 def model_flops_per_token(cfg: Config, vocab_size: int | None = None) -> float:
     """Model FLOPs of forward + backward per token: 6·N_active + 6·L·s·q."""
     m = cfg.model
-    q = m.num_attention_heads * (m.hidden_size // m.num_attention_heads)
+    q = m.num_attention_heads * resolve.kv_channels(m)
     attention = 6.0 * m.num_layers * m.seq_length * q
     return 6.0 * matmul_params_per_token(cfg, vocab_size) + attention
 

@@ -63,9 +63,10 @@ class Trainer:
         where = torch.device("meta") if zero3 else self.device
         self.chunks = build_model(cfg, mesh, self.tracker, vocab_size, init=False, device=where)
         if cfg.train.precision == "bf16":  # bf16 weights; fp32 masters live in the optimizer
-            for c in self.chunks:
+            for c in self.chunks:  # untrained state (the MoE expert bias) stays fp32
                 for p in c.parameters():
-                    p.data = p.data.to(torch.bfloat16)
+                    if p.requires_grad:
+                        p.data = p.data.to(torch.bfloat16)
         self.dp = build_data_parallel(self.chunks, mesh, cfg, self.device)  # ZeRO-3: new params
         for c in self.chunks if zero3 else []:  # RoPE tables, vocabulary mask: built on meta
             c.init_buffers(self.device)
@@ -289,7 +290,7 @@ class Trainer:
                 self.memory_tracker.label_model_states(self.dp)
         elif dist.get_rank() == 0:
             print(skipped, flush=True)
-        moe = self._moe_metrics()
+        moe = self._moe_metrics(update_bias=skipped is None)
         if self.device.type == "cuda":  # the step's time includes its optimizer kernels
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
@@ -425,15 +426,26 @@ class Trainer:
                 print(f"[metrics] no mfu: {e}", flush=True)
             return None
 
-    def _moe_metrics(self) -> dict:
+    def _moe_metrics(self, update_bias: bool) -> dict:
+        """The step's MoE metrics (per layer at the end of a log interval); `update_bias`: the
+        optimizer stepped, so the expert biases move by this step's global token counts (a
+        skipped step leaves them)."""
         m, mesh = self.cfg.model, self.mesh
         if m.num_experts is None:
             return {}
         from megatron_lite.moe.layer import moe_metrics
 
         count_here = mesh.tp.rank == 0 and mesh.cp.rank == 0  # one rank per microbatch shard
-        z_loss = bool(m.moe_z_loss_coeff)
-        return moe_metrics(self.chunks, m.num_layers, m.num_experts, count_here, z_loss)
+        return moe_metrics(
+            self.chunks,
+            m.num_layers,
+            m.num_experts,
+            count_here,
+            bool(m.moe_z_loss_coeff),
+            expert_bias=m.moe_router_enable_expert_bias,
+            update_bias=update_bias,
+            per_layer=reports_at(self.step, self.cfg),
+        )
 
     def _eval_due(self) -> bool:
         every = self.cfg.train.eval_interval

@@ -4,7 +4,7 @@ needs the machine the ranks run on."""
 from __future__ import annotations
 
 from megatron_lite.config import Config, ConfigError
-from megatron_lite.resolve import moe_layer_pattern
+from megatron_lite.resolve import kv_channels, moe_layer_pattern
 from megatron_lite.validation.rules import _choice, _rule
 
 
@@ -60,11 +60,11 @@ def _validate_fp8(cfg: Config) -> None:
         "change model.seq_length or train.micro_batch_size",
     )
     tp = p.tp
-    head_dim = m.hidden_size // m.num_attention_heads
+    head_dim = kv_channels(m)
     groups = m.num_query_groups or m.num_attention_heads
     widths = {
         "model.hidden_size": m.hidden_size,
-        "model.hidden_size / tp (attention output)": m.hidden_size // tp,
+        "heads × head dim / tp (attention output)": m.num_attention_heads * head_dim // tp,
         "(heads + 2·query groups) × head dim / tp": (m.num_attention_heads + 2 * groups)
         * head_dim
         // tp,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from megatron_lite.config import Config, ModelConfig, TrainConfig
+from megatron_lite.resolve import kv_channels
 from megatron_lite.validation.rules import _choice, _rule
 
 
@@ -72,13 +73,23 @@ def _validate_dropout_and_schedule(m: ModelConfig, t: TrainConfig) -> None:
 
 def _validate_model_ranges(m: ModelConfig) -> None:
     """Model value ranges that would otherwise fail after process groups exist."""
-    head_dim = m.hidden_size // m.num_attention_heads
+    _rule(
+        m.kv_channels is None or m.kv_channels >= 1,
+        "model.kv_channels",
+        m.kv_channels,
+        "the head dimension must be >= 1",
+        "give a positive head dimension, or null for hidden_size / num_attention_heads",
+    )
+    head_dim = kv_channels(m)
+    key = "model.hidden_size" if m.kv_channels is None else "model.kv_channels"
     _rule(
         m.arch != "llama" or head_dim % 2 == 0,
-        "model.hidden_size",
-        m.hidden_size,
+        key,
+        m.hidden_size if m.kv_channels is None else m.kv_channels,
         f"gives head dim {head_dim}; rotary embeddings need an even head dim",
-        "use hidden_size = an even multiple of num_attention_heads",
+        "use hidden_size = an even multiple of num_attention_heads"
+        if m.kv_channels is None
+        else "use an even model.kv_channels",
     )
     max_pos = m.max_position_embeddings
     _rule(

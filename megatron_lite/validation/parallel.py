@@ -44,11 +44,12 @@ def _validate_heads(cfg: Config) -> None:
     """Attention heads and query groups over tp (on the resolved config)."""
     m, p = cfg.model, cfg.parallel
     _rule(
-        m.hidden_size % m.num_attention_heads == 0,
+        m.kv_channels is not None or m.hidden_size % m.num_attention_heads == 0,
         "model.hidden_size",
         m.hidden_size,
-        f"must be divisible by model.num_attention_heads={m.num_attention_heads}",
-        "pick a hidden size that is a multiple of the head count",
+        f"must be divisible by model.num_attention_heads={m.num_attention_heads} "
+        "(the head dimension is hidden_size / heads when model.kv_channels is null)",
+        "pick a hidden size that is a multiple of the head count, or set model.kv_channels",
     )
     _rule(
         m.num_attention_heads % p.tp == 0,

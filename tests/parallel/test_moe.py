@@ -26,6 +26,16 @@ CAPACITY = [
     # one top-k choice flips between layouts, a discrete jump (loss 1.7e-5, aux 1.1e-4)
     "train.seed=99",
 ]
+# DeepSeek-V3's layer shape, tiny: a dense first layer, then fine-grained experts beside a
+# shared expert (a dense SwiGLU every token passes, on the dense MLP's TP/SP layout)
+SHARED = [
+    *MOE,
+    "model.num_experts=8",
+    "model.moe_router_topk=4",
+    "model.moe_ffn_hidden_size=32",
+    "model.moe_shared_expert_ffn_hidden_size=48",
+    "model.moe_first_k_dense_replace=1",
+]
 LAYOUTS = {
     "ep2": (2, MOE, ["parallel.ep=2"]),
     "ep4": (4, MOE, ["parallel.ep=4"]),
@@ -36,6 +46,15 @@ LAYOUTS = {
         CAPACITY,
         ["parallel.cp=2", "parallel.tp=2", "parallel.ep=2", "parallel.sequence_parallel=true"],
     ),
+    "shared_ep2_tp2_sp": (
+        4,
+        SHARED,
+        ["parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=true"],
+    ),
+    "shared_ep2_pp2": (4, SHARED, ["parallel.ep=2", "parallel.pp=2"]),
+    "shared_ep2_cp2": (4, SHARED, ["parallel.ep=2", "parallel.cp=2"]),
+    "shared_ep4_zero1": (4, SHARED, ["parallel.ep=4", "parallel.zero_stage=1"]),
+    "shared_ep2_zero3": (2, SHARED, ["parallel.ep=2", "parallel.zero_stage=3"]),
 }
 METRICS = (
     "loss",

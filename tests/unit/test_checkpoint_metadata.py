@@ -206,3 +206,26 @@ def test_a_model_checkpoint_may_live_in_any_directory_name(tmp_path):
     with open(meta_file, "w") as f:
         json.dump(meta, f)
     assert files.verify(final)["step"] == 0
+
+
+@pytest.mark.parametrize(
+    "key, saved, now",
+    [
+        ("moe_router_norm_topk", True, None),  # a converted Mixtral loaded without the key
+        ("moe_router_score_function", "sigmoid", "softmax"),
+        ("moe_router_topk_scaling_factor", 2.5, None),
+        ("moe_router_group_topk", 2, None),
+    ],
+)
+def test_routing_settings_must_match_the_checkpoint(key, saved, now):
+    """Routing settings change what the same weights compute: a mismatch with the saved
+    model config is an error naming the key and the saved value (shapes cannot show it)."""
+    from types import SimpleNamespace
+
+    from megatron_lite.checkpoint.load import Loader
+    from megatron_lite.config import load_config
+
+    cfg = load_config(None, [f"model.{key}={json.dumps(now)}"])
+    with pytest.raises(CheckpointError, match=rf"model\.{key}=.*Fix: set model\.{key}="):
+        Loader._check_model_config(SimpleNamespace(cfg=cfg), "ckpt/step_5", {key: saved})
+    Loader._check_model_config(SimpleNamespace(cfg=cfg), "ckpt/step_5", {key: now})  # equal

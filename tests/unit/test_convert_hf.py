@@ -1,6 +1,8 @@
 """tools/convert_checkpoint.py against transformers' LlamaForCausalLM (built locally, no
 download): an exact round trip HF -> ours -> HF, and logits of our model (one rank, float32)
-equal to HF's within 1e-4 in both directions, so the RoPE, GQA and SwiGLU conventions agree."""
+equal to HF's within 1e-4 in both directions, so the RoPE, GQA and SwiGLU conventions agree.
+Mixtral and Qwen3-MoE: exact round trips, the config keys they map to, and the errors for what
+has no equivalent (their logits on several layouts: tests/parallel/test_convert_moe.py)."""
 
 import os
 
@@ -129,3 +131,111 @@ def test_trained_model_loads_in_transformers(tmp_path):
     with torch.no_grad():
         hf = model.float().eval()(ids).logits
     assert_logits_close(ours, hf, "ours->hf")
+
+
+# ------------------------------------------------------------------ mixture of experts
+def moe_hf_model(family: str):
+    """A tiny random Mixtral (every layer MoE, renormalized top-2) or Qwen3-MoE (q/k norms,
+    head_dim 32 != hidden/heads, layer 0 dense through mlp_only_layers, top-2 not
+    renormalized), weights O(0.1) and norms away from 1."""
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    common = dict(
+        vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=5000.0, max_position_embeddings=SEQ,
+        tie_word_embeddings=False, num_experts_per_tok=2, router_aux_loss_coef=0.001,
+        attn_implementation="eager",
+    )  # fmt: skip
+    if family == "mixtral":
+        config = MixtralConfig(intermediate_size=32, num_local_experts=8, **common)
+        cls = MixtralForCausalLM
+    else:
+        config = Qwen3MoeConfig(
+            intermediate_size=96, moe_intermediate_size=32, num_experts=8, head_dim=32,
+            mlp_only_layers=[0], norm_topk_prob=False, **common,
+        )  # fmt: skip
+        cls = Qwen3MoeForCausalLM
+    torch.manual_seed(0)
+    model = cls(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.uniform_(0.5, 1.5) if "norm" in name else p.normal_(0.0, 0.1)
+    return model
+
+
+# what hf-to-dcp must make of each family's config (the independent half of the mapping)
+EXPECTED_MOE_KEYS = {
+    "mixtral": {
+        "num_experts": 8, "moe_router_topk": 2, "moe_ffn_hidden_size": 32,
+        "moe_router_norm_topk": True, "kv_channels": None, "moe_aux_loss_coeff": 0.002,
+    },
+    "qwen3_moe": {
+        "num_experts": 8, "moe_router_topk": 2, "moe_ffn_hidden_size": 32, "ffn_hidden_size": 96,
+        "moe_router_norm_topk": False, "kv_channels": 32, "qk_layernorm": True,
+        "moe_layer_freq": [0, 1], "moe_aux_loss_coeff": 0.002,
+    },
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_moe_round_trip_is_exact(family, tmp_path):
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    model = moe_hf_model(family)
+    model.save_pretrained(tmp_path / "hf")
+    hf_to_dcp(str(tmp_path / "hf"), str(tmp_path / "ckpt"))
+    with open(tmp_path / "ckpt" / "metadata.json") as f:
+        ours = json.load(f)["config"]["model"]
+    for key, want in EXPECTED_MOE_KEYS[family].items():
+        assert ours[key] == pytest.approx(want), f"{family}: model.{key}={ours[key]}, want {want}"
+    dcp_to_hf(str(tmp_path / "ckpt"), str(tmp_path / "hf2"))
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "hf2")
+    assert type(back) is type(model)
+    a, b = model.state_dict(), back.state_dict()
+    assert set(a) == set(b)
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{family}: {k} changed in the round trip"
+    head_dim = 64 // 4 if family == "mixtral" else 32  # Mixtral's null = hidden / heads
+    assert back.config.head_dim == head_dim
+    keys = ["num_experts_per_tok", "intermediate_size", "num_key_value_heads"]
+    keys += ["mlp_only_layers", "norm_topk_prob", "moe_intermediate_size", "num_experts"]
+    keys += ["num_local_experts", "decoder_sparse_step", "rope_theta", "rope_parameters"]
+    for key in keys:
+        assert getattr(back.config, key, None) == getattr(model.config, key, None), key
+    assert back.config.router_aux_loss_coef == pytest.approx(model.config.router_aux_loss_coef)
+
+
+def test_moe_unsupported_fields_are_errors(tmp_path):
+    import dataclasses
+
+    from megatron_lite.checkpoint.errors import CheckpointError
+    from megatron_lite.config import ModelConfig
+    from tools.hf_families import from_hf_config, to_hf_config
+
+    mixtral = moe_hf_model("mixtral").config.to_dict()
+    with pytest.raises(CheckpointError, match="sliding_window"):
+        from_hf_config({**mixtral, "sliding_window": 4096})
+    with pytest.raises(CheckpointError, match="model_type='deepseek_v3'"):
+        from_hf_config({**mixtral, "model_type": "deepseek_v3"})
+    ours = dataclasses.asdict(ModelConfig(num_experts=4, moe_router_norm_topk=True))
+    assert to_hf_config(ours, 128)["architectures"] == ["MixtralForCausalLM"]
+    with pytest.raises(CheckpointError, match="moe_router_score_function"):
+        to_hf_config({**ours, "moe_router_score_function": "sigmoid"}, 128)
+    with pytest.raises(CheckpointError, match="moe_shared_expert_ffn_hidden_size"):
+        to_hf_config({**ours, "moe_shared_expert_ffn_hidden_size": 64}, 128)
+    with pytest.raises(CheckpointError, match="Mixtral"):  # dense layer, no q/k norms
+        to_hf_config({**ours, "num_layers": 2, "moe_layer_freq": [0, 1]}, 128)
+
+
+def test_llama_head_dim_maps_to_kv_channels():
+    """A Llama head_dim other than hidden/heads (model.kv_channels) converts both ways."""
+    from tools.hf_families import from_hf_config, to_hf_config
+
+    config = LlamaConfig(hidden_size=64, num_attention_heads=4, head_dim=32).to_dict()
+    ours = from_hf_config(config)
+    assert ours["kv_channels"] == 32
+    assert from_hf_config({**config, "head_dim": 16})["kv_channels"] is None  # = hidden/heads
+    back = to_hf_config(ours, vocab_size=config["vocab_size"])
+    assert back["head_dim"] == 32 and back["architectures"] == ["LlamaForCausalLM"]

@@ -16,6 +16,13 @@ BASE = ["model.vocab_size=256", "model.num_layers=2", "model.hidden_size=32",
 CASES = {
     "llama_gqa": ["model.num_query_groups=2", "model.ffn_hidden_size=64"],
     "gpt": ["model.arch=gpt", "model.ffn_hidden_size=64"],
+    # heads · kv_channels = 64 != hidden 32 (Qwen3-style), q/k norms are no matmuls
+    "llama_kv_channels": [
+        "model.num_query_groups=2",
+        "model.ffn_hidden_size=64",
+        "model.kv_channels=16",
+        "model.qk_layernorm=true",
+    ],
     "moe": [
         "model.num_experts=4",
         "model.moe_router_topk=2",
@@ -39,6 +46,13 @@ def _addmm_inplace_flops(self_shape, a_shape, b_shape, *args, out_shape=None, **
     return 2 * a_shape[0] * a_shape[1] * b_shape[1]
 
 
+def _grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs):
+    """torch._grouped_mm (the grouped-GEMM experts), which torch's table leaves out: [N, K] ×
+    [G, K, M] -> [N, M] (each row by its group's matrix) or [K, N] × [N, M] -> [G, K, M] (the
+    weight gradient, N split into groups): 2 · (the output's last two dims) · a's last."""
+    return 2 * out_shape[-2] * out_shape[-1] * a_shape[-1]
+
+
 def _counted(rank, world, overrides, out_dir):
     from megatron_lite.parallel.mesh import ParallelMesh, RankLayout
     from megatron_lite.train import prepare
@@ -48,7 +62,10 @@ def _counted(rank, world, overrides, out_dir):
     trainer = Trainer(cfg, ParallelMesh(RankLayout(world)), dataset, vocab)
     micro = trainer._fetch(0)
     # the fused wgrad accumulates into main_grad with addmm_, which torch's table leaves out
-    inplace = {torch.ops.aten.addmm_: _addmm_inplace_flops}
+    inplace = {
+        torch.ops.aten.addmm_: _addmm_inplace_flops,
+        torch.ops.aten._grouped_mm: _grouped_mm_flops,
+    }
     with FlopCounterMode(display=False, custom_mapping=inplace) as counter:
         trainer._forward_backward(micro, 1.0)
     by_op = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
@@ -64,7 +81,8 @@ def test_matches_counted_matmuls(case, tmp_path):
     attention = {k: v for k, v in by_op.items() if "attention" in k}
     matmul = sum(v for k, v in by_op.items() if k not in attention)
     m = cfg.model
-    causal = 6 * m.num_layers * m.seq_length * m.hidden_size * tokens  # q = h here
+    q = m.num_attention_heads * (m.kv_channels or m.hidden_size // m.num_attention_heads)
+    causal = 6 * m.num_layers * m.seq_length * q * tokens
     assert matmul + causal == model_flops_per_token(cfg) * tokens, by_op
     if attention:  # SDPA is counted on CUDA, not for the CPU kernel: full s×s scores
         assert sum(attention.values()) == 2 * causal, by_op
@@ -76,7 +94,10 @@ def test_attention_term_is_half_the_full_scores_and_values():
     b, n, s, d = 2, 4, 16, 8
     q, k, v = (torch.randn(b, n, s, d, requires_grad=True) for _ in range(3))
     # the fused wgrad accumulates into main_grad with addmm_, which torch's table leaves out
-    inplace = {torch.ops.aten.addmm_: _addmm_inplace_flops}
+    inplace = {
+        torch.ops.aten.addmm_: _addmm_inplace_flops,
+        torch.ops.aten._grouped_mm: _grouped_mm_flops,
+    }
     with FlopCounterMode(display=False, custom_mapping=inplace) as counter:
         out = torch.softmax(q @ k.transpose(-1, -2) / d**0.5, dim=-1) @ v
         out.sum().backward()

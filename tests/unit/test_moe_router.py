@@ -3,15 +3,20 @@ against plain float64 formulas (single process, no process group)."""
 
 import math
 
+import pytest
 import torch
 
 from megatron_lite.moe.router import (
     MoEAuxLossAutoScaler,
+    RouterOptions,
     TopKRouter,
     capacity_keep,
+    expert_bias_delta,
     expert_capacity,
     gather_token_shards,
+    group_limited_mask,
     load_balancing_loss,
+    sequence_load_balancing_loss,
     topk_softmax,
 )
 
@@ -136,3 +141,235 @@ def test_gather_token_shards_single_process_is_identity():
     v = torch.arange(5, dtype=torch.float64)
     total, before = gather_token_shards(v, [None, None])
     assert torch.equal(total, v) and torch.equal(before, torch.zeros(5, dtype=torch.float64))
+
+
+# ---------------------------------------------------------------- DeepSeek-V3-style routing
+def _paper_routing(x, w, k, score, bias=None, groups=None, scaling=None, batch=1):
+    """DeepSeek-V3 (arXiv 2412.19437) eqs. 12-20 token by token in float64, written from the
+    paper: s = softmax or sigmoid of the affinities; selection ranks s + b (b only picks),
+    node-limited to the `groups` = (G, M) best groups by the sum of each group's top k/M
+    selection scores; gates are the picked s (sigmoid: normalized over the k), × scaling.
+    Balance losses: P from s normalized per token, f from the top-k of the unbiased s over
+    all experts; global over all T tokens, seq per sequence (token t is of sequence t mod b)
+    then averaged. Returns (chosen expert sets, {token: {expert: gate}}, aux, seq aux)."""
+    T, E = x.shape[0], w.shape[0]
+    logits = [
+        [sum(a * c for a, c in zip(x[t].tolist(), w[e].tolist(), strict=True)) for e in range(E)]
+        for t in range(T)
+    ]
+    s = []
+    for row in logits:
+        if score == "softmax":
+            m = max(row)
+            ex = [math.exp(v - m) for v in row]
+            s.append([v / sum(ex) for v in ex])
+        else:
+            s.append([1 / (1 + math.exp(-v)) for v in row])
+    b = [0.0] * E if bias is None else bias.tolist()
+    chosen, gates = [], []
+    for t in range(T):
+        sel = [s[t][e] + b[e] for e in range(E)]
+        allowed = list(range(E))
+        if groups is not None:
+            G, M = groups
+            per = E // G
+            gscore = [
+                sum(sorted(sel[g * per : (g + 1) * per], reverse=True)[: k // M]) for g in range(G)
+            ]
+            best = sorted(range(G), key=lambda g: -gscore[g])[:M]
+            allowed = [e for e in range(E) if e // per in best]
+        pick = sorted(allowed, key=lambda e: -sel[e])[:k]
+        g = {e: s[t][e] for e in pick}
+        if score == "sigmoid" and k > 1:
+            tot = sum(g.values())
+            g = {e: v / tot for e, v in g.items()}
+        if scaling is not None:
+            g = {e: v * scaling for e, v in g.items()}
+        chosen.append(set(pick))
+        gates.append(g)
+    p = [[v / sum(row) for v in row] for row in s]  # softmax rows already sum to 1
+    top = [set(sorted(range(E), key=lambda e: -s[t][e])[:k]) for t in range(T)]
+
+    def balance(tokens):
+        n = len(tokens)
+        f = [E / (k * n) * sum(e in top[t] for t in tokens) for e in range(E)]
+        P = [sum(p[t][e] for t in tokens) / n for e in range(E)]
+        return sum(fi * pi for fi, pi in zip(f, P, strict=True))
+
+    seqs = [[t for t in range(T) if t % batch == j] for j in range(batch)]
+    return chosen, gates, balance(range(T)), sum(balance(q) for q in seqs) / batch
+
+
+ROUTINGS = {
+    "softmax": dict(score="softmax"),
+    "sigmoid": dict(score="sigmoid", scaling=2.5),
+    "sigmoid_bias": dict(score="sigmoid", bias=True),
+    "softmax_bias": dict(score="softmax", bias=True),
+    "sigmoid_groups": dict(score="sigmoid", groups=(4, 2)),
+    "sigmoid_bias_groups": dict(score="sigmoid", bias=True, groups=(4, 2), scaling=2.5),
+    "softmax_groups": dict(score="softmax", groups=(4, 2)),
+}
+
+
+@pytest.mark.parametrize("name", ROUTINGS)
+@pytest.mark.parametrize("aux_type", ["global", "seq"])
+def test_routing_matches_paper_formulas(name, aux_type):
+    """Expert choice, combine weights and the (global or sequence-wise) balance loss of the
+    router equal the paper's formulas evaluated token by token in float64."""
+    spec = ROUTINGS[name]
+    T, E, k, h, b = 24, 8, 4, 16, 3  # T = s·b tokens in (s, b) order
+    groups = spec.get("groups")
+    options = RouterOptions(
+        score_function=spec["score"],
+        topk_scaling_factor=spec.get("scaling"),
+        enable_expert_bias=spec.get("bias", False),
+        aux_loss_type=aux_type,
+        num_groups=groups and groups[0],
+        group_topk=groups and groups[1],
+    )
+    r = _router(E, k, h, options=options)
+    gen = torch.Generator().manual_seed(7)
+    bias = None
+    if options.enable_expert_bias:  # large enough to change some choices
+        bias = torch.randn(E, generator=gen, dtype=torch.float64) * 0.2
+        with torch.no_grad():
+            r.expert_bias.copy_(bias)
+    x = torch.randn(T, h, generator=gen, dtype=torch.float64) * 0.3
+    chosen, gates, aux, seq_aux = _paper_routing(
+        x, r.weight.detach(), k, spec["score"], bias, groups, spec.get("scaling"), b
+    )
+    route = r(x, batch_size=b)
+    got = [set(row) for row in route.indices.tolist()]
+    assert got == chosen, f"{name}: expert choice differs at tokens " + str(
+        [t for t in range(T) if got[t] != chosen[t]]
+    )
+    for t in range(T):
+        for j, e in enumerate(route.indices[t].tolist()):
+            assert abs(route.weights[t, j].item() - gates[t][e]) < 1e-12, (name, t, e)
+    want = seq_aux if aux_type == "seq" else aux
+    assert abs(route.stats[E].item() - want) < 1e-12, (name, route.stats[E].item(), want)
+    counts = [sum(e in c for c in chosen) for e in range(E)]
+    assert route.stats[:E].tolist() == counts, "tokens per expert: the load actually routed"
+    if groups is not None:  # at most group_topk groups per token
+        per = E // groups[0]
+        assert max(len({e // per for e in c}) for c in chosen) <= groups[1]
+    if bias is not None:  # the bias must have changed some choice, or the test proves little
+        unbiased = _paper_routing(x, r.weight.detach(), k, spec["score"], None, groups, None, b)
+        assert unbiased[0] != chosen, "bias too small to change any choice"
+
+
+def test_seq_aux_objective_gradient():
+    """The sequence-wise aux term's gradient (f constant, P differentiable, sigmoid scores
+    normalized per token) equals autograd on the plain float64 formula."""
+    T, E, k, h, b, coeff = 20, 6, 2, 8, 4, 0.3
+    options = RouterOptions(score_function="sigmoid", aux_loss_type="seq")
+    r = _router(E, k, h, aux_loss_coeff=coeff, options=options)
+    x = torch.randn(T, h, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    route = r(x, batch_size=b)
+    route.objective.backward()
+    w = r.weight.detach().clone().requires_grad_(True)
+    s = torch.sigmoid(x @ w.t())  # [T, E]
+    p = s / s.sum(-1, keepdim=True)
+    top = torch.zeros(T, E, dtype=torch.float64).scatter(1, s.detach().topk(k).indices, 1.0)
+    loss = 0.0
+    for j in range(b):  # sequence j holds tokens j, j + b, ...
+        rows = torch.arange(j, T, b)
+        n = len(rows)
+        f = E / (k * n) * top[rows].sum(0)
+        loss = loss + (f * p[rows].mean(0)).sum() / b
+    (coeff * loss).backward()
+    torch.testing.assert_close(r.weight.grad, w.grad, rtol=1e-10, atol=1e-13)
+    assert abs(route.stats[E].item() - loss.item()) < 1e-12
+
+
+def test_seq_aux_of_balanced_sequences_is_one():
+    """Every sequence spreads its tokens evenly with uniform probabilities: loss 1."""
+    counts = torch.full((3, 4), 2.0, dtype=torch.float64)  # 4 tokens per sequence, k = 2
+    probs = torch.full((3, 4), 1.0, dtype=torch.float64)  # Σ_t P_i,t = 4 · 1/4
+    assert sequence_load_balancing_loss(probs, counts, 4, 2).item() == 1.0
+
+
+def test_expert_bias_update_is_sign_of_mean_minus_load():
+    """bias_i += rate · sign(mean − load_i), exactly, as fp32 state; a tie with the mean stays."""
+    options = RouterOptions(
+        score_function="sigmoid", enable_expert_bias=True, bias_update_rate=1e-3
+    )
+    r = TopKRouter(8, 4, 2, options=options)
+    assert r.expert_bias.dtype == torch.float32 and not r.expert_bias.requires_grad
+    assert "expert_bias" in r.state_dict(), "the bias is checkpointed state"
+    assert [n for n, p in r.named_parameters() if p.requires_grad] == ["weight"]
+    counts = torch.tensor([10.0, 2.0, 5.0, 3.0], dtype=torch.float64)  # mean 5
+    want = [0.0] * 4
+    for _ in range(3):
+        r.update_expert_bias(counts)
+        for e, c in enumerate(counts.tolist()):
+            want[e] = float(
+                torch.tensor(
+                    want[e] + (1e-3 if c < 5 else -1e-3 if c > 5 else 0.0), dtype=torch.float32
+                )
+            )
+    assert r.expert_bias.tolist() == want
+    assert torch.equal(
+        expert_bias_delta(counts, 1e-3), torch.tensor([-1e-3, 1e-3, 0, 1e-3], dtype=torch.float64)
+    )
+
+
+def test_group_limited_mask_keeps_best_groups():
+    """Hand-made scores: group scores are the sums of each group's top k/M = 2."""
+    select = torch.tensor([[0.9, 0.1, 0.0, 0.5, 0.4, 0.45, 0.3, 0.2]])  # 4 groups of 2
+    # group sums (top 2 of 2): 1.0, 0.5, 0.85, 0.5 -> best two: groups 0 and 2
+    mask = group_limited_mask(select, 4, 2, 4)
+    assert mask.tolist() == [[True, True, False, False, True, True, False, False]]
+
+
+def test_dry_run_routes_with_every_router_option():
+    """Under a dry run (fake tensors, torch's fake process group, EP rank 1 of 2) a layer with
+    sigmoid scores, the expert bias, the sequence-wise aux loss and group-limited routing runs
+    forward, backward, moe_metrics and the bias update on balanced routing's nominal counts."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from megatron_lite.moe import MoELayer, moe_metrics
+    from megatron_lite.parallel.fake import FakeTensorMode
+
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
+    try:
+        options = RouterOptions(
+            score_function="sigmoid",
+            enable_expert_bias=True,
+            aux_loss_type="seq",
+            num_groups=2,
+            group_topk=1,
+        )
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            layer = MoELayer(
+                16, 8, 4, 2, ep_group=dist.group.WORLD, aux_loss_coeff=0.01, router_options=options
+            )
+            x = torch.randn(7, 2, 16, requires_grad=True)  # [s, b, h]
+            layer(x).sum().backward()
+            metrics = moe_metrics(
+                [layer], 1, 4, True, group=dist.group.WORLD, expert_bias=True, update_bias=True
+            )
+    finally:
+        dist.destroy_process_group()
+    # 14 tokens · 2 = 28 assignments over 4 experts: 7 each
+    assert metrics["aux_loss"] == 1.0 and metrics["load_max_mean_ratio"] == 1.0
+    assert metrics["expert_bias_min"] == metrics["expert_bias_max"] == 0.0
+    assert metrics["moe/layer_0/expert_bias_max"] == 0.0
+    assert metrics["tokens_per_expert_max"] == metrics["tokens_per_expert_min"] == 7
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(score_function="tanh"),
+        dict(aux_loss_type="token"),
+        dict(num_groups=4),
+        dict(num_groups=3, group_topk=1),  # 3 does not divide 8
+        dict(num_groups=4, group_topk=2, enable_expert_bias=True),  # k=1 < group_topk
+    ],
+)
+def test_router_rejects_inconsistent_options(kw):
+    k = 1 if "enable_expert_bias" in kw else 2
+    with pytest.raises(ValueError, match="RouterOptions"):
+        TopKRouter(8, 8, k, options=RouterOptions(**kw))

@@ -1,0 +1,56 @@
+"""The shared expert (model.moe_shared_expert_ffn_hidden_size): the MoE layer's output is the
+routed experts' combination plus a dense SwiGLU of every token, checked against plain torch in
+float64; and the layer pattern keys (moe_layer_freq as a list, moe_first_k_dense_replace)."""
+
+import torch
+import torch.nn.functional as F
+
+from megatron_lite.config import load_config
+from megatron_lite.models.transformer import MLP
+from megatron_lite.models.transformer_config import TransformerConfig
+from megatron_lite.moe import MoELayer
+from megatron_lite.resolve import moe_layer_pattern, num_moe_layers
+
+H, FFN, SHARED, E, K = 16, 8, 12, 4, 2
+
+
+def _layer(shared: bool) -> MoELayer:
+    cfg = load_config(
+        None, ["model.hidden_size=16", "model.num_attention_heads=2", "model.vocab_size=64"]
+    )
+    c = TransformerConfig.from_config(cfg, 1) if shared else None
+    torch.manual_seed(0)  # the same router and expert weights with and without the shared one
+    layer = MoELayer(H, FFN, E, K, shared_expert=MLP(c, None, SHARED) if shared else None)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.3)
+    return layer.double()
+
+
+def test_shared_expert_adds_a_dense_swiglu_of_every_token():
+    with_shared, routed = _layer(True), _layer(False)
+    routed.load_state_dict(
+        {k: v for k, v in with_shared.state_dict().items() if "shared" not in k}, strict=True
+    )
+    x = torch.randn(5, 3, H, dtype=torch.float64, requires_grad=True)
+    out = with_shared(x)
+    w1 = with_shared.shared_expert.linear_fc1.weight  # [2·SHARED, H]: gate, up
+    w2 = with_shared.shared_expert.linear_fc2.weight  # [H, SHARED]
+    gate, up = (x @ w1.T).chunk(2, dim=-1)
+    want = routed(x) + (F.silu(gate) * up) @ w2.T
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    out.square().sum().backward()
+    assert w1.grad is not None and w1.grad.abs().sum() > 0  # the shared expert is trained
+
+
+def test_layer_pattern_keys():
+    base = ["model.num_layers=6", "model.num_experts=4"]
+    every2 = load_config(None, [*base, "model.moe_layer_freq=2"]).model
+    assert moe_layer_pattern(every2) == [True, False, True, False, True, False]
+    listed = load_config(None, [*base, "model.moe_layer_freq=[0,0,1,1,0,1]"]).model
+    assert moe_layer_pattern(listed) == [False, False, True, True, False, True]
+    first3 = load_config(None, [*base, "model.moe_first_k_dense_replace=3"]).model
+    assert moe_layer_pattern(first3) == [False] * 3 + [True] * 3  # DeepSeek-V3's first 3 dense
+    assert num_moe_layers(first3) == 3
+    dense = load_config(None, ["model.num_layers=6"]).model
+    assert moe_layer_pattern(dense) == [False] * 6
