@@ -20,7 +20,7 @@ the table and what they return is printed.
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
 import os
 import statistics
 import sys
@@ -133,12 +133,12 @@ def report(args, times: dict, loads: dict) -> list[str]:
 def routing_hook() -> list[str]:
     """What tools/bench_moe_routing.py's balancing() and group_destinations() return, if that
     file exists."""
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_moe_routing.py")
-    if not os.path.exists(path):
+    here = os.path.dirname(os.path.abspath(__file__))
+    if not os.path.exists(os.path.join(here, "bench_moe_routing.py")):
         return ["(tools/bench_moe_routing.py not present: routing benchmarks skipped)"]
-    spec = importlib.util.spec_from_file_location("bench_moe_routing", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    if here not in sys.path:  # a plain import: its ranks pickle its functions by module name
+        sys.path.insert(0, here)
+    module = importlib.import_module("bench_moe_routing")
     return [f"{name}(): {getattr(module, name)()}" for name in ("balancing", "group_destinations")]
 
 
