@@ -14,6 +14,7 @@ tensors, no counts to read) runs the same code on balanced routing's counts.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,7 @@ class DispatchHandle:
     send_splits: list[int]  # rows sent to each EP rank
     recv_splits: list[int]  # rows received from each EP rank
     regroup: torch.Tensor | None  # [N_recv] (source, expert) order -> (expert, source) order
+    during_result: object = None  # what dispatch's `during()` returned
 
 
 class AllToAllTokenDispatcher:
@@ -51,9 +53,12 @@ class AllToAllTokenDispatcher:
         weights: torch.Tensor,
         keep: torch.Tensor | None,
         nominal_limit: int | None = None,
+        during: Callable[[], object] | None = None,
     ):
         """tokens [T, h], indices/weights [T, k], keep [T, k] bool or None (dropless) ->
         (expert_tokens [N_recv, h] grouped by local expert, tokens_per_local_expert, handle).
+        `during()` (e.g. the shared expert) runs while the tokens' all-to-all is in flight;
+        its result is `handle.during_result`.
         A real run counts the assignments per expert; a dry run assumes balanced routing on
         every EP rank: T·k/E each, at most `nominal_limit` kept."""
         T, k = indices.shape
@@ -81,15 +86,23 @@ class AllToAllTokenDispatcher:
         permuted = tokens.index_select(0, token_ids)  # [N, h] sorted by expert
         if ep == 1:
             handle = DispatchHandle(T, token_ids, flat_w, [], [], None)
+            handle.during_result = during() if during is not None else None
             return permuted, both[:E], handle
         send, recv, per_local = both[:ep], both[ep : 2 * ep], both[2 * ep : 2 * ep + L]
-        received = mappings.all_to_all_uneven(permuted, recv, send, self.ep_group)  # [N_recv, h]
+        result = None
+        if during is None:
+            received = mappings.all_to_all_uneven(permuted, recv, send, self.ep_group)
+        else:  # [N_recv, h], with during() run while the rows are in flight
+            received, result = mappings.all_to_all_uneven_overlap(
+                permuted, recv, send, self.ep_group, during
+            )
         # rows arrive as (source, local expert) blocks; experts want (local expert, source)
         block = torch.arange(ep * L, device=tokens.device)
         block_of_row = block.repeat_interleave(recv_counts, output_size=sum(recv))  # [N_recv]
         source, local = block_of_row // L, block_of_row % L
         regroup = torch.argsort(local * ep + source, stable=True)
         handle = DispatchHandle(T, token_ids, flat_w, send, recv, regroup)
+        handle.during_result = result
         return received.index_select(0, regroup), per_local, handle
 
     def _nominal(self, assignments: int, limit: int | None) -> list[int]:

@@ -105,13 +105,19 @@ class MoELayer(nn.Module):
         s, b, h = x.shape
         tokens = x.reshape(s * b, h)  # [T, h], T = s/cp(/tp)·b in (s, b) order
         route = self.router(tokens, b)
+        overlap = self.shared_expert is not None and self.shared_expert_overlap
         expert_in, counts, handle = self.dispatcher.dispatch(
-            tokens, route.indices, route.weights, route.keep, route.nominal_limit
+            tokens,
+            route.indices,
+            route.weights,
+            route.keep,
+            route.nominal_limit,
+            during=(lambda: self.shared_expert(x)) if overlap else None,
         )
         expert_out = self.experts(expert_in, counts).to(x.dtype)  # [N_recv, h]
         out = self.dispatcher.combine(expert_out, handle).view(s, b, h)
-        if self.shared_expert is not None:
-            out = out + self.shared_expert(x)
+        if self.shared_expert is not None:  # [s(/tp), b, h], beside the all-to-all if overlapped
+            out = out + (handle.during_result if overlap else self.shared_expert(x))
         if route.objective is not None and out.requires_grad:
             out = MoEAuxLossAutoScaler.apply(out, route.objective, self.aux_scale)
         if not is_recomputing():  # a backward-time recompute must not count the tokens again

@@ -53,7 +53,8 @@ def matmul_params_per_token(cfg: Config, vocab_size: int | None = None) -> float
     for layer in range(m.num_layers):
         if resolve.is_moe_layer(m, layer):
             expert = mlp_mats * h * resolve.moe_ffn_hidden_size(m)
-            n += attention + h * m.num_experts + m.moe_router_topk * expert
+            shared = mlp_mats * h * m.moe_shared_expert_ffn_hidden_size  # every token's
+            n += attention + h * m.num_experts + m.moe_router_topk * expert + shared
         else:
             n += attention + dense_mlp
     return n + h * v

@@ -53,6 +53,17 @@ LAYOUTS = {
     ),
     "shared_ep2_pp2": (4, SHARED, ["parallel.ep=2", "parallel.pp=2"]),
     "shared_ep2_cp2": (4, SHARED, ["parallel.ep=2", "parallel.cp=2"]),
+    # the shared expert (its TP all-gather and reduce-scatter included) beside the dispatch
+    "shared_overlap_ep2_tp2_sp": (
+        4,
+        SHARED,
+        [
+            "parallel.ep=2",
+            "parallel.tp=2",
+            "parallel.sequence_parallel=true",
+            "model.moe_shared_expert_overlap=true",
+        ],
+    ),
     "shared_ep4_zero1": (4, SHARED, ["parallel.ep=4", "parallel.zero_stage=1"]),
     "shared_ep2_zero3": (2, SHARED, ["parallel.ep=2", "parallel.zero_stage=3"]),
 }

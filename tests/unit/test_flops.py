@@ -30,6 +30,14 @@ CASES = {
         "model.moe_layer_freq=2",
         "model.ffn_hidden_size=64",
     ],  # fmt: skip
+    "moe_shared_first_dense": [  # DeepSeek-V3's shape: a dense first layer, a shared expert
+        "model.num_experts=4",
+        "model.moe_router_topk=2",
+        "model.moe_ffn_hidden_size=48",
+        "model.moe_first_k_dense_replace=1",
+        "model.moe_shared_expert_ffn_hidden_size=40",
+        "model.ffn_hidden_size=64",
+    ],  # fmt: skip
 }
 
 
