@@ -46,14 +46,9 @@ LAYOUTS = {
         CAPACITY,
         ["parallel.cp=2", "parallel.tp=2", "parallel.ep=2", "parallel.sequence_parallel=true"],
     ),
-    "shared_ep2_tp2_sp": (
-        4,
-        SHARED,
-        ["parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=true"],
-    ),
     "shared_ep2_pp2": (4, SHARED, ["parallel.ep=2", "parallel.pp=2"]),
-    "shared_ep2_cp2": (4, SHARED, ["parallel.ep=2", "parallel.cp=2"]),
-    # the shared expert (its TP all-gather and reduce-scatter included) beside the dispatch
+    # the shared expert on the dense MLP's TP/SP layout (its all-gather and reduce-scatter
+    # included) beside the dispatch all-to-all
     "shared_overlap_ep2_tp2_sp": (
         4,
         SHARED,

@@ -13,7 +13,6 @@ QK = ["model.qk_layernorm=true", "model.kv_channels=24", *SHORT]
 GPT = ["model.arch=gpt"]  # LayerNorm q/k norms: weight and bias summed over TP
 LAYOUTS = {
     "tp2": (2, [], ["parallel.tp=2"]),
-    "tp2_sp": (2, [], ["parallel.tp=2", "parallel.sequence_parallel=true"]),
     "cp2": (2, [], ["parallel.cp=2"]),
     "gpt_tp2": (2, GPT, ["parallel.tp=2"]),
 }
