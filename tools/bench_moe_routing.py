@@ -124,8 +124,8 @@ def _count_destinations(rank, world, num_experts, topk, groups, group_topk) -> l
     handles = []
     dispatch = layer.dispatcher.dispatch
 
-    def recording(*args):
-        out = dispatch(*args)
+    def recording(*args, **kwargs):
+        out = dispatch(*args, **kwargs)
         handles.append(out[2])
         return out
 

@@ -106,9 +106,13 @@ class MoELayer(nn.Module):
         tokens = x.reshape(s * b, h)  # [T, h], T = s/cp(/tp)·b in (s, b) order
         route = self.router(tokens, b)
         overlap = self.shared_expert is not None and self.shared_expert_overlap
-        beside = {"during": lambda: self.shared_expert(x)} if overlap else {}
         expert_in, counts, handle = self.dispatcher.dispatch(
-            tokens, route.indices, route.weights, route.keep, route.nominal_limit, **beside
+            tokens,
+            route.indices,
+            route.weights,
+            route.keep,
+            route.nominal_limit,
+            during=(lambda: self.shared_expert(x)) if overlap else None,
         )
         expert_out = self.experts(expert_in, counts).to(x.dtype)  # [N_recv, h]
         out = self.dispatcher.combine(expert_out, handle).view(s, b, h)

@@ -233,8 +233,8 @@ def _destinations(rank, world, num_groups, group_topk):
     seen = []
     dispatch = layer.dispatcher.dispatch
 
-    def recording(*args):
-        out = dispatch(*args)
+    def recording(*args, **kwargs):
+        out = dispatch(*args, **kwargs)
         seen.append(out[2])
         return out
 

@@ -50,8 +50,8 @@ def test_dispatch_sizes_are_balanced_under_fake_tensors(fake_world, case):
         seen = []
         dispatch = layer.dispatcher.dispatch
 
-        def recording(*args):
-            expert_in, counts, handle = dispatch(*args)
+        def recording(*args, **kwargs):
+            expert_in, counts, handle = dispatch(*args, **kwargs)
             seen.append((expert_in.shape, counts, handle.send_splits, handle.recv_splits))
             return expert_in, counts, handle
 
