@@ -113,8 +113,20 @@ def _resolve(module: str, path: str):
     return obj
 
 
+_SHAPES: dict[tuple[Use, object], str | None] = {}  # (use, the object found) -> problem
+
+
 def _shape_problem(use: Use, obj) -> str | None:
-    """What about `obj` no longer fits `use`, or None."""
+    """What about `obj` no longer fits `use`, or None. Memoized per (use, object): validation
+    runs this for every layout a planner search tries, and inspect.signature was a tenth of
+    the search's time; a replaced attribute is another object, so it is checked afresh."""
+    key = (use, obj)
+    if key not in _SHAPES:
+        _SHAPES[key] = _check_shape(use, obj)
+    return _SHAPES[key]
+
+
+def _check_shape(use: Use, obj) -> str | None:
     try:
         sig = inspect.signature(obj)
     except (TypeError, ValueError):
