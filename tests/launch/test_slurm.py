@@ -22,7 +22,7 @@ from tests.launch.slurm_cluster import SlurmCluster, ensure_installed, free_port
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SBATCH = os.path.join(ROOT, "launch", "slurm", "train.sbatch")
 SUBMIT = os.path.join(ROOT, "launch", "slurm", "submit.sh")
-STEPS = 40
+STEPS = 20  # the preempted job is signalled after 5
 TRAIN_ARGS = [
     "--config", os.path.join(ROOT, "configs", "smoke.yaml"),
     "parallel.tp=2", "parallel.dp=2", "parallel.sequence_parallel=true",
