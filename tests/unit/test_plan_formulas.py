@@ -109,3 +109,33 @@ def test_megatron_theoretical_memory_agrees_for_gpt_and_differs_for_llama_as_doc
     masks = -2 * sbh_t
     rstd = 2 * 4 * 8192 / 8
     assert ours - theirs == pytest.approx(swiglu + attention + masks + rstd, rel=1e-12)
+
+
+def test_search_skipping_the_walk_changes_nothing(monkeypatch):
+    """The search skips the schedule walk where the model states alone exceed the budget and
+    cannot beat the smallest peak seen: its counts, smallest peak and finalists equal a search
+    that walks every valid layout (the bound switched off)."""
+    import megatron_lite.plan.search as search_module
+
+    cfg = load_config("configs/mixtral_8x7b.yaml")  # nothing fits 4 H100: the smallest is named
+    gpu = get_gpu("h100")
+    calls = []
+    walked = search_module.rank_memory
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return walked(*args, **kwargs)
+
+    monkeypatch.setattr(search_module, "rank_memory", counting)
+    pruned = search(cfg, 4, gpu, 0.45, 8, top=2)
+    pruned_walks = len(calls)
+    monkeypatch.setattr(search_module, "static_states", lambda cfg, rank: {"weights": 0.0})
+    calls.clear()
+    full = search(cfg, 4, gpu, 0.45, 8, top=2)
+    assert pruned_walks < len(calls), (pruned_walks, len(calls))  # the bound did skip walks
+    (best_p, counts_p), (best_f, counts_f) = pruned, full
+    assert (counts_p.tried, counts_p.valid, counts_p.fit) == (counts_f.tried, counts_f.valid,
+                                                               counts_f.fit)  # fmt: skip
+    assert counts_p.smallest_peak == counts_f.smallest_peak and counts_p.smallest_peak
+    assert counts_p.smallest == counts_f.smallest
+    assert [c.overrides for c in best_p] == [c.overrides for c in best_f]
