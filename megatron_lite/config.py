@@ -87,7 +87,8 @@ class ParallelConfig:
     dp: int | None = None  # None = world_size / (tp·pp·cp)
     sequence_parallel: bool = False
     order: str = "tp-cp-ep-dp-pp"
-    cp_comm_type: str = "a2a"
+    cp_comm_type: str = "a2a"  # a2a (Ulysses) | p2p (ring) | a2a+p2p (Ulysses inside, ring across)
+    cp_a2a_size: int | None = None  # a2a+p2p: Ulysses ranks per ring rank (cp = a2a · ring)
     timeout_s: float = 300.0  # collective / p2p timeout
     # data parallelism (parallel/data_parallel/): ZeRO stage, hybrid sharding, buckets
     zero_stage: int = 0  # 0 replicated optimizer | 1 distributed optimizer | 2 + sharded grads

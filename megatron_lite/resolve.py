@@ -24,6 +24,28 @@ def data_parallel_size(p: ParallelConfig, world_size: int) -> int:
     return p.dp if p.dp is not None else world_size // (p.tp * p.pp * p.cp)
 
 
+CP_COMM_TYPES = ("a2a", "p2p", "a2a+p2p")
+
+
+def cp_a2a_size(p: ParallelConfig) -> int:
+    """Ranks of each CP group in one Ulysses all-to-all: all of cp for a2a, 1 for p2p (the ring
+    alone), parallel.cp_a2a_size for a2a+p2p; the ring spans cp / that."""
+    if p.cp_comm_type == "p2p":
+        return 1
+    if p.cp_comm_type == "a2a+p2p":
+        return p.cp_a2a_size
+    return p.cp
+
+
+def rank_layout(p: ParallelConfig, world_size: int):
+    """The rank grid of `p` on `world_size` ranks (parallel.mesh.RankLayout)."""
+    from megatron_lite.parallel.mesh import RankLayout
+
+    return RankLayout(
+        world_size, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, order=p.order, cp_a2a=cp_a2a_size(p)
+    )
+
+
 def num_query_groups(m: ModelConfig) -> int:
     """KV heads: model.num_query_groups, or one per attention head when null."""
     return m.num_query_groups if m.num_query_groups is not None else m.num_attention_heads

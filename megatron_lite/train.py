@@ -24,6 +24,7 @@ import torch.distributed as dist
 from megatron_lite.atomic import write_atomic
 from megatron_lite.config import Config, ConfigError, load_config, save_config
 from megatron_lite.parallel.nccl_env import set_nccl_env_defaults
+from megatron_lite.resolve import rank_layout
 from megatron_lite.validation import check_hardware, validate
 
 
@@ -207,10 +208,10 @@ def _main(argv) -> None:
     except ConfigError as e:  # more ranks than GPUs: before any process group exists
         user_error(e)
     from megatron_lite.checkpoint.run_dir import RunDirError, claim_run_dir
-    from megatron_lite.parallel.mesh import ParallelMesh, RankLayout
+    from megatron_lite.parallel.mesh import ParallelMesh
 
     p = cfg.parallel
-    layout = RankLayout(dist.get_world_size(), tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, order=p.order)
+    layout = rank_layout(p, dist.get_world_size())
     rank, world = dist.get_rank(), dist.get_world_size()
     try:  # one run per directory, before anything is written into it (see run_dir.py);
         # then rank 0 writes the run files (a failed write is part of the verdict)

@@ -159,13 +159,14 @@ class OursRunner:
     the blocking grad sync, the exposed all-gather and the memory probe hooked in."""
 
     def __init__(self, overrides: list[str], world: int, out_dir: str):
-        from megatron_lite.parallel.mesh import ParallelMesh, RankLayout
+        from megatron_lite.parallel.mesh import ParallelMesh
+        from megatron_lite.resolve import rank_layout
         from megatron_lite.train import prepare
         from megatron_lite.training.trainer import Trainer
 
         cfg, dataset, vocab = prepare([f"train.out_dir={out_dir}", *overrides], world_size=world)
         p = cfg.parallel
-        mesh = ParallelMesh(RankLayout(world, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, order=p.order))
+        mesh = ParallelMesh(rank_layout(p, world))
         self.trainer = Trainer(cfg, mesh, dataset, vocab)
         self.memory, self.phases, self._probe = None, {}, None
         self._instrument(self.trainer.dp, self.trainer.optimizer)

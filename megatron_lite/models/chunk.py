@@ -9,6 +9,7 @@ import functools
 import torch
 from torch import nn
 
+from megatron_lite.context.layout import cp_ranges
 from megatron_lite.models.transformer import TransformerLayer, rope_tables
 from megatron_lite.models.transformer_config import TransformerConfig
 from megatron_lite.parallel import mappings
@@ -57,6 +58,10 @@ class ModelChunk(nn.Module):
         self.fp8_recipe = None if c.fp8 is None else fp8_recipe(c.fp8, c.fp8_recipe)
         self.fp8_group = mesh.tp_dp_cp.group  # FP8 amax reduction: one pipeline stage
         s_local = c.seq_length // mesh.cp.size
+        # this rank's global token positions (context/layout.py): one contiguous slice under
+        # Ulysses, chunks j and 2·ring−1−j of the sequence (or a part of them) under the ring
+        a2a, ring = mesh.cp_a2a.size, mesh.cp_ring.size
+        self.cp_ranges = cp_ranges(c.seq_length, a2a, ring, mesh.cp.rank)
         if pre_process:
             self.embedding = VocabParallelEmbedding(
                 c.vocab_size, c.padded_vocab_size, c.hidden_size, mesh.tp.group,
@@ -75,16 +80,16 @@ class ModelChunk(nn.Module):
         )
         if post_process:
             self._build_output(c, mesh, tied_here=c.tie_embeddings and pre_process)
-        self.cp_offset = mesh.cp.rank * s_local
         self.s_local = s_local
-        self._rope_args = (s_local, c.head_dim, c.rope_theta) if c.spec.rotary else None
+        self._rope_args = (c.head_dim, c.rope_theta) if c.spec.rotary else None
         self.init_buffers()
 
     def init_buffers(self, device: torch.device | None = None) -> None:
         """(Re)compute the non-persistent buffers: RoPE's cos/sin tables and the vocabulary
         padding mask (after a build on the meta device, on `device`)."""
         if self._rope_args is not None:
-            cos, sin = rope_tables(*self._rope_args, offset=self.cp_offset)
+            tables = [rope_tables(e - s, *self._rope_args, offset=s) for s, e in self.cp_ranges]
+            cos, sin = (torch.cat(t) for t in zip(*tables, strict=True))
             self.register_buffer("rope_cos", cos.to(device), persistent=False)
             self.register_buffer("rope_sin", sin.to(device), persistent=False)
         if self.post_process:
@@ -126,17 +131,17 @@ class ModelChunk(nn.Module):
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [b, s] -> [s/cp(/tp), b, h]."""
-        ids = ids.t()[self.cp_offset : self.cp_offset + self.s_local]  # [s/cp, b]
+        ids = self.local_tokens(ids.t())  # [s/cp, b]
         x = self.embedding(ids)  # [s/cp, b, h] partial sums over TP
         if self.sp:
             x = mappings.reduce_scatter_to_sequence_parallel_region(x, self.tp_group)  # [s/cp/tp]
         else:
             x = mappings.reduce_from_tensor_parallel_region(x, self.tp_group)
         if not self.rotary:
-            start, n = self.cp_offset, x.shape[0]
+            pe, n = self.local_tokens(self.position_embeddings), x.shape[0]  # [s/cp, h]
             if self.sp:
-                start += self.tp_rank * n
-            x = x + self.position_embeddings[start : start + n].unsqueeze(1)
+                pe = pe[self.tp_rank * n : (self.tp_rank + 1) * n]
+            x = x + pe.unsqueeze(1)
         if self.fp32_residual:  # the residual stream starts in fp32 (bf16 params otherwise)
             x = x.float()
         return dropout(x, self.hidden_dropout, self.tracker, self.sp)
@@ -166,6 +171,13 @@ class ModelChunk(nn.Module):
             x = recompute(run, x, rope, tracker=self.tracker) if recomputed else run(x, rope)
         return x
 
+    def local_tokens(self, t: torch.Tensor) -> torch.Tensor:
+        """[s, ...] -> this CP rank's [s/cp, ...] (its positions, in local order)."""
+        if len(self.cp_ranges) == 1:
+            ((start, end),) = self.cp_ranges
+            return t[start:end]
+        return torch.cat([t[s:e] for s, e in self.cp_ranges])
+
     def output_weight(self) -> torch.Tensor:
         w = self.output_layer.weight
         return self.embedding.weight if w is None else w
@@ -175,7 +187,7 @@ class ModelChunk(nn.Module):
         logits = self.output_layer(x, self.output_weight())  # [s/cp, b, V/tp]
         if self.has_vocab_pad:  # padded vocabulary never takes probability mass
             logits = logits.masked_fill(self.vocab_pad_mask, float("-inf"))
-        labels = labels.t()[self.cp_offset : self.cp_offset + self.s_local]  # [s/cp, b]
+        labels = self.local_tokens(labels.t())  # [s/cp, b]
         return vocab_parallel_cross_entropy(logits.float(), labels, self.tp_group)
 
 

@@ -15,6 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_lite import kernels
+from megatron_lite.context.layout import ring_ranges
+from megatron_lite.context.ring import ring_attention
 from megatron_lite.context.ulysses import ulysses_attention, ulysses_kv_heads
 from megatron_lite.models.attention import attention_function
 from megatron_lite.models.transformer_config import TransformerConfig
@@ -37,8 +39,10 @@ def rope_tables(seq_length: int, head_dim: int, theta: float, offset: int = 0):
 
 
 class Attention(nn.Module):
-    """Self-attention over this rank's n/tp query heads and g/tp KV groups, with Ulysses
-    all-to-all over the CP group when cp > 1: [s(/tp), b, h] -> [s(/tp), b, h].
+    """Self-attention over this rank's n/tp query heads and g/tp KV groups, with context
+    parallelism when cp > 1 (the mesh's cp_a2a and cp_ring groups say which): Ulysses
+    all-to-all over cp_a2a, ring attention over cp_ring, or Ulysses inside and the ring across
+    (a2a+p2p): [s(/tp), b, h] -> [s(/tp), b, h].
 
     The head dimension d is config.head_dim (model.kv_channels), so the query width n·d may
     differ from h. With qk_layernorm each query and key head is normalized over d (RMSNorm, or
@@ -49,19 +53,24 @@ class Attention(nn.Module):
     Selective recompute of core_attn recomputes the local attention only (softmax, attention
     dropout and the weighted sum, after the Ulysses all-to-all): it keeps q, k, v and reruns
     the attention in backward under the same TP-rank dropout generator; no collective repeats.
+    Ring attention keeps only q, k, v, its output and the log-sum-exp (no s² scores), so it is
+    never recomputed: that would repeat the ring's sends.
     """
 
     def __init__(self, config: TransformerConfig, mesh: ParallelMesh, tracker: RNGStatesTracker):
         super().__init__()
-        c, tp, cp = config, mesh.tp.size, mesh.cp.size
-        self.tracker, self.cp_group = tracker, mesh.cp.group
-        self.recompute_core = c.recomputes("core_attn")
+        c, tp = config, mesh.tp.size
+        a2a, ring = mesh.cp_a2a.size, mesh.cp_ring.size
+        self.tracker = tracker
+        self.a2a_group, self.ring_group = mesh.cp_a2a.group, mesh.cp_ring.group
+        self.ring_ranges = ring_ranges(c.seq_length, ring) if ring > 1 else None
+        self.recompute_core = c.recomputes("core_attn") and ring == 1
         self.dropout_p, self.head_dim = c.attention_dropout, c.head_dim
         self.n_local, self.g_local = c.num_attention_heads // tp, c.num_query_groups // tp
-        # under Ulysses each rank attends over 1/cp of its heads (KV heads replicated up to cp)
-        g_attn = self.g_local if cp == 1 else ulysses_kv_heads(self.g_local, cp) // cp
+        # under Ulysses each rank attends over 1/a2a of its heads (KV heads replicated up to a2a)
+        g_attn = self.g_local if a2a == 1 else ulysses_kv_heads(self.g_local, a2a) // a2a
         self.core_attention = attention_function(
-            c.attention_backend, self.n_local // cp, g_attn, self.head_dim, c.attention_dropout
+            c.attention_backend, self.n_local // a2a, g_attn, self.head_dim, c.attention_dropout
         )
         q, kv = c.num_attention_heads * self.head_dim, c.num_query_groups * self.head_dim
         common = dict(bias=c.spec.bias, sequence_parallel=c.sequence_parallel)
@@ -98,16 +107,19 @@ class Attention(nn.Module):
         return self.linear_proj(out.reshape(s, b, n * d))  # [s(/tp), b, h]
 
     def attention_over_cp(self, q, k, v, dropout_p: float) -> torch.Tensor:
-        """Local attention, or Ulysses all-to-all attention over the CP group when cp > 1."""
+        """Local attention (or the ring over cp_ring), inside Ulysses' all-to-all over cp_a2a
+        when that group has more than one rank."""
 
         def core(q_, k_, v_):
+            if self.ring_ranges is not None:  # dropout_p is 0 (validation)
+                return ring_attention(q_, k_, v_, self.ring_group, self.ring_ranges)
             if self.recompute_core:
                 return recompute(self.core_attention, q_, k_, v_, dropout_p, tracker=self.tracker)
             return self.core_attention(q_, k_, v_, dropout_p)
 
-        if mappings.size(self.cp_group) == 1:
+        if mappings.size(self.a2a_group) == 1:
             return core(q, k, v)
-        return ulysses_attention(q, k, v, self.cp_group, core)
+        return ulysses_attention(q, k, v, self.a2a_group, core)
 
 
 class MLP(nn.Module):

@@ -98,6 +98,42 @@ def size(group) -> int:
     return dist.get_world_size(group) if group is not None else 1
 
 
+def group_rank(group) -> int:
+    return dist.get_rank(group) if group is not None else 0
+
+
+class RingShift:
+    """A tensor in flight to the next rank of a ring while the previous rank's arrives:
+    `wait()` returns the received one (a failure or timeout: CollectiveError)."""
+
+    def __init__(self, recv: torch.Tensor, works, group, kind: str):
+        self.recv, self.works, self.group, self.kind = recv, works, group, kind
+
+    def wait(self) -> torch.Tensor:
+        works, self.works = self.works, []
+        for work in works:
+            _guard(self.kind, self.group, work.wait, f" of shape {tuple(self.recv.shape)}")
+        return self.recv
+
+
+def ring_shift(t: torch.Tensor, group, kind: str = "cp") -> RingShift:
+    """Send `t` to the next rank of `group` and receive the previous rank's tensor of the same
+    shape and dtype, asynchronously (one batch_isend_irecv); comm_stats counts the payload as
+    `<kind>_send` and `<kind>_recv`. Every rank of the group must call it in the same order."""
+    t = t.contiguous()
+    recv = torch.empty_like(t)
+    n, i = size(group), group_rank(group)
+    desc = getattr(group, "group_desc", "world")
+    STATS.record(f"{kind}_send", t, desc, op="send", n=2)
+    STATS.record(f"{kind}_recv", recv, desc, op="send", n=2)
+    ops = [
+        dist.P2POp(dist.isend, t, dist.get_global_rank(group, (i + 1) % n), group=group),
+        dist.P2POp(dist.irecv, recv, dist.get_global_rank(group, (i - 1) % n), group=group),
+    ]
+    works = _guard(kind, group, lambda: dist.batch_isend_irecv(ops), f" of shape {tuple(t.shape)}")
+    return RingShift(recv, works, group, f"{kind} ring send/recv")
+
+
 class AsyncWork:
     """An in-flight collective: `wait()` blocks until it is done and turns a backend failure or
     timeout into a CollectiveError naming rank, step, op and group (like the blocking ones)."""

@@ -78,6 +78,9 @@ class RankLayout:
     cp: int = 1
     ep: int = 1
     order: str = DEFAULT_ORDER
+    # ranks of each CP group that run Ulysses' all-to-all together (parallel.cp_comm_type: a2a
+    # all cp of them, p2p 1, a2a+p2p cp_a2a_size); the ring runs over the others. None = cp
+    cp_a2a: int | None = None
 
     def __post_init__(self):
         problem = order_problem(self.order)
@@ -89,6 +92,13 @@ class RankLayout:
         problem = expert_problem(self.ep, self.dp, self.cp)
         if problem:
             raise ValueError(f"parallel.ep={self.ep} {problem}")
+        if self.cp % self.a2a:
+            raise ValueError(f"cp_a2a={self.cp_a2a} must divide cp={self.cp}")
+
+    @property
+    def a2a(self) -> int:
+        """Ulysses ranks per CP group's all-to-all group (the rest of cp is the ring)."""
+        return self.cp if self.cp_a2a is None else self.cp_a2a
 
     @property
     def dp(self) -> int:
@@ -126,6 +136,11 @@ class RankLayout:
             return self.group_array(name).tolist()
         if name == "embedding":  # first and last pipeline stage of each pipeline
             return [sorted({g[0], g[-1]}) for g in self.groups("pp")]
+        if name in ("cp_a2a", "cp_ring"):  # CP rank = ring rank · a2a + a2a rank (a2a inner)
+            a, cp_groups = self.a2a, self.groups("cp")
+            if name == "cp_a2a":
+                return [g[j * a : (j + 1) * a] for g in cp_groups for j in range(len(g) // a)]
+            return [g[i::a] for g in cp_groups for i in range(a)]
         raise KeyError(f"unknown group {name!r}")
 
     def group_names(self) -> list[str]:
@@ -177,7 +192,9 @@ class ParallelMesh:
 
     `tp`, `cp`, `dp`, `pp`: one axis each; `dp_cp`: dense-gradient reduction; `tp_pp`, `tp_dp_cp`
     (one pipeline stage: FP8 amax reduction); `ep`, `edp`: expert and expert-data-parallel;
-    `embedding`: first and last pipeline stage (tied embeddings). `device_mesh` is a torch
+    `embedding`: first and last pipeline stage (tied embeddings); `cp_a2a` and `cp_ring`: the
+    Ulysses all-to-all and the ring inside each CP group (either may be the whole CP group or
+    a single rank, `group` None). `device_mesh` is a torch
     `DeviceMesh` over the same groups with dims named by the dense axes, slowest first (pp, dp,
     cp, tp for the default order), for DTensor, DCP and FSDP2; `expert_device_mesh` likewise
     over (pp, edp, ep, tp).
@@ -187,6 +204,8 @@ class ParallelMesh:
     rank: int
     tp: Group
     cp: Group
+    cp_a2a: Group
+    cp_ring: Group
     dp: Group
     pp: Group
     dp_cp: Group
@@ -209,6 +228,8 @@ class ParallelMesh:
         kw = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}
         self.tp = self._new_groups("tp", kw)
         self.cp = self._new_groups("cp", kw)
+        self.cp_a2a = self._cp_part("cp_a2a", layout.a2a, kw)
+        self.cp_ring = self._cp_part("cp_ring", layout.cp // layout.a2a, kw)
         self.dp = self._new_groups("dp", kw)
         self.pp = self._new_groups("pp", kw)
         self.dp_cp = self._new_groups("dp_cp", kw)
@@ -229,6 +250,14 @@ class ParallelMesh:
             if self.rank in ranks:
                 mine = Group(name, g, tuple(ranks), ranks.index(self.rank))
         return mine
+
+    def _cp_part(self, name: str, n: int, kw: dict) -> Group:
+        """The CP group itself when it is all of it, this rank alone when n = 1, else new groups."""
+        if n == self.cp.size:
+            return Group(name, self.cp.group, self.cp.ranks, self.cp.rank)
+        if n == 1:
+            return Group(name, None, (self.rank,), 0)
+        return self._new_groups(name, kw)
 
     def _device_mesh(self, axes: list[str], rename: dict[str, str]) -> DeviceMesh:
         """A DeviceMesh over our existing groups (no new communicators), slowest axis first."""

@@ -35,9 +35,9 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
 from megatron_lite.config import Config
-from megatron_lite.parallel.mesh import RankLayout
+
 from megatron_lite.plan.memory import RankMemory, rank_memory
-from megatron_lite.resolve import num_microbatches
+from megatron_lite.resolve import num_microbatches, rank_layout
 
 KERNELS_ENV = "MEGATRON_LITE_KERNELS"  # kernels/dispatch.py's switch
 
@@ -119,7 +119,7 @@ def default_ranks(cfg: Config, world: int) -> list[int]:
     """One rank per pipeline stage (the one with every other coordinate 0): ranks of one stage
     hold the same shapes (TP, CP, DP and EP shards are equal)."""
     p = cfg.parallel
-    layout = RankLayout(world, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, order=p.order)
+    layout = rank_layout(p, world)
     firsts = {}
     for rank in range(world):
         c = layout.coords(rank)
@@ -200,7 +200,7 @@ def _save_state_extra(trainer, mesh, tracker) -> int:
 
 def _result(cfg: Config, world: int, rank: int, kernels: str, figures: dict, t0: float):
     p = cfg.parallel
-    coords = RankLayout(world, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, order=p.order).coords(rank)
+    coords = rank_layout(p, world).coords(rank)
     return RankResult(
         rank=rank,
         coords=coords,
@@ -229,7 +229,7 @@ def run_rank(cfg: Config, world: int, rank: int, kernels: str = "fused") -> Rank
     forced = os.environ.get(KERNELS_ENV)
     os.environ[KERNELS_ENV] = "triton" if kernels == "fused" else "torch"
     try:
-        layout = RankLayout(world, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, order=p.order)
+        layout = rank_layout(p, world)
         mesh = ParallelMesh(layout, timeout_s=p.timeout_s)  # DeviceMesh needs real tensors
         with FakeTensorMode(allow_non_fake_inputs=True):
             figures = tracked_steps(cfg, mesh, dataset, vocab)
@@ -250,7 +250,7 @@ def _real_rank(cfg: Config) -> tuple[int, dict, float]:
     from megatron_lite.parallel.mesh import ParallelMesh
 
     p, t0 = cfg.parallel, time.perf_counter()
-    layout = RankLayout(dist.get_world_size(), tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, order=p.order)
+    layout = rank_layout(p, dist.get_world_size())
     mesh = ParallelMesh(layout, timeout_s=p.timeout_s)
     dataset, vocab = build_dataset(cfg)
     figures = tracked_steps(cfg, mesh, dataset, vocab)

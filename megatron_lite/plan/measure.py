@@ -17,7 +17,7 @@ from megatron_lite.config import Config
 from megatron_lite.parallel.data_parallel.memory import TERMS
 from megatron_lite.plan.activations import layer_bytes, layer_shape
 from megatron_lite.plan.memory import model_states, saved_activations
-from megatron_lite.resolve import num_microbatches
+from megatron_lite.resolve import num_microbatches, rank_layout
 
 
 def one_step_config(cfg: Config, out_dir: str) -> Config:
@@ -35,12 +35,12 @@ def measure_on_rank(cfg: Config) -> dict:
     import torch.distributed as dist
 
     from megatron_lite.data import build_dataset
-    from megatron_lite.parallel.mesh import ParallelMesh, RankLayout
+    from megatron_lite.parallel.mesh import ParallelMesh
     from megatron_lite.training.trainer import Trainer
 
     p = cfg.parallel
     world = dist.get_world_size()
-    mesh = ParallelMesh(RankLayout(world, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, order=p.order))
+    mesh = ParallelMesh(rank_layout(p, world))
     dataset, vocab = build_dataset(cfg)
     trainer = Trainer(cfg, mesh, dataset, vocab)
     trainer.train_step()  # on CPU the step runs inside the trainer's SavedTensorMeter

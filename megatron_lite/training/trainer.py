@@ -25,6 +25,7 @@ from megatron_lite.parallel.random import model_parallel_seed
 from megatron_lite.pipeline.engine import forward_backward
 from megatron_lite.pipeline.p2p import activation_shape, pipeline_dtype, warm_up
 from megatron_lite.pipeline.trace import SpanRecorder, write_trace
+from megatron_lite.resolve import cp_a2a_size
 from megatron_lite.training.activation_memory import SavedTensorMeter
 from megatron_lite.training.flops import model_flops_per_token, peak_tflops
 from megatron_lite.training.lm_step import lm_forward_step
@@ -51,6 +52,12 @@ class Trainer:
         # before anything else: a broken pipeline link (NCCL/P2P set-up, a missing rank) fails
         # here with a P2PError naming rank and peer, not in step 1
         warm_up(mesh.pp.group, self.device, cfg.parallel.timeout_s)
+        if mesh.cp_a2a.size != cp_a2a_size(cfg.parallel):  # a mesh built for another CP type
+            raise ValueError(
+                f"parallel.cp_comm_type={cfg.parallel.cp_comm_type}: the mesh's Ulysses groups "
+                f"have {mesh.cp_a2a.size} ranks, the config needs {cp_a2a_size(cfg.parallel)}; "
+                "build it with megatron_lite.resolve.rank_layout(cfg.parallel, world)"
+            )
         self.tracker = model_parallel_seed(cfg.train.seed, mesh.tp.rank, mesh.pp.rank)
         self.step = 0
         self.consumed_samples = 0  # the data position (a checkpoint restores it)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from megatron_lite.config import Config, ModelConfig, TrainConfig
-from megatron_lite.resolve import kv_channels
+from megatron_lite.resolve import CP_COMM_TYPES, kv_channels
 from megatron_lite.validation.rules import _choice, _rule
 
 
@@ -21,7 +21,7 @@ def _validate_choices(cfg: Config) -> None:
     _choice("train.precision", t.precision, ("fp32", "bf16"))
     _choice("model.attention_backend", m.attention_backend, ("auto", "sdpa", "flash", "te"))
     _choice("model.linear_backend", m.linear_backend, ("local", "te"))
-    _choice("parallel.cp_comm_type", p.cp_comm_type, ("a2a",))
+    _choice("parallel.cp_comm_type", p.cp_comm_type, CP_COMM_TYPES)
     _choice("log.wandb_mode", cfg.log.wandb_mode, ("offline", "online", "disabled"))
 
 

@@ -3,10 +3,12 @@ over tp/cp, layers over pipeline stages, batch sizes, and the FFN width over tp.
 
 from __future__ import annotations
 
+import math
+
 from megatron_lite.config import Config, ParallelConfig
 from megatron_lite.parallel.mesh import order_problem
 from megatron_lite.pipeline.schedules import microbatches_problem
-from megatron_lite.resolve import num_microbatches
+from megatron_lite.resolve import cp_a2a_size, num_microbatches
 from megatron_lite.validation.rules import _rule
 
 
@@ -82,34 +84,85 @@ def _validate_heads(cfg: Config) -> None:
 
 
 def _validate_sequence_split(cfg: Config) -> None:
-    """Heads and sequence over cp (Ulysses) and, with sequence parallelism, over tp."""
+    """Heads over the Ulysses ranks, the sequence over cp (2·ring chunks for the ring) and,
+    with sequence parallelism, over tp."""
     m, p = cfg.model, cfg.parallel
-    if p.cp > 1:
+    _validate_cp_comm_type(cfg)
+    a2a = cp_a2a_size(p)
+    ring = p.cp // a2a
+    if a2a > 1:
         heads_local = m.num_attention_heads // p.tp
+        what = "cp" if a2a == p.cp else "cp_a2a_size"
         _rule(
-            heads_local % p.cp == 0,
-            "parallel.cp",
-            p.cp,
-            f"query heads per TP rank ({heads_local}) must be divisible by cp (Ulysses splits "
-            "heads across the CP group)",
-            "use a cp that divides num_attention_heads/tp",
+            heads_local % a2a == 0,
+            f"parallel.{what}",
+            a2a,
+            f"query heads per TP rank ({heads_local}) must be divisible by the Ulysses ranks "
+            f"({a2a}; Ulysses splits heads across them)",
+            f"use a {what} that divides num_attention_heads/tp, or parallel.cp_comm_type=p2p "
+            "or a2a+p2p (the ring splits the sequence, not the heads)",
         )
         groups_local = m.num_query_groups // p.tp
         _rule(
-            groups_local % p.cp == 0 or p.cp % groups_local == 0,
+            groups_local % a2a == 0 or a2a % groups_local == 0,
             "model.num_query_groups",
             m.num_query_groups,
-            f"KV groups per TP rank ({groups_local}) must divide or be divisible by cp={p.cp}",
+            f"KV groups per TP rank ({groups_local}) must divide or be divisible by the "
+            f"Ulysses ranks ({a2a})",
             "use a power-of-two number of query groups",
         )
     seq_div = p.cp * (p.tp if p.sequence_parallel else 1)
+    if ring > 1:  # causal load balancing: 2·ring chunks, each cut over the Ulysses ranks
+        seq_div = math.lcm(seq_div, 2 * ring)
     _rule(
         m.seq_length % seq_div == 0,
         "model.seq_length",
         m.seq_length,
         f"must be divisible by cp{'·tp (sequence parallel)' if p.sequence_parallel else ''}"
+        f"{' and by 2·ring (the ring splits it into 2·ring chunks)' if ring > 1 else ''}"
         f" = {seq_div}",
         f"use a multiple of {seq_div}",
+    )
+
+
+def _validate_cp_comm_type(cfg: Config) -> None:
+    """a2a+p2p needs a Ulysses size strictly inside cp; the ring has no attention dropout and
+    computes its blocks itself (no flash-attn / TE kernel)."""
+    m, p = cfg.model, cfg.parallel
+    hybrid = p.cp_comm_type == "a2a+p2p"
+    _rule(
+        p.cp_a2a_size is None or hybrid,
+        "parallel.cp_a2a_size",
+        p.cp_a2a_size,
+        f"only a2a+p2p uses it (cp_comm_type is {p.cp_comm_type})",
+        "remove it, or set parallel.cp_comm_type=a2a+p2p",
+    )
+    if hybrid:
+        a = p.cp_a2a_size
+        _rule(
+            a is not None and 1 < a < p.cp and p.cp % a == 0,
+            "parallel.cp_a2a_size",
+            a,
+            f"a2a+p2p needs Ulysses groups of 2..cp/2 ranks that divide cp={p.cp} (cp = "
+            "cp_a2a_size · ring size)",
+            "e.g. parallel.cp_a2a_size=2 with parallel.cp=4, or cp_comm_type=a2a / p2p",
+        )
+    if p.cp == 1 or p.cp_comm_type == "a2a":
+        return
+    _rule(
+        m.attention_dropout == 0.0,
+        "model.attention_dropout",
+        m.attention_dropout,
+        f"ring attention (parallel.cp_comm_type={p.cp_comm_type}) has no attention dropout",
+        "set model.attention_dropout=0 or parallel.cp_comm_type=a2a",
+    )
+    _rule(
+        m.attention_backend in ("auto", "sdpa"),
+        "model.attention_backend",
+        m.attention_backend,
+        f"ring attention (parallel.cp_comm_type={p.cp_comm_type}) computes its blocks in torch "
+        "(fp32 log-sum-exp merge), not with flash-attn or Transformer Engine",
+        "set model.attention_backend=auto, or parallel.cp_comm_type=a2a",
     )
 
 

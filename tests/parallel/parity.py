@@ -58,13 +58,14 @@ def _train(rank, world, overrides, out_dir, env=None, keys=None):
     os.environ.update(env or {})  # before megatron_lite (and triton) are imported here
     import torch.distributed as dist
 
-    from megatron_lite.parallel.mesh import ParallelMesh, RankLayout
+    from megatron_lite.parallel.mesh import ParallelMesh
+    from megatron_lite.resolve import rank_layout
     from megatron_lite.train import prepare
     from megatron_lite.training.trainer import Trainer
 
     cfg, dataset, vocab = prepare(["train.out_dir=" + out_dir, *overrides], world_size=world)
     p = cfg.parallel
-    mesh = ParallelMesh(RankLayout(world, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, order=p.order))
+    mesh = ParallelMesh(rank_layout(p, world))
     records = Trainer(cfg, mesh, dataset, vocab).train()
     if dist.get_rank() != 0:
         return None

@@ -1,34 +1,50 @@
-"""Ulysses context parallelism: loss parity against one rank, and the analytical all-to-all
-volume."""
+"""Context parallelism of every type (Ulysses a2a, ring p2p, hybrid a2a+p2p): loss parity
+against one rank, and Ulysses' analytical all-to-all volume (the ring's: test_ring_attention.py)."""
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from tests.dist_harness import run_ranks
-from tests.parallel.parity import SHORT, assert_parity, reference_losses, train_losses
+from tests.parallel.parity import SHORT, assert_parity, reference_losses, train_records
 
 LAYOUTS = {
     "cp2": (2, ["parallel.cp=2"]),
     "cp4_gqa_replicated_kv": (4, ["parallel.cp=4"]),  # 2 KV groups < cp: replicated
     "tp2_cp2_sp": (4, ["parallel.tp=2", "parallel.cp=2", "parallel.sequence_parallel=true"]),
     "cp2_pp2": (4, ["parallel.cp=2", "parallel.pp=2"]),
+    "p2p_cp2": (2, ["parallel.cp=2", "parallel.cp_comm_type=p2p"]),
+    "p2p_cp4": (4, ["parallel.cp=4", "parallel.cp_comm_type=p2p"]),
+    "hybrid_cp4": (4, ["parallel.cp=4", "parallel.cp_comm_type=a2a+p2p", "parallel.cp_a2a_size=2"]),
 }
 MODELS = {"llama": ["model.arch=llama", *SHORT], "gpt": ["model.arch=gpt", *SHORT]}
 # each layout on the models it can break: plain CP on both (RoPE offsets; GPT's learned
 # positions and biases), GQA with KV groups replicated over CP on llama, TP+SP+CP on GPT (its
 # biases and LayerNorm under SP), CP with pipeline stages on llama
 CASES = [("cp2", "llama"), ("cp2", "gpt"), ("cp4_gqa_replicated_kv", "llama"),
-         ("tp2_cp2_sp", "gpt"), ("cp2_pp2", "llama")]  # fmt: skip
+         ("tp2_cp2_sp", "gpt"), ("cp2_pp2", "llama"),
+         ("p2p_cp2", "gpt"), ("p2p_cp4", "llama"), ("hybrid_cp4", "llama")]  # fmt: skip
+
+
+# the collectives each CP type must use (comm_bytes/<kind> in metrics.jsonl), and must not
+USES = {"a2a": ("all_to_all", "cp_send"), "p2p": ("cp_send", "all_to_all"),
+        "a2a+p2p": (("all_to_all", "cp_send"), ())}  # fmt: skip
 
 
 @pytest.mark.parity
 @pytest.mark.parametrize("layout,model", CASES)
-def test_cp_loss_parity(layout, model, tmp_path):
+def test_cp_loss_parity(layout, model):
     world, overrides = LAYOUTS[layout]
     ref = reference_losses(tuple(MODELS[model]))
-    got = train_losses(world, MODELS[model] + overrides, str(tmp_path))
+    keys = ("loss", "grad_norm", "comm_bytes/all_to_all", "comm_bytes/cp_send")
+    got = train_records(world, MODELS[model] + overrides, keys)
     assert_parity(got, ref, f"{layout} {model}")
+    kind = next((o.split("=")[1] for o in overrides if "cp_comm_type" in o), "a2a")
+    uses, not_used = USES[kind]
+    for key in (uses,) if isinstance(uses, str) else uses:
+        assert got[0].get(f"comm_bytes/{key}", 0) > 0, f"{layout}: no {key} traffic: {got[0]}"
+    for key in (not_used,) if isinstance(not_used, str) else not_used:
+        assert f"comm_bytes/{key}" not in got[0], f"{layout} ({kind}) used {key}: {got[0]}"
 
 
 def _ulysses_vs_local(rank, world, n, g):

@@ -1,0 +1,226 @@
+"""Ring attention over a context-parallel ring (`parallel.cp_comm_type: p2p`, and the ring part
+of `a2a+p2p`).
+
+Each of the R ring ranks holds q, k and v of its own tokens (context/layout.py: chunks j and
+2R−1−j of 2R under causal load balancing). K and V travel around the ring in R−1 steps: at each
+step a rank posts the send of the block it holds to the next rank and the receive of the
+previous rank's, then attends its queries to the block it holds while they are in flight. The
+partial results merge by log-sum-exp in fp32 (fp64 for fp64 inputs). The backward circulates K
+and V again; the dK/dV of each block travel with it and reach its owner one step after the last.
+
+Work is cut into sub-blocks (a chunk of queries against a chunk of keys) decided from the
+positions alone: skipped when every key follows every query, unmasked when every key precedes
+every query, causally masked otherwise (the diagonal chunks). With documents (doc ids of the
+whole [b, s] sample) the mask also requires the same document, and a sub-block where no row
+shares a document is skipped. With balancing every rank computes 2R+1 chunk² sub-blocks of which
+two are the masked diagonal: equal work on every rank.
+
+Per layer and rank the forward sends (R−1) K/V blocks of s_r·b·2g·d elements (s_r this rank's
+tokens, g KV heads), the backward R−1 K/V blocks and R dK/dV blocks of the same size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron_lite.context.layout import Ranges
+from megatron_lite.parallel import host, mappings
+
+
+@dataclass(frozen=True)
+class Block:
+    """Queries `q` (local rows) against keys `k` (rows of the K/V block held at that step);
+    `mask` bool [b or 1, 1, 1, sq, sk] (True: attend) or None (attend to all)."""
+
+    q: slice
+    k: slice
+    mask: torch.Tensor | None
+
+
+def _segments(ranges: Ranges) -> list[tuple[slice, int, int]]:
+    """(local rows, first position, end position) of each range."""
+    out, row = [], 0
+    for s, e in ranges:
+        out.append((slice(row, row + e - s), s, e))
+        row += e - s
+    return out
+
+
+def _doc_bounds(all_ranges: list[Ranges], docs: torch.Tensor | None):
+    """{(start, end): ([first doc per row], [last doc per row])} for every range of every ring
+    rank, read to the host once; None without documents. A dry run assumes one document."""
+    if docs is None:
+        return None
+    ends = sorted({r for ranges in all_ranges for r in ranges})
+    idx = torch.tensor([i for s, e in ends for i in (s, e - 1)], device=docs.device)
+    vals = host.read(docs[:, idx].t(), lambda: [[0] * docs.shape[0]] * len(idx))
+    return {r: (vals[2 * i], vals[2 * i + 1]) for i, r in enumerate(ends)}
+
+
+def _shares_document(bounds, q_range, k_range) -> bool:
+    (q_lo, q_hi), (k_lo, k_hi) = bounds[q_range], bounds[k_range]
+    return any(max(a, c) <= min(b, d) for a, b, c, d in zip(q_lo, q_hi, k_lo, k_hi, strict=True))
+
+
+def plan_blocks(
+    q_ranges: Ranges, k_ranges: Ranges, docs: torch.Tensor | None = None, bounds=None
+) -> list[Block]:
+    """The sub-blocks of queries at `q_ranges` against keys at `k_ranges` (global positions,
+    local order) that have any (q, k) pair to attend, with their masks. `docs` [b, s]: doc ids
+    of the whole sample (None: no document masking); `bounds` from `_doc_bounds`."""
+    blocks = []
+    for q_rows, qs, qe in _segments(q_ranges):
+        for k_rows, ks, ke in _segments(k_ranges):
+            if ks >= qe:  # every key after every query
+                continue
+            if docs is not None and not _shares_document(bounds, (qs, qe), (ks, ke)):
+                continue
+            mask = None
+            if ke > qs + 1:  # some key after some query: the causal mask
+                q_pos = torch.arange(qs, qe, device=_device(docs))
+                mask = (torch.arange(ks, ke, device=q_pos.device) <= q_pos[:, None])[None]
+            if docs is not None:
+                same = docs[:, qs:qe, None] == docs[:, None, ks:ke]  # [b, sq, sk]
+                mask = same if mask is None else same & mask
+            blocks.append(Block(q_rows, k_rows, None if mask is None else mask[:, None, None]))
+    return blocks
+
+
+def _device(docs):
+    return None if docs is None else docs.device
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """lse with -inf (rows that attend nothing) replaced by 0, so exp(s - lse) is 0 there."""
+    return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+
+
+def _scores(q, k, mask, scale):
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale  # [b, g, n/g, sq, sk]
+    return s if mask is None else s.masked_fill(~mask, float("-inf"))
+
+
+def block_forward(q, k, v, mask, scale):
+    """Attention of q [b, g, n/g, sq, d] to k, v [b, g, 1, sk, d]: (out, lse [b, g, n/g, sq])."""
+    s = _scores(q, k, mask, scale)
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.matmul(torch.exp(s - _finite(lse)[..., None]), v), lse
+
+
+def _block_backward(q, k, v, do, lse, delta, mask, scale):
+    """Gradients of one sub-block given the final lse and delta = rowsum(dO·O)."""
+    p = torch.exp(_scores(q, k, mask, scale) - _finite(lse)[..., None])  # [b, g, n/g, sq, sk]
+    dv = torch.matmul(p.transpose(-1, -2), do).sum(2)  # [b, g, sk, d]
+    ds = p * (torch.matmul(do, v.transpose(-1, -2)) - delta[..., None])
+    dq = torch.matmul(ds, k) * scale  # [b, g, n/g, sq, d]
+    dk = torch.matmul(ds.transpose(-1, -2), q).sum(2) * scale  # [b, g, sk, d]
+    return dq, dk, dv
+
+
+def _merge(out, lse, rows: slice, o, l_) -> None:
+    """Fold a sub-block's (o, l_) into the running (out, lse) of query rows `rows`."""
+    old = lse[..., rows]
+    new = torch.logaddexp(old, l_)
+    safe = _finite(new)
+    out[..., rows, :] = (
+        out[..., rows, :] * torch.exp(old - safe)[..., None] + o * torch.exp(l_ - safe)[..., None]
+    )
+    lse[..., rows] = new
+
+
+def _q_heads(t: torch.Tensor, g: int, dtype) -> torch.Tensor:
+    s, b, n, d = t.shape  # [s, b, n, d] -> [b, g, n/g, s, d] (query head i uses KV head i·g/n)
+    return t.to(dtype).permute(1, 2, 0, 3).reshape(b, g, n // g, s, d)
+
+
+def _kv_heads(t: torch.Tensor, dtype) -> torch.Tensor:
+    return t.to(dtype).permute(1, 2, 0, 3).unsqueeze(2)  # [s, b, g, d] -> [b, g, 1, s, d]
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, all_ranges, docs, scale):
+        R, r, g = mappings.size(group), mappings.group_rank(group), k.shape[2]
+        cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+        bounds = _doc_bounds(all_ranges, docs)
+        plans = [
+            plan_blocks(all_ranges[r], all_ranges[(r - i) % R], docs, bounds) for i in range(R)
+        ]
+        qh = _q_heads(q, g, cdt)
+        out = torch.zeros_like(qh)
+        lse = torch.full(qh.shape[:-1], float("-inf"), dtype=cdt, device=q.device)
+        kv = torch.cat([k, v], dim=2)  # [s_r, b, 2g, d]: one message per step
+        for i in range(R):
+            shift = mappings.ring_shift(kv, group) if i < R - 1 else None
+            kh, vh = _kv_heads(kv[:, :, :g], cdt), _kv_heads(kv[:, :, g:], cdt)
+            for blk in plans[i]:
+                o, l_ = block_forward(qh[..., blk.q, :], kh[..., blk.k, :], vh[..., blk.k, :],
+                                      blk.mask, scale)  # fmt: skip
+                _merge(out, lse, blk.q, o, l_)
+            if shift is not None:
+                kv = shift.wait()
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.plans, ctx.scale = group, plans, scale
+        s, b, n, d = q.shape
+        return out.reshape(b, n, s, d).permute(2, 0, 1, 3).to(q.dtype)  # [s, b, n, d]
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, plans, scale = ctx.group, ctx.plans, ctx.scale
+        R, g, cdt = mappings.size(group), k.shape[2], out.dtype
+        qh, do = _q_heads(q, g, cdt), _q_heads(grad_out, g, cdt)
+        delta = (do * out).sum(-1)  # [b, g, n/g, sq]
+        dq = torch.zeros_like(qh)
+        kv = torch.cat([k, v], dim=2)
+        dkv_shift = None
+        for i in range(R):
+            kv_shift = mappings.ring_shift(kv, group) if i < R - 1 else None
+            kh, vh = _kv_heads(kv[:, :, :g], cdt), _kv_heads(kv[:, :, g:], cdt)
+            dk, dv = torch.zeros_like(kh[:, :, 0]), torch.zeros_like(vh[:, :, 0])  # [b, g, s, d]
+            for blk in plans[i]:
+                dq_b, dk_b, dv_b = _block_backward(
+                    qh[..., blk.q, :], kh[..., blk.k, :], vh[..., blk.k, :], do[..., blk.q, :],
+                    lse[..., blk.q], delta[..., blk.q], blk.mask, scale,
+                )  # fmt: skip
+                dq[..., blk.q, :] += dq_b
+                dk[..., blk.k, :] += dk_b
+                dv[..., blk.k, :] += dv_b
+            dkv = torch.cat([dk, dv], dim=1).permute(2, 0, 1, 3)  # [s_r, b, 2g, d]
+            if dkv_shift is not None:  # the previous ranks' share of this block's gradient
+                dkv = dkv + dkv_shift.wait()
+            dkv_shift = mappings.ring_shift(dkv.contiguous(), group) if R > 1 else None
+            if kv_shift is not None:
+                kv = kv_shift.wait()
+        dkv = dkv_shift.wait() if dkv_shift is not None else dkv  # our own block, complete
+        s, b, n, d = q.shape
+        dq = dq.reshape(b, n, s, d).permute(2, 0, 1, 3).to(q.dtype)
+        dk, dv = dkv.to(k.dtype).split([g, g], dim=2)
+        return dq, dk, dv, None, None, None, None
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    ring_group,
+    all_ranges: list[Ranges],
+    docs: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """Causal attention of this ring rank's q [s_r, b, n, d] over the whole ring's k, v
+    [s_r, b, g, d] (n % g == 0) -> [s_r, b, n, d].
+
+    `all_ranges[j]`: the global positions of ring rank j's tokens, in local order
+    (layout.ring_ranges); `docs` [b, s]: doc ids of the whole sample for document masking.
+    """
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    n_tokens = sum(e - s for s, e in all_ranges[mappings.group_rank(ring_group)])
+    if q.shape[0] != n_tokens or k.shape != v.shape or q.shape[2] % k.shape[2]:
+        raise ValueError(
+            f"ring attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not "
+            f"fit {n_tokens} local tokens with KV heads dividing query heads"
+        )
+    return _RingAttention.apply(q, k, v, ring_group, all_ranges, docs, scale)
