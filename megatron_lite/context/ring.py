@@ -31,12 +31,28 @@ from megatron_lite.parallel import host, mappings
 
 @dataclass(frozen=True)
 class Block:
-    """Queries `q` (local rows) against keys `k` (rows of the K/V block held at that step);
-    `mask` bool [b or 1, 1, 1, sq, sk] (True: attend) or None (attend to all)."""
+    """Queries at global positions [qs, qe) (local rows `q`) against keys at [ks, ke) (rows `k`
+    of the K/V block held at that step); `causal`: some key follows some query, so the causal
+    mask applies; `docs`: the document mask applies. Masks are built when used (forward and
+    backward), never kept: they are chunk² in size."""
 
     q: slice
     k: slice
-    mask: torch.Tensor | None
+    span: tuple[int, int, int, int]  # qs, qe, ks, ke
+    causal: bool
+    docs: torch.Tensor | None
+
+    def mask(self, device: torch.device) -> torch.Tensor | None:
+        """bool [b or 1, 1, 1, sq, sk] (True: attend), or None (attend to all)."""
+        qs, qe, ks, ke = self.span
+        mask = None
+        if self.causal:
+            q_pos = torch.arange(qs, qe, device=device)
+            mask = (torch.arange(ks, ke, device=device) <= q_pos[:, None])[None]  # [1, sq, sk]
+        if self.docs is not None:
+            same = self.docs[:, qs:qe, None] == self.docs[:, None, ks:ke]  # [b, sq, sk]
+            mask = same if mask is None else same & mask
+        return None if mask is None else mask[:, None, None]
 
 
 def _segments(ranges: Ranges) -> list[tuple[slice, int, int]]:
@@ -77,19 +93,8 @@ def plan_blocks(
                 continue
             if docs is not None and not _shares_document(bounds, (qs, qe), (ks, ke)):
                 continue
-            mask = None
-            if ke > qs + 1:  # some key after some query: the causal mask
-                q_pos = torch.arange(qs, qe, device=_device(docs))
-                mask = (torch.arange(ks, ke, device=q_pos.device) <= q_pos[:, None])[None]
-            if docs is not None:
-                same = docs[:, qs:qe, None] == docs[:, None, ks:ke]  # [b, sq, sk]
-                mask = same if mask is None else same & mask
-            blocks.append(Block(q_rows, k_rows, None if mask is None else mask[:, None, None]))
+            blocks.append(Block(q_rows, k_rows, (qs, qe, ks, ke), ke > qs + 1, docs))
     return blocks
-
-
-def _device(docs):
-    return None if docs is None else docs.device
 
 
 def _finite(lse: torch.Tensor) -> torch.Tensor:
@@ -103,10 +108,14 @@ def _scores(q, k, mask, scale):
 
 
 def block_forward(q, k, v, mask, scale):
-    """Attention of q [b, g, n/g, sq, d] to k, v [b, g, 1, sk, d]: (out, lse [b, g, n/g, sq])."""
+    """Attention of q [b, g, n/g, sq, d] to k, v [b, g, 1, sk, d]: (out, lse [b, g, n/g, sq]).
+    One exp pass: e = exp(s - rowmax), out = e·v / Σe, lse = rowmax + log Σe."""
     s = _scores(q, k, mask, scale)
-    lse = torch.logsumexp(s, dim=-1)
-    return torch.matmul(torch.exp(s - _finite(lse)[..., None]), v), lse
+    m = _finite(s.amax(dim=-1, keepdim=True))
+    e = s.sub_(m).exp_()
+    total = e.sum(dim=-1, keepdim=True)  # 0 where a row attends nothing here
+    out = torch.matmul(e, v) / torch.where(total == 0, torch.ones_like(total), total)
+    return out, (m + total.log()).squeeze(-1)
 
 
 def _block_backward(q, k, v, do, lse, delta, mask, scale):
@@ -157,7 +166,7 @@ class _RingAttention(torch.autograd.Function):
             kh, vh = _kv_heads(kv[:, :, :g], cdt), _kv_heads(kv[:, :, g:], cdt)
             for blk in plans[i]:
                 o, l_ = block_forward(qh[..., blk.q, :], kh[..., blk.k, :], vh[..., blk.k, :],
-                                      blk.mask, scale)  # fmt: skip
+                                      blk.mask(q.device), scale)  # fmt: skip
                 _merge(out, lse, blk.q, o, l_)
             if shift is not None:
                 kv = shift.wait()
@@ -183,7 +192,7 @@ class _RingAttention(torch.autograd.Function):
             for blk in plans[i]:
                 dq_b, dk_b, dv_b = _block_backward(
                     qh[..., blk.q, :], kh[..., blk.k, :], vh[..., blk.k, :], do[..., blk.q, :],
-                    lse[..., blk.q], delta[..., blk.q], blk.mask, scale,
+                    lse[..., blk.q], delta[..., blk.q], blk.mask(q.device), scale,
                 )  # fmt: skip
                 dq[..., blk.q, :] += dq_b
                 dk[..., blk.k, :] += dk_b
