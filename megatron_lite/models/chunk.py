@@ -9,7 +9,9 @@ import functools
 import torch
 from torch import nn
 
-from megatron_lite.models.transformer import TransformerLayer, rope_tables
+from megatron_lite.context.documents import document_ids, document_position_ids
+from megatron_lite.models.token_context import TokenContext
+from megatron_lite.models.transformer import TransformerLayer, rope_tables, rope_tables_at
 from megatron_lite.models.transformer_config import TransformerConfig
 from megatron_lite.parallel import mappings
 from megatron_lite.parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -25,9 +27,11 @@ class ModelChunk(nn.Module):
     """Layers `layer_ids` (global numbers) plus the embedding on the first stage and the final
     norm, output layer and loss on the last.
 
-    forward(x, labels): x is token ids [b, s] on the first stage, else the hidden state
+    forward(x, labels, tokens): x is token ids [b, s] on the first stage, else the hidden state
     [s/cp(/tp), b, h] from the previous stage; returns the per-token loss [s/cp, b] on the last
-    stage, else the hidden state for the next one.
+    stage, else the hidden state for the next one. tokens: the microbatch's input ids [b, s],
+    which every stage needs under document masking (data.reset_attention_mask,
+    reset_position_ids: `token_context`).
 
     Full recompute (model.recompute_granularity=full) keeps only the input of each recomputed
     layer group and reruns the group in backward: `uniform` splits this chunk's layers into
@@ -78,6 +82,11 @@ class ModelChunk(nn.Module):
         self.cp_offset = mesh.cp.rank * s_local
         self.s_local = s_local
         self._rope_args = (s_local, c.head_dim, c.rope_theta) if c.spec.rotary else None
+        self.reset_attention_mask, self.reset_position_ids = (
+            c.reset_attention_mask,
+            c.reset_position_ids,
+        )
+        self.eod_token_id = c.eod_token_id
         self.init_buffers()
 
     def init_buffers(self, device: torch.device | None = None) -> None:
@@ -124,8 +133,9 @@ class ModelChunk(nn.Module):
             return contextlib.nullcontext()
         return fp8_autocast(self.fp8_recipe, self.fp8_group)
 
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids [b, s] -> [s/cp(/tp), b, h]."""
+    def embed(self, ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """ids [b, s] -> [s/cp(/tp), b, h]; positions [s/cp, b]: the learned position of each
+        local token (TokenContext.positions), None for consecutive ones."""
         ids = ids.t()[self.cp_offset : self.cp_offset + self.s_local]  # [s/cp, b]
         x = self.embedding(ids)  # [s/cp, b, h] partial sums over TP
         if self.sp:
@@ -136,22 +146,51 @@ class ModelChunk(nn.Module):
             start, n = self.cp_offset, x.shape[0]
             if self.sp:
                 start += self.tp_rank * n
-            x = x + self.position_embeddings[start : start + n].unsqueeze(1)
+            if positions is None:
+                x = x + self.position_embeddings[start : start + n].unsqueeze(1)
+            else:  # this rank's rows of the local sequence (a TP slice of them under SP)
+                local = positions[start - self.cp_offset : start - self.cp_offset + n]
+                x = x + self.position_embeddings[local]  # [s/cp(/tp), b, h]
         if self.fp32_residual:  # the residual stream starts in fp32 (bf16 params otherwise)
             x = x.float()
         return dropout(x, self.hidden_dropout, self.tracker, self.sp)
 
-    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        tokens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        ctx = self.token_context(tokens)
         if self.pre_process:
-            x = self.embed(x)
-        rope = (self.rope_cos, self.rope_sin) if self.rotary else None
+            x = self.embed(x, ctx.positions)
         with self.fp8():
-            x = self.run_layers(x, rope)
+            x = self.run_layers(x, ctx)
         if not self.post_process:
             return x
         return self.loss(self.final_norm(x), labels)
 
-    def run_layers(self, x: torch.Tensor, rope) -> torch.Tensor:
+    def token_context(self, tokens: torch.Tensor | None = None) -> TokenContext:
+        """The layers' context of one microbatch: RoPE's tables, and under document masking
+        the document ids [b, s] and per-document positions [s/cp, b], from tokens [b, s]."""
+        rope = (self.rope_cos, self.rope_sin) if self.rotary else None
+        if not (self.reset_attention_mask or self.reset_position_ids):
+            return TokenContext(rope)
+        if tokens is None:
+            raise ValueError(
+                "ModelChunk: data.reset_attention_mask / reset_position_ids need the token "
+                "ids on every stage: call chunk(x, labels, tokens=inputs [b, s])"
+            )
+        docs = document_ids(tokens, self.eod_token_id) if self.reset_attention_mask else None
+        positions = None
+        if self.reset_position_ids:
+            positions = document_position_ids(tokens, self.eod_token_id).t()  # [s, b]
+            positions = positions[self.cp_offset : self.cp_offset + self.s_local]  # [s/cp, b]
+            if self.rotary:
+                rope = rope_tables_at(positions, *self._rope_args[1:])  # [s/cp, b, d] each
+        return TokenContext(rope, docs, positions)
+
+    def run_layers(self, x: torch.Tensor, ctx: TokenContext) -> torch.Tensor:
         """The transformer layers, with full recompute of the groups the method names."""
         layers = list(self.layers.values())
         method, n = self.full_recompute
@@ -163,7 +202,7 @@ class ModelChunk(nn.Module):
             groups = [(layers, False)]
         for group, recomputed in groups:
             run = functools.partial(_run_group, group)
-            x = recompute(run, x, rope, tracker=self.tracker) if recomputed else run(x, rope)
+            x = recompute(run, x, ctx, tracker=self.tracker) if recomputed else run(x, ctx)
         return x
 
     def output_weight(self) -> torch.Tensor:
@@ -179,7 +218,7 @@ class ModelChunk(nn.Module):
         return vocab_parallel_cross_entropy(logits.float(), labels, self.tp_group)
 
 
-def _run_group(layers: list[nn.Module], x: torch.Tensor, rope) -> torch.Tensor:
+def _run_group(layers: list[nn.Module], x: torch.Tensor, ctx: TokenContext) -> torch.Tensor:
     for layer in layers:
-        x = layer(x, rope)
+        x = layer(x, ctx)
     return x
