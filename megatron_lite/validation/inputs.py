@@ -213,3 +213,11 @@ def _validate_documents(cfg: Config) -> None:
         "data.reset_attention_mask needs a per-document mask, which the te backend does not take",
         "use model.attention_backend=sdpa or flash",
     )
+    p = cfg.parallel
+    _rule(  # the ring (p2p) path does not take document ids yet: it would attend across them
+        not (d.reset_attention_mask and p.cp > 1 and p.cp_comm_type != "a2a"),
+        "parallel.cp_comm_type",
+        p.cp_comm_type,
+        "data.reset_attention_mask runs with Ulysses context parallelism only",
+        "use parallel.cp_comm_type=a2a (or data.reset_attention_mask=false)",
+    )
