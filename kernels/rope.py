@@ -2,9 +2,12 @@
 
     out = x·cos + rotate_half(x)·sin,   rotate_half(x) = cat(-x[..., d/2:], x[..., :d/2])
 
-x: [s, b, n, d] (sequence first, as everywhere in the stack); cos, sin: [s, d]. Each program
-rotates BLOCK_R rows of d (a row is one head at one position); the backward is the same kernel
-with the rotation transposed (sin negated on the other half), since d out/dx is a rotation.
+x: [s, b, n, d] (sequence first, as everywhere in the stack); cos, sin: [s, d] (one table for
+every sequence of the batch) or [s, b, d] (a table per token: per-document positions). Each
+program rotates BLOCK_R rows of d (a row is one head of one token); the backward is the same
+kernel with the rotation transposed (sin negated on the other half), since d out/dx is a
+rotation. Row r reads table row r // rows_per_pos: b·n rows share an [s, d] table row, n rows
+(the heads of one token) an [s, b, d] one, so both layouts run the same kernel.
 """
 
 from __future__ import annotations
@@ -50,10 +53,13 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Plain torch RoPE: x [s, b, n, d], cos/sin [s, d] -> [s, b, n, d] in x's dtype."""
+    """Plain torch RoPE: x [s, b, n, d], cos/sin [s, d] or [s, b, d] -> [s, b, n, d] in x's
+    dtype."""
     cdt = compute_dtype(x.dtype)
-    cos = cos.to(cdt)[:, None, None, :]  # [s, 1, 1, d]
-    sin = sin.to(cdt)[:, None, None, :]
+    if cos.dim() == 2:
+        cos, sin = cos[:, None], sin[:, None]  # [s, 1, d]: every sequence alike
+    cos = cos.to(cdt)[:, :, None, :]  # [s, b or 1, 1, d]
+    sin = sin.to(cdt)[:, :, None, :]
     xf = x.to(cdt)
     return (xf * cos + _rotate_half(xf) * sin).to(x.dtype)
 
@@ -65,8 +71,9 @@ def _launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: boo
     block_h = triton.next_power_of_2(half)
     block_r = max(ELEMENTS_PER_PROGRAM // (2 * block_h), 1)
     n_rows = s * b * n
+    rows_per_pos = b * n if cos.dim() == 2 else n  # tokens of a table row: [s, d] or [s, b, d]
     launch(_rope_kernel, (triton.cdiv(n_rows, block_r),),
-        x, cos, sin, out, n_rows, b * n, half,
+        x, cos, sin, out, n_rows, rows_per_pos, half,
         BACKWARD=backward, BLOCK_R=block_r, BLOCK_H=block_h, num_warps=4,
     )  # fmt: skip
     return out
@@ -89,31 +96,37 @@ class RoPEFunction(torch.autograd.Function):
 
 def _self_check(device: torch.device, dtype: torch.dtype, shape_class) -> None:
     """Forward and backward kernel vs the reference on two programs of rows and a partial third
-    (selfcheck.py); cos/sin from real angles, as the model's tables are."""
-    d, table_dtype = shape_class
+    (selfcheck.py); cos/sin from real angles, as the model's tables are ([s, b, d] tables
+    per token: two sequences)."""
+    d, table_dtype, table_dims = shape_class
     gen = selfcheck.generator(device)
     rows = 2 * max(ELEMENTS_PER_PROGRAM // (2 * triton.next_power_of_2(d // 2)), 1) + 3
-    x = selfcheck.sample((rows, 1, 1, d), dtype, device, gen)  # [s, b, n, d]
-    angles = selfcheck.sample((rows, d), torch.float32, device, gen, requires_grad=False) * 3
+    b = 1 if table_dims == 2 else 2
+    x = selfcheck.sample((-(-rows // b), b, 1, d), dtype, device, gen)  # [s, b, n, d]
+    table = (x.shape[0], d) if table_dims == 2 else (x.shape[0], b, d)
+    angles = selfcheck.sample(table, torch.float32, device, gen, requires_grad=False) * 3
     cos, sin = angles.cos().to(table_dtype), angles.sin().to(table_dtype)
     fused = lambda x: RoPEFunction.apply(x, cos, sin)
     selfcheck.compare_op(fused, lambda x: apply_rope_reference(x, cos, sin), [x], dtype, gen)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [s, b, n, d] by cos/sin [s, d] (half-rotation convention); fp32 math.
+    """Rotate x [s, b, n, d] by cos/sin [s, d], or [s, b, d] for per-token positions
+    (half-rotation convention); fp32 math. Both table layouts run the Triton kernel.
 
     Gradients flow to x only (cos and sin are treated as constants by the Triton path).
     """
     if x.dim() != 4 or x.shape[-1] % 2:
         raise ValueError(f"apply_rope: x must be [s, b, n, d] with even d, got {tuple(x.shape)}")
-    s, d = x.shape[0], x.shape[-1]
+    s, b, d = x.shape[0], x.shape[1], x.shape[-1]
     for name, t in (("cos", cos), ("sin", sin)):
-        if t.shape != (s, d):
+        if t.shape not in ((s, d), (s, b, d)) or t.shape != cos.shape:
             raise ValueError(
-                f"apply_rope: {name} must be [s, d] = [{s}, {d}], got "
-                f"{tuple(t.shape)} (slice the table to the local sequence first)"
+                f"apply_rope: {name} must be [s, d] = [{s}, {d}] or [s, b, d] = [{s}, {b}, {d}] "
+                f"(cos and sin alike), got {tuple(t.shape)} (slice the table to the local "
+                "sequence first)"
             )
-    if x.numel() == 0 or not use_triton(x, "rope", (d, cos.dtype), _self_check):
+    shape_class = (d, cos.dtype, cos.dim())
+    if x.numel() == 0 or not use_triton(x, "rope", shape_class, _self_check):
         return apply_rope_reference(x, cos, sin)
     return RoPEFunction.apply(x, cos, sin)

@@ -113,6 +113,11 @@ class DataConfig:
     split: str | None = None  # train,valid,test weights over each dataset's documents: "969,30,1"
     valid_paths: list[str] = field(default_factory=list)  # validation prefixes (instead of split)
     tokenizer_vocab_size: int = 4096  # for tokenizers trained on first run
+    # document masking of packed windows (Megatron's get_ltor_masks_and_position_ids)
+    reset_attention_mask: bool = False  # attention never crosses an end-of-document token
+    reset_position_ids: bool = False  # positions restart at 0 at every document start
+    eod_mask_loss: bool = False  # no loss where the input is EOD (predicting the next document)
+    eod_token_id: int | None = None  # the EOD id; None = the tokenizer's eos id
 
 
 @dataclass

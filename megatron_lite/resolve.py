@@ -122,6 +122,39 @@ def tokenizer_vocab_size(d: DataConfig) -> int | None:
     return Tokenizer(path).vocab_size
 
 
+def eod_token_id(d: DataConfig) -> int | None:
+    """The end-of-document id of document masking: data.eod_token_id, else the tokenizer's eos
+    (a built-in corpus's trained tokenizer, or data.tokenizer_model once it exists). None when
+    no data.reset_*/eod_mask_loss flag is on, or without one (mock data, data.paths alone:
+    validation requires data.eod_token_id then)."""
+    if not uses_documents(d):
+        return None
+    if d.eod_token_id is not None:
+        return d.eod_token_id
+    if d.mock:
+        return None
+    if d.corpus is not None:
+        from megatron_lite.data.tokenizer import TRAINED_EOS_ID  # the corpus tokenizer's
+
+        return TRAINED_EOS_ID
+    path = d.tokenizer_model
+    if path is None or not (os.path.isfile(path) and os.access(path, os.R_OK)):
+        return None
+    from megatron_lite.data.tokenizer import Tokenizer
+
+    return Tokenizer(path).eos_id
+
+
+def uses_documents(d: DataConfig) -> bool:
+    """Whether any document-masking flag (attention, positions, loss) is on."""
+    return d.reset_attention_mask or d.reset_position_ids or d.eod_mask_loss
+
+
+def eod_mask_id(d: DataConfig) -> int | None:
+    """The input id whose loss data.eod_mask_loss excludes (`split_sample`), else None."""
+    return eod_token_id(d) if d.eod_mask_loss else None
+
+
 def vocab_size(cfg: Config) -> int | None:
     """The model's vocabulary: model.vocab_size when set, else the tokenizer's
     (`tokenizer_vocab_size`). None when only the data can tell (data.paths without a tokenizer:

@@ -36,10 +36,17 @@ def ulysses_kv_heads(g: int, cp: int) -> int:
 
 
 def ulysses_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group, attn_fn: Callable
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cp_group,
+    attn_fn: Callable,
+    docs: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [s/cp, b, n, d], k/v [s/cp, b, g, d] -> [s/cp, b, n, d], with `attn_fn(q, k, v)`
-    computing causal attention on [s, b, heads, d] tensors.
+    computing causal attention on [s, b, heads, d] tensors. docs [b, s]: the document ids of
+    the full sequence (every rank holds the whole sample), handed on as `attn_fn(q, k, v,
+    docs=docs)` so attention stays inside documents; None: `attn_fn(q, k, v)`.
 
     When g < cp the KV heads are replicated up to cp so every rank gets whole KV groups for
     its query heads (g must divide cp; n must be divisible by cp).
@@ -57,5 +64,5 @@ def ulysses_attention(
     qkv = torch.cat([t.reshape(s_local, b, cp, -1, d) for t in (q, k, v)], dim=3)
     qkv = mappings.all_to_all(qkv.flatten(2, 3), split_dim=2, concat_dim=0, group=cp_group)
     q, k, v = qkv.split([n // cp, g // cp, g // cp], dim=2)
-    out = attn_fn(q, k, v)  # [s, b, n/cp, d]
+    out = attn_fn(q, k, v) if docs is None else attn_fn(q, k, v, docs=docs)  # [s, b, n/cp, d]
     return mappings.all_to_all(out, split_dim=0, concat_dim=2, group=cp_group)  # [s/cp, b, n, d]

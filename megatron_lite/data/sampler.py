@@ -12,6 +12,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from megatron_lite.parallel.cross_entropy import IGNORE_INDEX
+
 
 def microbatches_for_step(
     dataset,
@@ -64,7 +66,14 @@ def microbatches_at(
     return batches
 
 
-def split_sample(sample: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def split_sample(
+    sample: torch.Tensor, eod_mask_id: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The sample contract: token ids [b, s + 1] -> (inputs [b, s], labels [b, s]), the labels
-    being the inputs shifted by one token."""
-    return sample[:, :-1], sample[:, 1:]
+    being the inputs shifted by one token. With `eod_mask_id` (data.eod_mask_loss: resolve's
+    eod_mask_id) the label after each EOD input, the next document's first token, is
+    IGNORE_INDEX: no loss there, and the token count of the mean leaves it out."""
+    inputs, labels = sample[:, :-1], sample[:, 1:]
+    if eod_mask_id is not None:
+        labels = labels.masked_fill(inputs == eod_mask_id, IGNORE_INDEX)
+    return inputs, labels

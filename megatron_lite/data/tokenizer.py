@@ -15,6 +15,7 @@ from megatron_lite.data.errors import DataFileError
 # Enough lines for a stable vocabulary while keeping training well under a minute on 2 cores.
 DEFAULT_INPUT_SENTENCE_SIZE = 300_000
 TRAINING_SEED = 1234
+TRAINED_EOS_ID = 2  # train_tokenizer's SentencePiece models: unk 0, bos 1, eos 2
 
 
 # EOS names of the common Hugging Face tokenizers (Llama-3, GPT-2/Qwen, Llama-2/Mistral, Gemma),

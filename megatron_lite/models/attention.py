@@ -1,8 +1,10 @@
 """Attention backends: torch SDPA (everywhere), flash-attn and Transformer Engine (CUDA only).
 
 Which one runs (`auto` included) is decided by `megatron_lite.resolve.attention_backend`. Every
-backend is a callable (q, k, v, dropout_p) -> out on [s, b, heads, d] tensors, so the Ulysses
-wrapper can run any of them over the context-parallel group.
+backend is a callable (q, k, v, dropout_p, docs=None) -> out on [s, b, heads, d] tensors of the
+full, ordered sequence, so the Ulysses wrapper can run any of them over the context-parallel
+group. docs [b, s] (data.reset_attention_mask): each token's document id; attention then stays
+inside a document (context/documents.py). TE takes no documents (validation rejects the pair).
 """
 
 from __future__ import annotations
@@ -10,23 +12,54 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from megatron_lite.context.documents import causal_document_mask
 
-def sdpa_attention(q, k, v, dropout_p: float) -> torch.Tensor:
-    """Causal attention. q [s, b, n, d], k/v [s, b, g, d] (n % g == 0) -> [s, b, n, d]."""
+
+def sdpa_attention(q, k, v, dropout_p: float, docs: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention. q [s, b, n, d], k/v [s, b, g, d] (n % g == 0) -> [s, b, n, d]; with
+    docs [b, s], within each document only (a boolean mask [b, 1, s, s])."""
     gqa = k.shape[2] != q.shape[2]  # each KV head serves n/g query heads, without copies
     q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
-    out = F.scaled_dot_product_attention(
-        q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=gqa
-    )
+    if docs is None:
+        out = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=gqa
+        )
+    else:
+        pos = torch.arange(q.shape[2], device=q.device)
+        mask = causal_document_mask(pos, pos, docs, docs)  # [b, 1, s, s]
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa
+        )
     return out.permute(2, 0, 1, 3)
 
 
-def flash_attention(q, k, v, dropout_p: float) -> torch.Tensor:
-    """flash-attn (GQA native). [s, b, heads, d] -> [s, b, n, d]."""
+def flash_attention(q, k, v, dropout_p: float, docs: torch.Tensor | None = None) -> torch.Tensor:
+    """flash-attn (GQA native). [s, b, heads, d] -> [s, b, n, d]; with docs [b, s] the varlen
+    kernel over each row's documents."""
+    if docs is not None:
+        return _flash_documents(q, k, v, dropout_p, docs)
     from flash_attn import flash_attn_func
 
     q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [b, s, heads, d]
     return flash_attn_func(q, k, v, dropout_p=dropout_p, causal=True).transpose(0, 1)
+
+
+def _flash_documents(q, k, v, dropout_p: float, docs: torch.Tensor) -> torch.Tensor:
+    """Each document of each row as its own causal sequence of flash_attn_varlen_func.
+    Unverified here (CPU only, no flash-attn): the GPU tests are its check."""
+    from flash_attn import flash_attn_varlen_func
+
+    s, b = q.shape[:2]
+    # [b, s] -> [b·s] ids unique across rows (rows never merge), cut where the id changes
+    flat = (docs + torch.arange(b, device=docs.device)[:, None] * s).reshape(-1)
+    lengths = torch.unique_consecutive(flat, return_counts=True)[1]
+    cu = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)  # [documents + 1]
+    longest = int(lengths.max())
+    q, k, v = (t.transpose(0, 1).reshape(b * s, *t.shape[2:]) for t in (q, k, v))  # [b·s, h, d]
+    out = flash_attn_varlen_func(
+        q, k, v, cu, cu, longest, longest, dropout_p=dropout_p, causal=True
+    )  # [b·s, n, d]
+    return out.view(b, s, *out.shape[1:]).transpose(0, 1)
 
 
 class TEAttention(torch.nn.Module):
@@ -46,14 +79,19 @@ class TEAttention(torch.nn.Module):
             attn_mask_type="causal",
         )
 
-    def forward(self, q, k, v, dropout_p: float) -> torch.Tensor:
+    def forward(self, q, k, v, dropout_p: float, docs: torch.Tensor | None = None) -> torch.Tensor:
+        if docs is not None:
+            raise ValueError(
+                "model.attention_backend=te takes no per-document mask "
+                "(data.reset_attention_mask). Fix: use model.attention_backend=sdpa or flash"
+            )
         q, k, v = (t.contiguous() for t in (q, k, v))  # Ulysses hands over head-sliced views
         out = self.attn(q, k, v)  # [s, b, n·d]
         return out.view(*q.shape[:2], self.n, -1)
 
 
 def attention_function(backend: str, n_local: int, g_local: int, head_dim: int, dropout_p: float):
-    """A callable (q, k, v, dropout_p) -> out for `backend` (already resolved)."""
+    """A callable (q, k, v, dropout_p, docs=None) -> out for `backend` (already resolved)."""
     if backend == "flash":
         return flash_attention
     if backend == "te":

@@ -9,8 +9,10 @@ import functools
 import torch
 from torch import nn
 
-from megatron_lite.context.layout import cp_ranges
-from megatron_lite.models.transformer import TransformerLayer, rope_tables
+from megatron_lite.context.documents import document_ids, document_position_ids
+from megatron_lite.context.layout import cp_ranges, positions
+from megatron_lite.models.token_context import TokenContext
+from megatron_lite.models.transformer import TransformerLayer, rope_tables_at
 from megatron_lite.models.transformer_config import TransformerConfig
 from megatron_lite.parallel import mappings
 from megatron_lite.parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -26,9 +28,11 @@ class ModelChunk(nn.Module):
     """Layers `layer_ids` (global numbers) plus the embedding on the first stage and the final
     norm, output layer and loss on the last.
 
-    forward(x, labels): x is token ids [b, s] on the first stage, else the hidden state
+    forward(x, labels, tokens): x is token ids [b, s] on the first stage, else the hidden state
     [s/cp(/tp), b, h] from the previous stage; returns the per-token loss [s/cp, b] on the last
-    stage, else the hidden state for the next one.
+    stage, else the hidden state for the next one. tokens: the microbatch's input ids [b, s],
+    which every stage needs under document masking (data.reset_attention_mask,
+    reset_position_ids: `token_context`).
 
     Full recompute (model.recompute_granularity=full) keeps only the input of each recomputed
     layer group and reruns the group in backward: `uniform` splits this chunk's layers into
@@ -82,14 +86,18 @@ class ModelChunk(nn.Module):
             self._build_output(c, mesh, tied_here=c.tie_embeddings and pre_process)
         self.s_local = s_local
         self._rope_args = (c.head_dim, c.rope_theta) if c.spec.rotary else None
+        self.reset_attention_mask, self.reset_position_ids = (
+            c.reset_attention_mask,
+            c.reset_position_ids,
+        )
+        self.eod_token_id = c.eod_token_id
         self.init_buffers()
 
     def init_buffers(self, device: torch.device | None = None) -> None:
         """(Re)compute the non-persistent buffers: RoPE's cos/sin tables and the vocabulary
         padding mask (after a build on the meta device, on `device`)."""
         if self._rope_args is not None:
-            tables = [rope_tables(e - s, *self._rope_args, offset=s) for s, e in self.cp_ranges]
-            cos, sin = (torch.cat(t) for t in zip(*tables, strict=True))
+            cos, sin = rope_tables_at(positions(self.cp_ranges), *self._rope_args)
             self.register_buffer("rope_cos", cos.to(device), persistent=False)
             self.register_buffer("rope_sin", sin.to(device), persistent=False)
         if self.post_process:
@@ -129,8 +137,9 @@ class ModelChunk(nn.Module):
             return contextlib.nullcontext()
         return fp8_autocast(self.fp8_recipe, self.fp8_group)
 
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids [b, s] -> [s/cp(/tp), b, h]."""
+    def embed(self, ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """ids [b, s] -> [s/cp(/tp), b, h]; positions [s/cp, b]: the learned position of each
+        local token (TokenContext.positions), None for consecutive ones."""
         ids = self.local_tokens(ids.t())  # [s/cp, b]
         x = self.embedding(ids)  # [s/cp, b, h] partial sums over TP
         if self.sp:
@@ -141,22 +150,52 @@ class ModelChunk(nn.Module):
             pe, n = self.local_tokens(self.position_embeddings), x.shape[0]  # [s/cp, h]
             if self.sp:
                 pe = pe[self.tp_rank * n : (self.tp_rank + 1) * n]
-            x = x + pe.unsqueeze(1)
+                if positions is not None:  # this rank's rows of the local sequence
+                    positions = positions[self.tp_rank * n : (self.tp_rank + 1) * n]
+            if positions is None:
+                x = x + pe.unsqueeze(1)
+            else:
+                x = x + self.position_embeddings[positions]  # [s/cp(/tp), b, h]
         if self.fp32_residual:  # the residual stream starts in fp32 (bf16 params otherwise)
             x = x.float()
         return dropout(x, self.hidden_dropout, self.tracker, self.sp)
 
-    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        tokens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        ctx = self.token_context(tokens)
         if self.pre_process:
-            x = self.embed(x)
-        rope = (self.rope_cos, self.rope_sin) if self.rotary else None
+            x = self.embed(x, ctx.positions)
         with self.fp8():
-            x = self.run_layers(x, rope)
+            x = self.run_layers(x, ctx)
         if not self.post_process:
             return x
         return self.loss(self.final_norm(x), labels)
 
-    def run_layers(self, x: torch.Tensor, rope) -> torch.Tensor:
+    def token_context(self, tokens: torch.Tensor | None = None) -> TokenContext:
+        """The layers' context of one microbatch: RoPE's tables, and under document masking
+        the document ids [b, s] and per-document positions [s/cp, b], from tokens [b, s]."""
+        rope = (self.rope_cos, self.rope_sin) if self.rotary else None
+        if not (self.reset_attention_mask or self.reset_position_ids):
+            return TokenContext(rope)
+        if tokens is None:
+            raise ValueError(
+                "ModelChunk: data.reset_attention_mask / reset_position_ids need the token "
+                "ids on every stage: call chunk(x, labels, tokens=inputs [b, s])"
+            )
+        docs = document_ids(tokens, self.eod_token_id) if self.reset_attention_mask else None
+        positions = None
+        if self.reset_position_ids:
+            positions = document_position_ids(tokens, self.eod_token_id).t()  # [s, b]
+            positions = self.local_tokens(positions)  # [s/cp, b]
+            if self.rotary:
+                rope = rope_tables_at(positions, *self._rope_args)  # [s/cp, b, d] each
+        return TokenContext(rope, docs, positions)
+
+    def run_layers(self, x: torch.Tensor, ctx: TokenContext) -> torch.Tensor:
         """The transformer layers, with full recompute of the groups the method names."""
         layers = list(self.layers.values())
         method, n = self.full_recompute
@@ -168,7 +207,7 @@ class ModelChunk(nn.Module):
             groups = [(layers, False)]
         for group, recomputed in groups:
             run = functools.partial(_run_group, group)
-            x = recompute(run, x, rope, tracker=self.tracker) if recomputed else run(x, rope)
+            x = recompute(run, x, ctx, tracker=self.tracker) if recomputed else run(x, ctx)
         return x
 
     def local_tokens(self, t: torch.Tensor) -> torch.Tensor:
@@ -191,7 +230,7 @@ class ModelChunk(nn.Module):
         return vocab_parallel_cross_entropy(logits.float(), labels, self.tp_group)
 
 
-def _run_group(layers: list[nn.Module], x: torch.Tensor, rope) -> torch.Tensor:
+def _run_group(layers: list[nn.Module], x: torch.Tensor, ctx: TokenContext) -> torch.Tensor:
     for layer in layers:
-        x = layer(x, rope)
+        x = layer(x, ctx)
     return x

@@ -19,6 +19,7 @@ from megatron_lite.context.layout import ring_ranges
 from megatron_lite.context.ring import ring_attention
 from megatron_lite.context.ulysses import ulysses_attention, ulysses_kv_heads
 from megatron_lite.models.attention import attention_function
+from megatron_lite.models.token_context import TokenContext
 from megatron_lite.models.transformer_config import TransformerConfig
 from megatron_lite.moe.layer import MoELayer
 from megatron_lite.moe.router import RouterOptions
@@ -29,13 +30,19 @@ from megatron_lite.parallel.random import RNGStatesTracker, dropout
 from megatron_lite.parallel.recompute import recompute
 
 
-def rope_tables(seq_length: int, head_dim: int, theta: float, offset: int = 0):
-    """cos, sin [s, d] for positions offset..offset+s-1, half-rotation convention."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    pos = torch.arange(offset, offset + seq_length, dtype=torch.float64)
-    freqs = torch.outer(pos, inv_freq)
+def rope_tables_at(positions: torch.Tensor, head_dim: int, theta: float):
+    """cos, sin [..., d] (fp32) for the integer positions [...] (e.g. [s] or [s, b]), on their
+    device; half-rotation convention."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device)
+    inv_freq = 1.0 / theta ** (exponents / head_dim)
+    freqs = positions.to(torch.float64).unsqueeze(-1) * inv_freq  # [..., d/2]
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos().float(), emb.sin().float()
+
+
+def rope_tables(seq_length: int, head_dim: int, theta: float, offset: int = 0):
+    """cos, sin [s, d] for the consecutive positions offset..offset+s-1."""
+    return rope_tables_at(torch.arange(offset, offset + seq_length), head_dim, theta)
 
 
 class Attention(nn.Module):
@@ -91,8 +98,9 @@ class Attention(nn.Module):
             q, c.hidden_size, mesh.tp.group, init_std=c.output_std, gemm=c.linear_backend, **common
         )
 
-    def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: TokenContext) -> torch.Tensor:
         d, n, g = self.head_dim, self.n_local, self.g_local
+        rope = ctx.rope
         qkv = self.linear_qkv(x)  # [s, b, (n + 2g)·d] with n, g per TP rank
         s, b = qkv.shape[:2]
         q, k, v = qkv.split([n * d, g * d, g * d], dim=-1)
@@ -103,23 +111,25 @@ class Attention(nn.Module):
             q, k = kernels.apply_rope(q, *rope), kernels.apply_rope(k, *rope)
         p = self.dropout_p
         with self.tracker.fork() if p > 0 else contextlib.nullcontext():
-            out = self.attention_over_cp(q, k, v, p)  # [s, b, n, d]
+            out = self.attention_over_cp(q, k, v, p, ctx.docs)  # [s, b, n, d]
         return self.linear_proj(out.reshape(s, b, n * d))  # [s(/tp), b, h]
 
-    def attention_over_cp(self, q, k, v, dropout_p: float) -> torch.Tensor:
+    def attention_over_cp(self, q, k, v, dropout_p: float, docs=None) -> torch.Tensor:
         """Local attention (or the ring over cp_ring), inside Ulysses' all-to-all over cp_a2a
-        when that group has more than one rank."""
+        when that group has more than one rank; docs [b, s]: the full sequence's document ids
+        (None: plain causal)."""
 
-        def core(q_, k_, v_):
+        def core(q_, k_, v_, docs=None):
             if self.ring_ranges is not None:  # dropout_p is 0 (validation)
-                return ring_attention(q_, k_, v_, self.ring_group, self.ring_ranges)
+                return ring_attention(q_, k_, v_, self.ring_group, self.ring_ranges, docs)
+            args = (q_, k_, v_, dropout_p) + (() if docs is None else (docs,))
             if self.recompute_core:
-                return recompute(self.core_attention, q_, k_, v_, dropout_p, tracker=self.tracker)
-            return self.core_attention(q_, k_, v_, dropout_p)
+                return recompute(self.core_attention, *args, tracker=self.tracker)
+            return self.core_attention(*args)
 
         if mappings.size(self.a2a_group) == 1:
-            return core(q, k, v)
-        return ulysses_attention(q, k, v, self.a2a_group, core)
+            return core(q, k, v, docs)
+        return ulysses_attention(q, k, v, self.a2a_group, core, docs=docs)
 
 
 class MLP(nn.Module):
@@ -210,9 +220,9 @@ class TransformerLayer(nn.Module):
         self.mlp = build_mlp(c, mesh, layer_number)
         self.recompute_mlp = c.recomputes("moe" if c.is_moe_layer(layer_number) else "mlp")
 
-    def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: TokenContext) -> torch.Tensor:
         p, tracker, sp = self.dropout_p, self.tracker, self.sp
-        attn = dropout(self.self_attention(self.input_norm(x), rope), p, tracker, sp)
+        attn = dropout(self.self_attention(self.input_norm(x), ctx), p, tracker, sp)
         normed, x = self.pre_mlp_norm(attn, residual=x)  # x <- x + attn
         if self.recompute_mlp:
             out = recompute(self.mlp, normed, tracker=tracker)

@@ -77,6 +77,15 @@ class TransformerConfig:
     recompute_method: str | None  # full: uniform | block
     recompute_num_layers: int  # full: group size (uniform) / recomputed layers (block)
     fp32_residual_connection: bool  # the embedding output (and so the stream) in fp32
+    # document masking of packed windows (from the data section, resolve.eod_token_id)
+    reset_attention_mask: bool = False  # attend within a token's own document only
+    reset_position_ids: bool = False  # positions restart at every document start
+    eod_token_id: int | None = None  # None unless one of the flags is on
+
+    @property
+    def uses_documents(self) -> bool:
+        """Whether the chunks need the token ids: per-document attention or positions."""
+        return self.reset_attention_mask or self.reset_position_ids
 
     def recomputes(self, module: str) -> bool:
         """Whether selective recompute covers `module` (core_attn, mlp, moe)."""
@@ -124,6 +133,9 @@ class TransformerConfig:
             "moe_aux_loss_scale": resolve.moe_aux_loss_scale(r, p.dp),
             "recompute_modules": resolve.recompute_modules(m),
             "recompute_num_layers": m.recompute_num_layers or 0,
+            "reset_attention_mask": r.data.reset_attention_mask,
+            "reset_position_ids": r.data.reset_position_ids,
+            "eod_token_id": resolve.eod_token_id(r.data),
         }
         # every other ModelConfig field as resolved (a new one must be declared above, or the
         # call below fails on its keyword)

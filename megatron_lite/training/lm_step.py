@@ -21,15 +21,19 @@ def autocast(precision: str, device: torch.device):
     return contextlib.nullcontext()
 
 
-def lm_forward_step(precision: str, device: torch.device) -> ForwardStep:
+def lm_forward_step(
+    precision: str, device: torch.device, eod_mask_id: int | None = None
+) -> ForwardStep:
     """forward_step(chunk, sample [b, s + 1], input) for `ModelChunk`s: the hidden state
     [s/cp(/tp), b, h] for the next stage, or on the last stage the loss summed over this rank's
-    tokens (unscaled; the engine scales it for backward)."""
+    tokens (unscaled; the engine scales it for backward). Every chunk gets the token ids (its
+    documents' masks and positions); `eod_mask_id`: split_sample's."""
 
     def forward_step(chunk, sample: torch.Tensor, x: torch.Tensor | None) -> torch.Tensor:
-        tokens, labels = split_sample(sample)  # [b, s] each
+        tokens, labels = split_sample(sample, eod_mask_id)  # [b, s] each
         with autocast(precision, device):
-            out = chunk(tokens if x is None else x, labels if chunk.post_process else None)
+            labels = labels if chunk.post_process else None
+            out = chunk(tokens if x is None else x, labels, tokens=tokens)
         return out.sum() if chunk.post_process else out  # per-token loss [s/cp, b] summed
 
     return forward_step

@@ -9,6 +9,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from megatron_lite import resolve
 from megatron_lite.checkpoint import CheckpointDir, Checkpointer
 from megatron_lite.config import Config
 from megatron_lite.data import build_valid_dataset
@@ -60,6 +61,7 @@ class Trainer:
             )
         self.tracker = model_parallel_seed(cfg.train.seed, mesh.tp.rank, mesh.pp.rank)
         self.step = 0
+        self.eod_mask_id = resolve.eod_mask_id(cfg.data)  # data.eod_mask_loss: split_sample's
         self.consumed_samples = 0  # the data position (a checkpoint restores it)
         self.checkpoint_dir = CheckpointDir(cfg)  # groups and run lock; what resume will load
         # built on the meta device, given uninitialized storage on this rank's device (ZeRO-3:
@@ -144,7 +146,7 @@ class Trainer:
                 sums[0] += loss.double().reshape(())
             if mesh.tp.rank == 0 and mesh.cp.rank == 0 and mesh.is_last_stage:
                 for mb in micro:  # each dp rank's tokens once; summed on the device
-                    sums[1] += (split_sample(mb)[1] != IGNORE_INDEX).sum()
+                    sums[1] += (split_sample(mb, self.eod_mask_id)[1] != IGNORE_INDEX).sum()
         mappings.all_reduce(sums, dist.group.WORLD, kind="all_reduce_eval")
         for layer in self._moe_layers():
             layer.pop_stats()  # evaluation routes tokens too: not this step's statistics
@@ -174,7 +176,7 @@ class Trainer:
         total = forward_backward(
             self.chunks,
             microbatches,
-            lm_forward_step(cfg.train.precision, self.device),
+            lm_forward_step(cfg.train.precision, self.device, self.eod_mask_id),
             pp_group=mesh.pp.group,
             tensor_shape=shape,
             dtype=pipeline_dtype(cfg.train.precision, cfg.model.fp32_residual_connection),
@@ -256,7 +258,7 @@ class Trainer:
         STATS.start_step(self.step)
         micro = self._microbatches()
         # token-weighted mean over the global batch: every rank divides by the same count
-        counts = [(split_sample(mb)[1] != IGNORE_INDEX).sum() for mb in micro]
+        counts = [(split_sample(mb, self.eod_mask_id)[1] != IGNORE_INDEX).sum() for mb in micro]
         n_tokens = torch.stack(counts).sum().to(torch.float64).reshape(1)  # on the device
         mappings.all_reduce(n_tokens, mesh.dp.group)
         tokens = float(cfg.train.global_batch_size * cfg.model.seq_length)  # a dry run's count

@@ -14,7 +14,12 @@ from megatron_lite.validation.fields import (
     _validate_positive_sizes,
     _validate_train_ranges,
 )
-from megatron_lite.validation.inputs import _validate_checkpointing, _validate_data, _validate_eval
+from megatron_lite.validation.inputs import (
+    _validate_checkpointing,
+    _validate_data,
+    _validate_documents,
+    _validate_eval,
+)
 from megatron_lite.validation.moe import _validate_moe
 from megatron_lite.validation.parallel import (
     _validate_batch_sizes,
@@ -57,6 +62,7 @@ def validate(cfg: Config, world_size: int) -> Config:
     _validate_train_ranges(r)
     _validate_fp8(r)
     _validate_data(r)
+    _validate_documents(r)
     _validate_eval(r)
     _validate_output_paths(r)
     _validate_profiling(r)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 from megatron_lite.config import Config, TrainConfig
-from megatron_lite.resolve import split_weights
+from megatron_lite.resolve import eod_token_id, split_weights, uses_documents, vocab_size
 from megatron_lite.validation.rules import _choice, _rule
 
 
@@ -179,3 +179,37 @@ def _validate_eval(cfg: Config) -> None:
             "needs validation data: data.valid_paths, or a data.split with a validation part",
             'set data.split="969,30,1" (or data.valid_paths), or train.eval_interval=0',
         )
+
+
+def _validate_documents(cfg: Config) -> None:
+    """Document masking (data.reset_attention_mask, reset_position_ids, eod_mask_loss) needs an
+    end-of-document id inside the vocabulary, and an attention backend that takes a mask."""
+    d, m = cfg.data, cfg.model
+    vocab = vocab_size(cfg)  # None: only the data can tell (checked when it is read)
+    if d.eod_token_id is not None:
+        _rule(
+            d.eod_token_id >= 0 and (vocab is None or d.eod_token_id < vocab),
+            "data.eod_token_id",
+            d.eod_token_id,
+            f"must be a token id in [0, {vocab if vocab is not None else 'vocab_size'})",
+            "set it to the tokenizer's end-of-document id (or null to use its eos)",
+        )
+    if not uses_documents(d):
+        return
+    flags = [k for k in ("reset_attention_mask", "reset_position_ids", "eod_mask_loss")
+             if getattr(d, k)]  # fmt: skip
+    _rule(
+        eod_token_id(d) is not None,
+        "data.eod_token_id",
+        d.eod_token_id,
+        f"data.{flags[0]} needs an end-of-document id and no tokenizer names one (mock data "
+        "or data.paths without data.tokenizer_model)",
+        "set data.eod_token_id to the id that ends each document",
+    )
+    _rule(
+        not (d.reset_attention_mask and m.attention_backend == "te"),
+        "model.attention_backend",
+        m.attention_backend,
+        "data.reset_attention_mask needs a per-document mask, which the te backend does not take",
+        "use model.attention_backend=sdpa or flash",
+    )

@@ -24,6 +24,27 @@ def test_rope(triton_backend, poisoned_empty, shape, dtype):
              dtype)  # fmt: skip
 
 
+@pytest.mark.parametrize("shape", ROPE_SHAPES[1:], ids=str)
+def test_rope_per_token_tables(triton_backend, shape):
+    """[s, b, d] tables (per-document positions) rotate each sequence b like its own [s, d]
+    table, forward and backward, on either backend."""
+    s, b, _, d = shape
+    x = randn(*shape)
+    angles = randn(s, b, d, grad=False) * 3
+    cos, sin = angles.cos(), angles.sin()
+    out = apply_rope(x, cos, sin)
+    gout = randn(*out.shape, grad=False)
+    (dx,) = torch.autograd.grad(out, x, gout)
+    for r in range(b):
+        xr = x[:, r : r + 1].detach().requires_grad_()
+        want = apply_rope(xr, cos[:, r], sin[:, r])
+        (want_dx,) = torch.autograd.grad(want, xr, gout[:, r : r + 1])
+        torch.testing.assert_close(out[:, r : r + 1], want, msg=f"sequence {r}: forward")
+        torch.testing.assert_close(dx[:, r : r + 1], want_dx, msg=f"sequence {r}: backward")
+    check_op(lambda x: apply_rope(x, cos, sin), lambda x: apply_rope_reference(x, cos, sin), [x],
+             torch.float32)  # fmt: skip
+
+
 def test_rope_non_contiguous_input(triton_backend):
     """q sliced out of a fused qkv projection is a strided view."""
     qkv = randn(4, 2, 3, 3 * 16, grad=False)
@@ -52,6 +73,8 @@ def test_rope_shape_errors():
         apply_rope(randn(2, 1, 1, 5), randn(2, 5), randn(2, 5))
     with pytest.raises(ValueError, match="cos must be"):
         apply_rope(randn(2, 1, 1, 4), randn(3, 4), randn(2, 4))
+    with pytest.raises(ValueError, match="cos and sin alike"):
+        apply_rope(randn(2, 3, 1, 4), randn(2, 3, 4), randn(2, 4))
 
 
 @pytest.mark.parametrize("dtype", dtype_params())

@@ -31,9 +31,14 @@ SHORT_STEPS = 6
 SHORT = (f"train.steps={SHORT_STEPS}",)
 
 
-def structured_dataset() -> str:
-    """A learnable indexed dataset (documents are arithmetic progressions mod 250), built once
-    per test session with numpy only; returns its prefix."""
+# document masking on the structured dataset's EOD variant (token 249 ends every document)
+DOCS = ["data.eod_token_id=249", "data.reset_attention_mask=true", "data.reset_position_ids=true"]
+
+
+def structured_dataset(eod: int | None = None) -> str:
+    """A learnable indexed dataset (documents are arithmetic progressions mod 249, so token 249
+    of the 250 is unused), built once per test session with numpy only; returns its prefix.
+    eod: a variant (its own files) whose every document ends with token `eod`."""
     import os
     import tempfile
 
@@ -41,13 +46,15 @@ def structured_dataset() -> str:
 
     from megatron_lite.data import IndexedDatasetBuilder
 
-    prefix = os.path.join(tempfile.gettempdir(), f"megatron_lite_parity_{os.getpid()}", "seq")
+    name = "seq" if eod is None else f"seq_eod{eod}"
+    prefix = os.path.join(tempfile.gettempdir(), f"megatron_lite_parity_{os.getpid()}", name)
     if not os.path.exists(prefix + ".idx"):
         rng = np.random.default_rng(0)
         with IndexedDatasetBuilder(prefix) as builder:
             for _ in range(400):
                 start, step, n = rng.integers(0, 249), rng.integers(1, 7), rng.integers(20, 90)
-                builder.add_document((start + step * np.arange(n)) % 249)
+                doc = (start + step * np.arange(n)) % 249
+                builder.add_document(doc if eod is None else np.append(doc, eod))
     return prefix
 
 
@@ -84,11 +91,16 @@ class Curve(list):
 
 
 def train_losses(
-    world: int, overrides: list[str], tmp: str, timeout: float = 180, env: dict | None = None
+    world: int,
+    overrides: list[str],
+    tmp: str,
+    timeout: float = 180,
+    env: dict | None = None,
+    eod: int | None = None,
 ) -> Curve:
     """Rank 0's per-step losses and grad norms; `env` is set in each rank before anything is
-    imported."""
-    data = f"data.paths=[{structured_dataset()}]"
+    imported; eod: train on `structured_dataset(eod)`."""
+    data = f"data.paths=[{structured_dataset(eod)}]"
     return run_ranks(world, _train, [*TINY, data, *overrides], tmp, env, timeout=timeout)[0]
 
 
@@ -103,13 +115,13 @@ def train_records(world: int, overrides: list[str], keys, timeout: float = 180) 
 
 
 @functools.cache
-def reference_losses(overrides: tuple[str, ...]) -> Curve:
+def reference_losses(overrides: tuple[str, ...], eod: int | None = None) -> Curve:
     """Single-rank losses and grad norms for a model config (cached across tests in one
-    session: never modify the result)."""
+    session: never modify the result); eod: on `structured_dataset(eod)`."""
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
-        return train_losses(1, list(overrides), tmp)
+        return train_losses(1, list(overrides), tmp, eod=eod)
 
 
 def max_rel_diff(a, b) -> float:

@@ -7,23 +7,44 @@ import torch.distributed as dist
 
 from tests.dist_harness import run_ranks
 from tests.parallel.parity import SHORT, assert_parity, reference_losses, train_records
+from tests.parallel.test_moe import MOE
 
+P2P = ["parallel.cp_comm_type=p2p"]
+HYBRID = ["parallel.cp_comm_type=a2a+p2p", "parallel.cp_a2a_size=2"]
 LAYOUTS = {
     "cp2": (2, ["parallel.cp=2"]),
     "cp4_gqa_replicated_kv": (4, ["parallel.cp=4"]),  # 2 KV groups < cp: replicated
     "tp2_cp2_sp": (4, ["parallel.tp=2", "parallel.cp=2", "parallel.sequence_parallel=true"]),
     "cp2_pp2": (4, ["parallel.cp=2", "parallel.pp=2"]),
-    "p2p_cp2": (2, ["parallel.cp=2", "parallel.cp_comm_type=p2p"]),
-    "p2p_cp4": (4, ["parallel.cp=4", "parallel.cp_comm_type=p2p"]),
-    "hybrid_cp4": (4, ["parallel.cp=4", "parallel.cp_comm_type=a2a+p2p", "parallel.cp_a2a_size=2"]),
+    "p2p_cp2": (2, [*P2P, "parallel.cp=2"]),
+    "p2p_cp4": (4, [*P2P, "parallel.cp=4"]),
+    "hybrid_cp4": (4, [*HYBRID, "parallel.cp=4"]),
+    # cp above the 4 heads: Ulysses pairs, a ring of 4
+    "hybrid_cp8_4heads": (8, [*HYBRID, "parallel.cp=8"]),
+    "p2p_cp2_tp2_sp_zero1": (
+        8,
+        [
+            *P2P,
+            "parallel.cp=2",
+            "parallel.tp=2",
+            "parallel.sequence_parallel=true",
+            "parallel.zero_stage=1",
+        ],
+    ),
+    "hybrid_cp4_pp2": (8, [*HYBRID, "parallel.cp=4", "parallel.pp=2"]),
+    "p2p_cp2_ep2": (2, [*P2P, "parallel.cp=2", "parallel.ep=2"]),
 }
-MODELS = {"llama": ["model.arch=llama", *SHORT], "gpt": ["model.arch=gpt", *SHORT]}
+MODELS = {"llama": ["model.arch=llama", *SHORT], "gpt": ["model.arch=gpt", *SHORT],
+          "moe": [*MOE, *SHORT]}  # fmt: skip
 # each layout on the models it can break: plain CP on both (RoPE offsets; GPT's learned
 # positions and biases), GQA with KV groups replicated over CP on llama, TP+SP+CP on GPT (its
-# biases and LayerNorm under SP), CP with pipeline stages on llama
+# biases and LayerNorm under SP), CP with pipeline stages on llama; the ring (p2p, a2a+p2p)
+# likewise, with ZeRO-1 beside TP+SP on GPT, cp above the head count, and expert parallelism
 CASES = [("cp2", "llama"), ("cp2", "gpt"), ("cp4_gqa_replicated_kv", "llama"),
          ("tp2_cp2_sp", "gpt"), ("cp2_pp2", "llama"),
-         ("p2p_cp2", "gpt"), ("p2p_cp4", "llama"), ("hybrid_cp4", "llama")]  # fmt: skip
+         ("p2p_cp2", "gpt"), ("p2p_cp4", "llama"), ("hybrid_cp4", "llama"),
+         ("hybrid_cp8_4heads", "llama"), ("p2p_cp2_tp2_sp_zero1", "gpt"),
+         ("hybrid_cp4_pp2", "llama"), ("p2p_cp2_ep2", "moe")]  # fmt: skip
 
 
 # the collectives each CP type must use (comm_bytes/<kind> in metrics.jsonl), and must not
@@ -43,6 +64,8 @@ def test_cp_loss_parity(layout, model):
     uses, not_used = USES[kind]
     for key in (uses,) if isinstance(uses, str) else uses:
         assert got[0].get(f"comm_bytes/{key}", 0) > 0, f"{layout}: no {key} traffic: {got[0]}"
+    if model == "moe":  # the expert dispatch is an all-to-all too
+        not_used = ()
     for key in (not_used,) if isinstance(not_used, str) else not_used:
         assert f"comm_bytes/{key}" not in got[0], f"{layout} ({kind}) used {key}: {got[0]}"
 

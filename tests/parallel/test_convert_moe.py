@@ -57,7 +57,7 @@ def _logits(trainer, mesh, ids):
     import torch.distributed as dist
 
     chunk = trainer.chunks[0]
-    rope = (chunk.rope_cos, chunk.rope_sin)
+    ctx = chunk.token_context()  # RoPE's tables
     pp_ranks, pp_rank = mesh.pp.ranks, mesh.pp.rank
     with torch.no_grad():
         if chunk.pre_process:
@@ -67,7 +67,7 @@ def _logits(trainer, mesh, ids):
             x = torch.empty(s, ids.shape[0], trainer.cfg.model.hidden_size)
             dist.recv(x, pp_ranks[pp_rank - 1])
         for layer in chunk.layers.values():
-            x = layer(x, rope)
+            x = layer(x, ctx)
         if not chunk.post_process:
             dist.send(x.contiguous(), pp_ranks[pp_rank + 1])
             return None

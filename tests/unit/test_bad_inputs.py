@@ -71,6 +71,19 @@ CONFIG_CASES = [
     ("tok-vocab-zero", ["data.tokenizer_vocab_size=0"], "data.tokenizer_vocab_size=0"),
     ("no-data", ["data.mock=false"], "no training data"),
     ("mock-no-vocab", ["model.vocab_size=null"], "mock data needs an explicit vocabulary"),
+    # document masking: an EOD id in the vocabulary, a backend that takes the mask
+    *[
+        (f"no-eod-{flag}", [f"data.{flag}=true"], "data.eod_token_id=None: data." + flag)
+        for flag in ("reset_attention_mask", "reset_position_ids", "eod_mask_loss")
+    ],
+    ("no-eod-paths", [*DATA, "data.eod_mask_loss=true"], "set data.eod_token_id to the id"),
+    ("eod-beyond-vocab", ["data.eod_token_id=512"], "data.eod_token_id=512: must be a token id"),
+    ("eod-negative", ["data.eod_token_id=-1"], "data.eod_token_id=-1: must be a token id"),
+    (
+        "doc-mask-te",
+        ["data.eod_token_id=2", "data.reset_attention_mask=true", "model.attention_backend=te"],
+        "model.attention_backend='te': data.reset_attention_mask needs a per-document mask",
+    ),
     # data.cache_dir (used when a corpus is prepared)
     *[
         (f"cache-{kind}", ["data.mock=false", "data.corpus=shakespeare", f"data.cache_dir={p}"], n)

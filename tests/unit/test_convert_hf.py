@@ -78,7 +78,7 @@ def _our_logits(rank, world, overrides, out_dir, ids, train):
     with torch.no_grad():
         x = chunk.embed(ids)  # [s, b, h]
         for layer in chunk.layers.values():
-            x = layer(x, (chunk.rope_cos, chunk.rope_sin))
+            x = layer(x, chunk.token_context())
         logits = chunk.output_layer(chunk.final_norm(x), chunk.output_weight())  # [s, b, Vp]
     return logits[..., :VOCAB].transpose(0, 1).numpy()  # numpy: a tensor can't cross the queue
 

@@ -10,7 +10,7 @@ from torch import nn
 from megatron_lite.config import ModelConfig, load_config
 from megatron_lite.models.transformer_config import RUN_ONLY, TransformerConfig
 from megatron_lite.parallel.params import init_parameters, meta_of
-from megatron_lite.resolve import resolve, vocab_size
+from megatron_lite.resolve import eod_token_id, resolve, vocab_size
 from megatron_lite.validation import validate
 
 
@@ -71,6 +71,10 @@ def test_transformer_config_takes_every_model_field_by_name():
         "sequence_parallel",
         "moe_aux_loss_scale",
         "moe_layer_pattern",
+        # from the data section: document masking
+        "reset_attention_mask",
+        "reset_position_ids",
+        "eod_token_id",
     }
     assert layers - model == derived
     c = TransformerConfig.from_config(_cfg("model.norm_eps=1e-6", "model.rope_theta=5e5"), 1)
@@ -110,3 +114,27 @@ def test_unmarked_parameter_without_reset_is_refused_by_name():
         ValueError, match=r"parameter '1.gain' \(Scale\) has no sharding metadata.*set_meta"
     ):
         init_parameters(model, seed=0)
+
+
+def test_eod_token_id_is_resolved_once_for_the_model(tmp_path):
+    """data.eod_token_id, else the tokenizer's eos (a built-in corpus's trained tokenizer: 2; a
+    given file's), None without a document flag or without a tokenizer; the model gets it."""
+    on = "data.reset_attention_mask=true"
+    assert eod_token_id(_cfg("data.eod_token_id=7").data) is None  # no flag: unused
+    assert eod_token_id(_cfg(on, "data.eod_token_id=7").data) == 7
+    assert eod_token_id(_cfg(on).data) is None  # mock data: validation asks for the id
+    corpus = load_config(None, ["data.corpus=shakespeare", "data.eod_mask_loss=true"])
+    assert eod_token_id(corpus.data) == 2
+    spm = pytest.importorskip("sentencepiece")
+    text = tmp_path / "t.txt"
+    text.write_text("".join(f"word{i} and more words number {i * 7}\n" for i in range(300)))
+    spm.SentencePieceTrainer.train(
+        input=str(text), model_prefix=str(tmp_path / "tok"), vocab_size=123, minloglevel=2,
+        eos_id=5, unk_id=0, bos_id=1,
+    )  # fmt: skip
+    given = ["data.paths=[d]", f"data.tokenizer_model={tmp_path / 'tok.model'}", on]
+    assert eod_token_id(load_config(None, given).data) == 5
+    c = TransformerConfig.from_config(_cfg(on, "data.reset_position_ids=true",
+                                           "data.eod_token_id=9"), 1)  # fmt: skip
+    assert (c.eod_token_id, c.reset_attention_mask, c.reset_position_ids) == (9, True, True)
+    assert TransformerConfig.from_config(_cfg(), 1).eod_token_id is None
