@@ -71,8 +71,12 @@ def test_ring_matches_float64_reference(world, n, g, docs):
         assert total == (3 * world - 2) * block, f"rank {rank}: sent {total} bytes in all"
         assert recv == total
     work = [w for _, w, *_ in results]
+    chunk = s // (2 * world)
     if not docs:  # causal balance: every rank computes 2R+1 chunk² sub-blocks
         assert max(work) / (sum(work) / world) <= 1.05, f"attention work per rank: {work}"
+        assert work == [(2 * world + 1) * chunk**2] * world, work
+    else:  # sub-blocks whose rows share no document are skipped
+        assert sum(work) < world * (2 * world + 1) * chunk**2, work
 
 
 def test_naive_split_is_unbalanced_and_still_exact():
