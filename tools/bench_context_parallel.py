@@ -1,9 +1,10 @@
 """Context-parallel benchmark: load balance of ring attention, and activation memory per rank
 against cp for every parallel.cp_comm_type, measured on CPU gloo ranks.
 
-    python tools/bench_context_parallel.py                 # both parts, ~5 min on 2 cores
+    python tools/bench_context_parallel.py                 # all three parts, ~15 min on 2 cores
     python tools/bench_context_parallel.py --part balance  # ring attention alone
-    python tools/bench_context_parallel.py --part memory   # training runs
+    python tools/bench_context_parallel.py --part memory   # training runs, cp 1..8 per type
+    python tools/bench_context_parallel.py --part long     # 16K tokens: cp 1 against cp 8
 
 `balance`: one causal ring-attention layer (forward + backward) over --seq tokens on --cp
 ranks, with the balanced split (chunks j and 2·cp−1−j) and the naive contiguous one; each
@@ -13,8 +14,11 @@ the slowest rank against the mean.
 
 `memory`: a tiny Llama trained for 2 steps at --seq tokens with cp = 1, 2, 4, 8 for each type
 (a2a, p2p, a2a+p2p with cp_a2a_size 2); the activation bytes per rank are the run's measured
-`mem/activations` (MemoryTracker: the step's peak, max over ranks). At cp = 1 they exceed
---budget-mib; the table shows which layouts fit.
+`mem/activations` (MemoryTracker: the step's peak, max over ranks), shown against 1/cp of the
+cp = 1 run and of the type's cp = 2 run.
+
+`long`: the same model at --long-seq tokens (16K) on one rank and with cp = 8 (p2p and
+a2a+p2p): the one rank's activations exceed --budget-mib, the cp = 8 ranks' fit.
 
 Figures go to <out-dir>/results.json and a printed table.
 """
@@ -165,27 +169,38 @@ def model_overrides(seq: int) -> list[str]:
     ]  # fmt: skip
 
 
-CP_TYPES = {"a2a": [], "p2p": ["parallel.cp_comm_type=p2p"],
+CP_TYPES = {"a2a": ["parallel.cp_comm_type=a2a"], "p2p": ["parallel.cp_comm_type=p2p"],
             "a2a+p2p": ["parallel.cp_comm_type=a2a+p2p", "parallel.cp_a2a_size=2"]}  # fmt: skip
 
 
-def memory(a) -> list[dict]:
+def _train_all(seq: int, layouts: list[tuple[str, int]]) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        base = model_overrides(a.seq)
-        one = spawn(1, _train_rank, base, os.path.join(tmp, "cp1"))
-        rows.append({"type": "-", "cp": 1, **one})
-        for kind, extra in CP_TYPES.items():
-            for cp in (2, 4, 8):
-                if kind == "a2a+p2p" and cp < 4:
-                    continue
-                over = [*base, f"parallel.cp={cp}", *extra]
-                got = spawn(cp, _train_rank, over, os.path.join(tmp, f"{kind}{cp}"))
-                rows.append({"type": kind, "cp": cp, **got})
-    ref = rows[0]["activations"]
+        for kind, cp in layouts:
+            over = [*model_overrides(seq), f"parallel.cp={cp}", *CP_TYPES[kind]]
+            got = spawn(cp, _train_rank, over, os.path.join(tmp, f"{kind}{cp}"))
+            rows.append({"type": kind, "cp": cp, "seq": seq, **got})
     for r in rows:
         r["act_mib"] = r["activations"] / 2**20
-        r["x_cp"] = r["activations"] * r["cp"] / ref  # 1.00 = exactly 1/cp of cp=1
+    return rows
+
+
+def memory(a) -> list[dict]:
+    layouts = [("a2a", 1)] + [(k, cp) for k in CP_TYPES for cp in (2, 4, 8)
+                              if not (k == "a2a+p2p" and cp < 4)]  # fmt: skip
+    rows = _train_all(a.seq, layouts)
+    one = rows[0]["activations"]
+    first = {}
+    for r in rows:
+        r["x_cp_vs_cp1"] = r["activations"] * r["cp"] / one  # 1.00: exactly 1/cp of cp = 1
+        base = first.setdefault(r["type"], r) if r["cp"] > 1 else r
+        r["x_cp_vs_first"] = r["activations"] * r["cp"] / (base["activations"] * base["cp"])
+    return rows
+
+
+def long(a) -> list[dict]:
+    rows = _train_all(a.long_seq, [("a2a", 1), ("p2p", 8), ("a2a+p2p", 8)])
+    for r in rows:
         r["fits_budget"] = r["act_mib"] <= a.budget_mib
     return rows
 
@@ -193,28 +208,36 @@ def memory(a) -> list[dict]:
 # ------------------------------------------------------------------ command line
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--part", choices=("balance", "memory", "both"), default="both")
-    p.add_argument("--seq", type=int, default=16384, help="total sequence length (tokens)")
+    p.add_argument("--part", choices=("balance", "memory", "long", "all"), default="all")
+    p.add_argument("--seq", type=int, default=4096, help="total tokens (balance, memory)")
+    p.add_argument("--long-seq", type=int, default=16384, help="total tokens (long)")
     p.add_argument("--cp", type=int, default=8, help="ring ranks for the balance part")
     p.add_argument("--reps", type=int, default=3, help="timed repetitions (balance)")
     p.add_argument("--budget-mib", type=float, default=64.0,
-                   help="activation memory budget per rank (MiB) for the memory part")  # fmt: skip
+                   help="activation memory budget per rank (MiB) for the long part")  # fmt: skip
     p.add_argument("--out-dir", default="runs/bench_context_parallel")
     a = p.parse_args(argv)
-    results = {"seq": a.seq, "budget_mib": a.budget_mib, "cpus": os.cpu_count()}
-    if a.part in ("balance", "both"):
+    results = {"cpus": os.cpu_count(), "budget_mib": a.budget_mib}
+    if a.part in ("balance", "all"):
         results["balance"] = balance(a)
         print(f"ring attention, causal, {a.seq} tokens on {a.cp} ranks (block compute per rank)")
         for r in results["balance"]:
             times = " ".join(f"{t * 1e3:.0f}" for t in r["rank_s"])
             print(f"  {r['split']:<30} max/mean {r['max_over_mean']:.3f}   ms/rank: {times}")
-    if a.part in ("memory", "both"):
+    if a.part in ("memory", "all"):
         results["memory"] = memory(a)
-        print(f"activations per rank, {a.seq} tokens (measured mem/activations, peak, max rank)")
-        print(f"  {'type':<8} {'cp':>3} {'MiB':>9} {'x cp / cp1':>11}  budget {a.budget_mib:g} MiB")
+        print(f"activations per rank, {a.seq} tokens (measured mem/activations: peak, max rank)")
+        print(f"  {'type':<8} {'cp':>3} {'MiB':>8} {'x cp/cp1':>9} {'x cp/first':>11}")
         for r in results["memory"]:
-            fits = "fits" if r["fits_budget"] else "over"
-            print(f"  {r['type']:<8} {r['cp']:>3} {r['act_mib']:>9.1f} {r['x_cp']:>11.3f}  {fits}")
+            print(f"  {r['type']:<8} {r['cp']:>3} {r['act_mib']:>8.2f} {r['x_cp_vs_cp1']:>9.3f}"
+                  f" {r['x_cp_vs_first']:>11.3f}")  # fmt: skip
+    if a.part in ("long", "all"):
+        results["long"] = long(a)
+        print(f"{a.long_seq} tokens, activation budget {a.budget_mib:g} MiB per rank")
+        for r in results["long"]:
+            fits = "fits" if r["fits_budget"] else "over budget"
+            print(f"  {r['type']:<8} cp {r['cp']}: {r['act_mib']:7.1f} MiB  {fits}  loss "
+                  f"{r['loss']:.4f}, {r['wall_s']:.0f} s for 2 steps")  # fmt: skip
     os.makedirs(a.out_dir, exist_ok=True)
     with open(os.path.join(a.out_dir, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
