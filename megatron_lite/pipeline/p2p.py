@@ -209,8 +209,14 @@ def _post(ops: list, deadline: float, device: torch.device):
     return out.get("works")
 
 
-def warm_up(group: dist.ProcessGroup, device: torch.device, timeout_s: float) -> None:
-    """Before step 1, on every rank of the pipeline group `group` (module docstring): each rank
+_WHAT = {"pp": "pipeline", "cp": "context-parallel ring"}
+
+
+def warm_up(
+    group: dist.ProcessGroup, device: torch.device, timeout_s: float, axis: str = "pp"
+) -> None:
+    """Before step 1, on every rank of the ring `group` (the pipeline's, module docstring; or
+    the context-parallel ring's, `axis` "cp", whose attention sends K/V around it): each rank
     sends its global rank to the next and the previous stage and checks what it receives from
     them (the ring's wrap link included: interleaved schedules use it). Raises P2PError naming
     rank and peer when a link fails, a peer does not take part within `timeout_s`, or the ranks
@@ -232,11 +238,12 @@ def warm_up(group: dist.ProcessGroup, device: torch.device, timeout_s: float) ->
     both = f"send/recv with peers {prev} and {nxt}"
     labels = [f"send -> peer {nxt}", f"recv <- peer {prev}", f"send -> peer {prev}"]
     labels.append(f"recv <- peer {nxt}")
-    STATS.note("p2p_warm_up", getattr(group, "group_desc", "pp"))
+    STATS.note("p2p_warm_up", getattr(group, "group_desc", axis))
 
     def error(label: str, what: str) -> P2PError:
         return P2PError(
-            f"rank {rank} step {STATS.step}: pipeline warm-up {label} (pp rank {i} of {n}, "
+            f"rank {rank} step {STATS.step}: {_WHAT[axis]} warm-up {label} "
+            f"({axis} rank {i} of {n}, "
             f"group {mappings.group_name(group)}) {what}. The link between rank {rank} and its "
             "peer does not work: check that the peer rank started and reached the warm-up, "
             "and the NCCL set-up (NCCL_DEBUG=INFO prints the transport each link uses)"

@@ -53,6 +53,7 @@ class Trainer:
         # before anything else: a broken pipeline link (NCCL/P2P set-up, a missing rank) fails
         # here with a P2PError naming rank and peer, not in step 1
         warm_up(mesh.pp.group, self.device, cfg.parallel.timeout_s)
+        warm_up(mesh.cp_ring.group, self.device, cfg.parallel.timeout_s, axis="cp")
         if mesh.cp_a2a.size != cp_a2a_size(cfg.parallel):  # a mesh built for another CP type
             raise ValueError(
                 f"parallel.cp_comm_type={cfg.parallel.cp_comm_type}: the mesh's Ulysses groups "
