@@ -35,7 +35,6 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
 from megatron_lite.config import Config
-
 from megatron_lite.plan.memory import RankMemory, rank_memory
 from megatron_lite.resolve import num_microbatches, rank_layout
 

@@ -15,7 +15,7 @@ import tempfile
 
 from megatron_lite.config import Config
 from megatron_lite.parallel.data_parallel.memory import TERMS
-from megatron_lite.plan.activations import layer_bytes, layer_shape
+from megatron_lite.plan.activations import UNSAVED, layer_bytes, layer_shape
 from megatron_lite.plan.memory import model_states, saved_activations
 from megatron_lite.resolve import num_microbatches, rank_layout
 
@@ -54,8 +54,10 @@ def measure_on_rank(cfg: Config) -> dict:
 
 
 def predicted_layer(cfg: Config, kernels: str) -> float:
-    """Predicted bytes one layer saves per microbatch."""
-    return sum(layer_bytes(cfg, layer_shape(cfg, kernels)).values())
+    """Predicted bytes one layer saves per microbatch through save_for_backward (what the
+    SavedTensorMeter counts: activations.UNSAVED left out)."""
+    terms = layer_bytes(cfg, layer_shape(cfg, kernels))
+    return sum(v for k, v in terms.items() if k not in UNSAVED)
 
 
 def _child(rank: int, world: int, store_path: str, cfg: Config, queue, fn=None) -> None:

@@ -37,8 +37,10 @@ from megatron_lite.parallel.data_parallel.memory import formula_bytes
 from megatron_lite.pipeline.schedules import get_schedule, virtual_stage
 from megatron_lite.plan.activations import (
     MOE_TERMS,
+    UNSAVED,
     chunk_bytes,
     head_terms,
+    layer_bytes,
     layer_shape,
     layer_terms,
     recompute_settings,
@@ -77,6 +79,7 @@ class _Chunk:
     params: float  # its parameters (dense + expert)
     cuts: tuple[list, list]  # ZeRO-2: (dense, expert) buckets, (elements, parameters) each
     after: int  # dense parameters after its layers (final norm, output layer)
+    unsaved: float = 0.0  # of `kept`, what no save_for_backward holds (activations.UNSAVED)
     backwarded: bool = False  # the walk has run a backward of it
 
 
@@ -114,6 +117,8 @@ def _chunks(cfg: Config, pp_rank: int, shape) -> list[_Chunk]:
             rebuilt = terms["act"] + terms["fc2_in"]
             offset = -shape.tokens * shape.u * shape.h * shape.act_bytes  # the attention's
         root, layers = fsdp_units(cfg, pp_rank, c)
+        held = {e: sum(layer_bytes(cfg, shape, e).get(k, 0.0) for k in UNSAVED) for e in {*moe}}
+        unsaved = sum(held[e] for e in moe)
         stage = virtual_stage(pp_rank, c, p.pp)
         cuts = ([], [])
         if p.zero_stage == 2:
@@ -123,7 +128,7 @@ def _chunks(cfg: Config, pp_rank: int, shape) -> list[_Chunk]:
             kept=kept, rebuilt=rebuilt, rerun_offset=offset, last_moe=bool(moe and moe[-1]),
             loss=stage == p.pp * p.vpp - 1, embedding=stage == 0, root=root,
             layer=max(layers, default=0), params=root + sum(layers), cuts=cuts,
-            after=len(head_params(cfg, pp_rank, c)[1]),
+            after=len(head_params(cfg, pp_rank, c)[1]), unsaved=unsaved,
         ))  # fmt: skip
     return chunks
 
@@ -291,8 +296,9 @@ def peak_moment(cfg: Config, pp_rank: int, kernels: str = "fused") -> Moment:
 
 def saved_peak(cfg: Config, pp_rank: int, kernels: str = "fused") -> float:
     """The most bytes saved for backward at once on the rank (what the SavedTensorMeter
-    measures, no working set): the held pairs' activations and embedding bytes, and on the
-    last virtual stage the logits and loss of the pair it just forwarded; `cfg` resolved."""
+    measures, no working set nor activations.UNSAVED): the held pairs' activations and
+    embedding bytes, and on the last virtual stage the logits and loss of the pair it just
+    forwarded; `cfg` resolved."""
     p = cfg.parallel
     shape = layer_shape(cfg, kernels)
     head = head_terms(cfg, shape)
@@ -303,7 +309,7 @@ def saved_peak(cfg: Config, pp_rank: int, kernels: str = "fused") -> float:
     kept = best = 0.0
     for forward, c in _compute_actions(p.pp, pp_rank, walk, p.vpp):
         ch = chunks[c]
-        step = ch.kept + (head["embedding"] if ch.embedding else 0.0)
+        step = ch.kept - ch.unsaved + (head["embedding"] if ch.embedding else 0.0)
         kept += step if forward else -step
         if forward:
             best = max(best, kept + (logits if ch.loss else 0.0))
