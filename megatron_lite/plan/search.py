@@ -88,8 +88,8 @@ def cp_comm_type(cfg: Config, tp: int, cp: int) -> dict[str, object]:
     if cp == 1 or p.cp_comm_type != "a2a":
         return {}
     n, g = m.num_attention_heads // tp, (m.num_query_groups or m.num_attention_heads) // tp
-    if n % cp == 0 and (cp % g == 0 if g < cp else g % cp == 0):
-        return {}
+    if not g or (n % cp == 0 and (cp % g == 0 if g < cp else g % cp == 0)):
+        return {}  # (g = 0: a tp validation rejects anyway)
     return {"parallel.cp_comm_type": "p2p", "parallel.cp_a2a_size": None}
 
 
