@@ -8,15 +8,17 @@ previous rank's, then attends its queries to the block it holds while they are i
 partial results merge by log-sum-exp in fp32 (fp64 for fp64 inputs). The backward circulates K
 and V again; the dK/dV of each block travel with it and reach its owner one step after the last.
 
-Work is cut into sub-blocks (a chunk of queries against a chunk of keys) decided from the
-positions alone: skipped when every key follows every query, unmasked when every key precedes
-every query, causally masked otherwise (the diagonal chunks). With documents (doc ids of the
-whole [b, s] sample) the mask also requires the same document, and a sub-block where no row
-shares a document is skipped. With balancing every rank computes 2R+1 chunk² sub-blocks of which
-two are the masked diagonal: equal work on every rank.
+Work is cut into sub-blocks (a chunk of queries against a chunk of keys, each cut into runs of
+at most `tile_size` tokens so the fp32 scores stay bounded) decided from the positions alone:
+skipped when every key follows every query, unmasked when every key precedes every query, causally
+masked otherwise (the diagonal). With documents (doc ids of the whole [b, s] sample) the mask
+also requires the same document, and a sub-block where no row shares a document is skipped.
+With balancing every rank computes 2R+1 chunk² of sub-blocks, two of them the masked
+diagonal: equal work on every rank.
 
 Per layer and rank the forward sends (R−1) K/V blocks of s_r·b·2g·d elements (s_r this rank's
-tokens, g KV heads), the backward R−1 K/V blocks and R dK/dV blocks of the same size.
+tokens, g KV heads), the backward R−1 K/V blocks and R dK/dV blocks (in fp32: the compute
+dtype).
 """
 
 from __future__ import annotations
@@ -55,21 +57,37 @@ class Block:
         return None if mask is None else mask[:, None, None]
 
 
-def _segments(ranges: Ranges) -> list[tuple[slice, int, int]]:
-    """(local rows, first position, end position) of each range."""
+# a sub-block's fp32 scores (b·heads·tile², three of them in backward) stay under this,
+# however long the chunks are: tile_size picks the longest query/key run that fits
+SCORE_BYTES = 2**28
+
+
+def tile_size(batch: int, heads: int) -> int:
+    """The longest run of queries or keys in one sub-block: the largest power of two (at least
+    128) whose fp32 scores b·heads·tile²·4 fit in SCORE_BYTES."""
+    tile = 128
+    while batch * heads * (2 * tile) ** 2 * 4 <= SCORE_BYTES:
+        tile *= 2
+    return tile
+
+
+def _segments(ranges: Ranges, tile: int) -> list[tuple[slice, int, int]]:
+    """(local rows, first position, end position) of each range, cut into runs of <= tile."""
     out, row = [], 0
     for s, e in ranges:
-        out.append((slice(row, row + e - s), s, e))
-        row += e - s
+        for a in range(s, e, tile):
+            b = min(a + tile, e)
+            out.append((slice(row, row + b - a), a, b))
+            row += b - a
     return out
 
 
-def _doc_bounds(all_ranges: list[Ranges], docs: torch.Tensor | None):
-    """{(start, end): ([first doc per row], [last doc per row])} for every range of every ring
-    rank, read to the host once; None without documents. A dry run assumes one document."""
+def _doc_bounds(all_ranges: list[Ranges], docs: torch.Tensor | None, tile: int):
+    """{(start, end): ([first doc per row], [last doc per row])} for every segment of every
+    ring rank, read to the host once; None without documents. A dry run assumes one document."""
     if docs is None:
         return None
-    ends = sorted({r for ranges in all_ranges for r in ranges})
+    ends = sorted({(a, b) for ranges in all_ranges for _, a, b in _segments(ranges, tile)})
     idx = torch.tensor([i for s, e in ends for i in (s, e - 1)], device=docs.device)
     vals = host.read(docs[:, idx].t(), lambda: [[0] * docs.shape[0]] * len(idx))
     return {r: (vals[2 * i], vals[2 * i + 1]) for i, r in enumerate(ends)}
@@ -81,14 +99,19 @@ def _shares_document(bounds, q_range, k_range) -> bool:
 
 
 def plan_blocks(
-    q_ranges: Ranges, k_ranges: Ranges, docs: torch.Tensor | None = None, bounds=None
+    q_ranges: Ranges,
+    k_ranges: Ranges,
+    docs: torch.Tensor | None = None,
+    bounds=None,
+    tile: int = 2**62,
 ) -> list[Block]:
-    """The sub-blocks of queries at `q_ranges` against keys at `k_ranges` (global positions,
-    local order) that have any (q, k) pair to attend, with their masks. `docs` [b, s]: doc ids
-    of the whole sample (None: no document masking); `bounds` from `_doc_bounds`."""
+    """The sub-blocks (runs of <= tile queries at `q_ranges` against <= tile keys at
+    `k_ranges`: global positions, local order) that have any (q, k) pair to attend. `docs`
+    [b, s]: doc ids of the whole sample (None: no document masking); `bounds` from
+    `_doc_bounds` with the same tile."""
     blocks = []
-    for q_rows, qs, qe in _segments(q_ranges):
-        for k_rows, ks, ke in _segments(k_ranges):
+    for q_rows, qs, qe in _segments(q_ranges, tile):
+        for k_rows, ks, ke in _segments(k_ranges, tile):
             if ks >= qe:  # every key after every query
                 continue
             if docs is not None and not _shares_document(bounds, (qs, qe), (ks, ke)):
@@ -150,12 +173,13 @@ def _kv_heads(t: torch.Tensor, dtype) -> torch.Tensor:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, all_ranges, docs, scale):
+    def forward(ctx, q, k, v, group, all_ranges, docs, scale, tile):
         R, r, g = mappings.size(group), mappings.group_rank(group), k.shape[2]
         cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
-        bounds = _doc_bounds(all_ranges, docs)
+        bounds = _doc_bounds(all_ranges, docs, tile)
         plans = [
-            plan_blocks(all_ranges[r], all_ranges[(r - i) % R], docs, bounds) for i in range(R)
+            plan_blocks(all_ranges[r], all_ranges[(r - i) % R], docs, bounds, tile)
+            for i in range(R)
         ]
         qh = _q_heads(q, g, cdt)
         out = torch.zeros_like(qh)
@@ -207,7 +231,7 @@ class _RingAttention(torch.autograd.Function):
         s, b, n, d = q.shape
         dq = dq.reshape(b, n, s, d).permute(2, 0, 1, 3).to(q.dtype)
         dk, dv = dkv.to(k.dtype).split([g, g], dim=2)
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
 def ring_attention(
@@ -218,12 +242,14 @@ def ring_attention(
     all_ranges: list[Ranges],
     docs: torch.Tensor | None = None,
     softmax_scale: float | None = None,
+    tile: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of this ring rank's q [s_r, b, n, d] over the whole ring's k, v
     [s_r, b, g, d] (n % g == 0) -> [s_r, b, n, d].
 
     `all_ranges[j]`: the global positions of ring rank j's tokens, in local order
-    (layout.ring_ranges); `docs` [b, s]: doc ids of the whole sample for document masking.
+    (layout.ring_ranges); `docs` [b, s]: doc ids of the whole sample for document masking;
+    `tile`: the longest query/key run of one sub-block (None: `tile_size`).
     """
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     n_tokens = sum(e - s for s, e in all_ranges[mappings.group_rank(ring_group)])
@@ -232,4 +258,5 @@ def ring_attention(
             f"ring attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not "
             f"fit {n_tokens} local tokens with KV heads dividing query heads"
         )
-    return _RingAttention.apply(q, k, v, ring_group, all_ranges, docs, scale)
+    tile = tile or tile_size(q.shape[1], q.shape[2])
+    return _RingAttention.apply(q, k, v, ring_group, all_ranges, docs, scale, tile)

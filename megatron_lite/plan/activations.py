@@ -11,17 +11,29 @@ stream, n heads and g KV groups of width d, f the MLP width. Per layer:
 |---|---|---|
 | norms | 2 norms: input (+ x+attn) and rstd (LayerNorm: + mean) | 2·(T·h·u·R + 4·T·u) (LN 8·T·u) |
 | qkv_in, fc1_in | column-parallel linears' input | T·h·A each (SP, shard saved: /tp) |
-| qkv_out | v is a view of the qkv output, so attention keeps it (cp = 1) | T·(n+2g)·d/tp·A |
-| attn_in | RoPE'd q, k (cp = 1) | T·(n+g)·d/tp·A |
-| attn_in | Ulysses all-to-all outputs (cp > 1) | T·(n/tp + 2·max(g/tp, cp))·d·A |
+| qkv_out | v is a view of the qkv output, so attention keeps it (a2a = 1) | T·(n+2g)·d/tp·A |
+| attn_in | RoPE'd q, k (a2a = 1) | T·(n+g)·d/tp·A |
+| attn_in | Ulysses all-to-all outputs (a2a > 1) | T·(n/tp + 2·max(g/tp, a2a))·d·A |
 | attn_out, attn_stats | flash/SDPA output and fp32 log-sum-exp | T·n·d/tp·A, 4·T·n/tp |
-| proj_in | row-parallel input: Ulysses' all-to-all output (cp > 1; else attn_out's) | T·n·d/tp·A |
+| attn_out (ring) | ring attention's fp32 accumulator (ring > 1, also in bf16) | 4·T·n·d/tp |
+| proj_in | row-parallel input: Ulysses' output, the ring's bf16 copy (else attn_out) | T·n·d/tp·A |
 | act | SwiGLU: contiguous gate and up (GeLU: its input) | 2·T·f/tp·A (GeLU T·f/tp·A) |
 | fc2_in | row-parallel linear's input | T·f/tp·A |
 | dropout | two bool masks (hidden_dropout > 0) | 2·T·h·u |
 
 flash-attn and SDPA return their output in q's [s, b, n, d] layout, so the reshape to
 [s, b, n·d] and the row-parallel linear's input are that storage (any micro batch size).
+
+Context parallelism (parallel.cp_comm_type; cp = a2a · ring, resolve.cp_a2a_size): a2a is
+Ulysses over all cp ranks (ring = 1), p2p the ring alone (a2a = 1), a2a+p2p Ulysses over a2a
+ranks inside a ring of cp/a2a. Every term holds T = (s/cp)·b tokens, so it falls as 1/cp, but
+for Ulysses' KV replication up to a2a heads (g/tp < a2a). Ring attention (context/ring.py)
+saves its inputs q, k, v (a2a = 1: RoPE'd q, k and v, a view of the qkv output, as without
+CP; a2a > 1: the Ulysses all-to-all output), its fp32 output accumulator and fp32
+log-sum-exp (its masks are built when used, never kept).
+The accumulator takes q's [s, b, n, d] layout, so the returned output, a bf16 copy or (fp32)
+the accumulator itself, reshapes to [s, b, n·d] as a view: proj_in is the bf16 copy, nothing
+new in fp32. It is never recomputed (selective core_attn keeps it).
 
 An MoE layer (moe/layer.py; N = T·u·k rows of its T·u tokens, top-k, sent and received under
 a dry run's balanced dropless routing; E experts of width f_e) saves, instead of fc1_in, act
@@ -69,6 +81,7 @@ from dataclasses import dataclass
 
 from megatron_lite.config import Config
 from megatron_lite.resolve import (
+    cp_a2a_size,
     kv_channels,
     moe_ffn_hidden_size,
     num_query_groups,
@@ -96,6 +109,7 @@ class LayerShape:
     tp: int = 1
     sp: bool = False
     cp: int = 1
+    ring: int = 1  # ring-attention ranks of the cp (p2p: cp; a2a: 1), Ulysses over cp/ring
     act_bytes: int = 2
     residual_bytes: int = 4
     dropout: bool = False  # hidden_dropout > 0
@@ -113,6 +127,11 @@ class LayerShape:
     @property
     def tokens(self) -> float:
         return self.s / self.cp * self.b
+
+    @property
+    def a2a(self) -> int:
+        """Ranks of one Ulysses all-to-all (1: none)."""
+        return self.cp // self.ring
 
     @property
     def d(self) -> int:
@@ -148,19 +167,23 @@ def layer_terms(x: LayerShape, moe: bool = False) -> dict[str, float]:
     lin_in = T * x.h * A / (t if x.sp else 1)  # SP: the linears keep their [s/tp] input
     out["qkv_in"] = lin_in
     rope = x.arch == "llama"  # RoPE keeps only the chunk's cos/sin buffers (rope_table_bytes)
-    out["qkv_out"] = T * (x.n + 2 * x.g) * d / t * A if x.cp == 1 else 0.0
-    if x.cp > 1:
-        out["attn_in"] = T * (x.n / t + 2 * max(x.g / t, x.cp)) * d * A
+    a2a, ring = x.a2a, x.ring
+    out["qkv_out"] = T * (x.n + 2 * x.g) * d / t * A if a2a == 1 else 0.0
+    if a2a > 1:
+        out["attn_in"] = T * (x.n / t + 2 * max(x.g / t, a2a)) * d * A
     elif rope:
         out["attn_in"] = T * (x.n + x.g) * d / t * A
     if paper:  # softmax output (2), dropout mask (1), dropout output (2) per score
         out["attn_out"] = 5 * x.b * x.s * x.s * x.n / t
-    else:
-        out["attn_out"] = T * x.n * d / t * A
+    else:  # the ring keeps its fp32 accumulator, flash/SDPA their output
+        out["attn_out"] = T * x.n * d / t * (4 if ring > 1 else A)
         out["attn_stats"] = 4 * T * x.n / t  # fp32 log-sum-exp per head and token
     # flash-attn and SDPA give their output q's [s, b, n, d] layout, so the reshape to
     # [s, b, n·d] is a view (one storage); Ulysses' all-to-all makes a new tensor
-    out["proj_in"] = T * x.n * d / t * A if x.cp > 1 or paper else 0.0
+    # (the ring's accumulator takes q's [s, b, n, d] layout: in fp32 its returned output is
+    # that storage, in bf16 a copy)
+    copied = a2a > 1 or (ring > 1 and A != 4) or paper
+    out["proj_in"] = T * x.n * d / t * A if copied else 0.0
     if moe:
         return out | moe_terms(x)
     out["fc1_in"] = lin_in
@@ -281,7 +304,8 @@ def layer_shape(cfg: Config, kernels: str = "fused") -> LayerShape:
     return LayerShape(
         arch=m.arch, s=m.seq_length, b=cfg.train.micro_batch_size, h=m.hidden_size,
         n=m.num_attention_heads, g=num_query_groups(m), f=m.ffn_hidden_size, tp=p.tp,
-        sp=sequence_parallel(p), cp=p.cp, act_bytes=2 if cfg.train.precision == "bf16" else 4,
+        sp=sequence_parallel(p), cp=p.cp, ring=p.cp // cp_a2a_size(p),
+        act_bytes=2 if cfg.train.precision == "bf16" else 4,
         residual_bytes=residual_bytes(cfg), dropout=m.hidden_dropout > 0, kernels=kernels,
         experts=m.num_experts or 0, topk=m.moe_router_topk if m.num_experts else 0,
         moe_f=moe_ffn_hidden_size(m) if m.num_experts else 0, ep=p.ep, gated=m.arch != "gpt",
@@ -295,6 +319,8 @@ def layer_bytes(cfg: Config, shape: LayerShape, moe: bool = False) -> dict[str, 
     """Per-layer terms under the config's recompute mode, and 'full' recompute's input."""
     gran, modules, _, _ = recompute_settings(cfg)
     terms = layer_terms(shape, moe)
+    if shape.ring > 1:  # ring attention is never recomputed (models/transformer.py)
+        modules = [mod for mod in modules if mod != "core_attn"]
     if gran == "selective":
         moe_in = shape.tokens * shape.u * shape.h * shape.act_bytes  # the recompute's input
         return selective(terms, modules, moe_in)

@@ -54,7 +54,8 @@ def measure_on_rank(cfg: Config) -> dict:
 
 
 def predicted_layer(cfg: Config, kernels: str) -> float:
-    """Predicted bytes one layer saves per microbatch."""
+    """Predicted bytes one layer saves per microbatch through save_for_backward (what the
+    SavedTensorMeter counts)."""
     return sum(layer_bytes(cfg, layer_shape(cfg, kernels)).values())
 
 

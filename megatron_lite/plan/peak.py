@@ -291,8 +291,9 @@ def peak_moment(cfg: Config, pp_rank: int, kernels: str = "fused") -> Moment:
 
 def saved_peak(cfg: Config, pp_rank: int, kernels: str = "fused") -> float:
     """The most bytes saved for backward at once on the rank (what the SavedTensorMeter
-    measures, no working set): the held pairs' activations and embedding bytes, and on the
-    last virtual stage the logits and loss of the pair it just forwarded; `cfg` resolved."""
+    measures, no working set): the held pairs' activations and
+    embedding bytes, and on the last virtual stage the logits and loss of the pair it just
+    forwarded; `cfg` resolved."""
     p = cfg.parallel
     shape = layer_shape(cfg, kernels)
     head = head_terms(cfg, shape)

@@ -78,12 +78,28 @@ def apply(cfg: Config, overrides: dict[str, object]) -> Config:
     return out
 
 
+def cp_comm_type(cfg: Config, tp: int, cp: int) -> dict[str, object]:
+    """The CP type a layout of degrees tp and cp runs: the config's, except that Ulysses where
+    it cannot split the heads (cp not dividing the n/tp query heads, or neither dividing nor
+    divisible by the g/tp KV heads) becomes the ring (p2p), which splits the sequence instead.
+    One type per (tp, cp), so the search tries no more layouts than before; the config's
+    a2a+p2p and p2p are kept as given."""
+    p, m = cfg.parallel, cfg.model
+    if cp == 1 or p.cp_comm_type != "a2a":
+        return {}
+    n, g = m.num_attention_heads // tp, (m.num_query_groups or m.num_attention_heads) // tp
+    if not g or (n % cp == 0 and (cp % g == 0 if g < cp else g % cp == 0)):
+        return {}  # (g = 0: a tp validation rejects anyway)
+    return {"parallel.cp_comm_type": "p2p", "parallel.cp_a2a_size": None}
+
+
 def layouts(cfg: Config, world: int, gpus_per_node: int):
     """Override dicts of every layout to try (validate() decides which are valid)."""
     m = cfg.model
     eps = _divisors(m.num_experts) if m.num_experts else [1]
     for tp in _divisors(world, gpus_per_node):
         for cp in _divisors(world // tp, 8):
+            cp_type = cp_comm_type(cfg, tp, cp)
             for pp in _divisors(world // (tp * cp), m.num_layers):  # a layer per stage at least
                 dp = world // (tp * cp * pp)
                 for vpp in range(1, 9) if pp > 1 else [1]:
@@ -102,6 +118,7 @@ def layouts(cfg: Config, world: int, gpus_per_node: int):
                                          "parallel.decoder_last_pipeline_num_layers": split[1],
                                          "parallel.zero_stage": zero,
                                          "train.micro_batch_size": mbs}  # fmt: skip
+                                    o.update(cp_type)
                                     o["model.recompute_granularity"] = rec
                                     if rec == "full":  # every layer, its input kept
                                         o["model.recompute_method"] = "uniform"

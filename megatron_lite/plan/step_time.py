@@ -5,7 +5,13 @@ Overlap model (what our code overlaps):
 - TP: forward all-gathers / reduce-scatters (all-reduces without SP) are exposed; in backward the
   async linear re-gathers the input during the input-gradient GEMM and reduce-scatters the input
   gradient during the weight-gradient GEMM, so each hides up to half the layer's backward GEMMs.
-- CP (Ulysses) and EP (MoE) all-to-alls are exposed: EP's dispatch and combine, T·u·k·h·A
+- CP: Ulysses' all-to-alls (q, k, v in; the output back) over the cp_a2a group are exposed,
+  in forward and backward (and a full recompute's rerun). The ring (context/ring.py) over
+  cp_ring overlaps each K/V send with attention: per layer the forward's R−1 steps each expose
+  max(0, send of one K/V block − that step's two chunk² sub-blocks of attention), the
+  backward's R−1 steps max(0, K/V + dK/dV send − those sub-blocks' backward, 2.5× the
+  forward's FLOPs), plus the last dK/dV send, which nothing overlaps (`cp_ring_exposed`).
+- EP (MoE) all-to-alls are exposed: EP's dispatch and combine, T·u·k·h·A
   each, in forward, backward and a recompute's rerun, on the MoE layers (moe_layer_freq).
 - PP: each send/receive batch costs its p2p time on the schedule's critical path (simulator).
 - DP: gradient buckets reduce during the last microbatch's backward, all but the last bucket
@@ -22,10 +28,16 @@ import functools
 from dataclasses import dataclass
 
 from megatron_lite.config import Config
+from megatron_lite.context.ulysses import ulysses_kv_heads
 from megatron_lite.plan.activations import layer_shape, recompute_settings, resolved
 from megatron_lite.plan.comm import collective_time, group_links
 from megatron_lite.plan.params import chunk_moe, rank_layers, rank_params
-from megatron_lite.resolve import kv_channels, moe_layer_pattern, num_microbatches, stage_layers
+from megatron_lite.resolve import (
+    cp_a2a_size,
+    moe_layer_pattern,
+    num_microbatches,
+    stage_layers,
+)
 from megatron_lite.training.flops import model_flops_per_token
 
 
@@ -105,13 +117,73 @@ def ep_all_to_all_bytes(cfg: Config, pp_rank: int, microbatches: int) -> float:
     return microbatches * layers * ep_calls(cfg) * ep_rows_bytes(cfg)
 
 
+def cp_ring_blocks(cfg: Config) -> tuple[float, float]:
+    """(bytes of one K/V block, of one dK/dV block) a ring step sends, per layer and microbatch
+    (`cfg` resolved): the ring rank's s/R·b tokens of its 2·g_r KV heads of width d, g_r = g/tp,
+    or max(g/tp, a2a)/a2a after Ulysses; K/V in the compute dtype, dK/dV in the ring's fp32."""
+    shape = layer_shape(cfg)
+    a2a, g = shape.a2a, shape.g // shape.tp
+    g_r = ulysses_kv_heads(g, a2a) // a2a if a2a > 1 else g
+    elements = shape.tokens * a2a * 2 * g_r * shape.d  # s_r·b = T·a2a tokens
+    return elements * shape.act_bytes, elements * 4
+
+
+def cp_ring_sends(cfg: Config) -> tuple[int, int]:
+    """(K/V sends, dK/dV sends) per layer and microbatch: R−1 forward and R−1 backward K/V
+    (and R−1 again in a full recompute's rerun; selective recompute never reruns the ring), R
+    dK/dV."""
+    ring = layer_shape(cfg).ring
+    if ring == 1:
+        return 0, 0
+    rerun = 1 if cfg.model.recompute_granularity == "full" else 0
+    return (ring - 1) * (2 + rerun), ring
+
+
+def cp_ring_bytes(cfg: Config, pp_rank: int, microbatches: int) -> float:
+    """Bytes one rank of pipeline rank `pp_rank` sends (and as many receives: comm_stats'
+    `cp_send` and `cp_recv`) around the ring in `microbatches` microbatches (`cfg` resolved;
+    0 without a ring)."""
+    kv, dkv = cp_ring_blocks(cfg)
+    n_kv, n_dkv = cp_ring_sends(cfg)
+    layers = sum(c for _, c in rank_layers(cfg, pp_rank))
+    return microbatches * layers * (n_kv * kv + n_dkv * dkv)
+
+
+def cp_ring_exposed(cfg: Config, link: str, gpu, rate: float) -> tuple[float, float]:
+    """(forward, backward) seconds the ring exposes per layer and microbatch (module
+    docstring): each step computes two sub-blocks of c = s/(2R) queries against c keys over
+    n/(tp·a2a) heads, 4·b·c²·n·d/(tp·a2a) FLOPs forward (QKᵀ and PV), 2.5× that backward."""
+    shape = layer_shape(cfg)
+    ring = shape.ring
+    if ring == 1:
+        return 0.0, 0.0
+    kv, dkv = (collective_time("send", x, ring, link, gpu) for x in cp_ring_blocks(cfg))
+    c = shape.s / (2 * ring)
+    step = 2 * 4 * shape.b * c * c * shape.n / (shape.tp * shape.a2a) * shape.d / rate
+    fwd = (ring - 1) * max(0.0, kv - step)
+    bwd = (ring - 1) * max(0.0, kv + dkv - 2.5 * step) + dkv
+    return fwd, bwd
+
+
+def cp_a2a_exposed(cfg: Config, link: str, gpu) -> float:
+    """Seconds of Ulysses' two all-to-alls over the a2a ranks (q, k, v in with the KV heads
+    replicated up to a2a; the output back), per layer and microbatch, one direction."""
+    shape = layer_shape(cfg)
+    a2a, T, A, t = shape.a2a, shape.tokens, shape.act_bytes, shape.tp
+    if a2a == 1:
+        return 0.0
+    qkv = T * (shape.n / t + 2 * max(shape.g / t, a2a)) * shape.d * A
+    out = T * shape.n / t * shape.d * A
+    return sum(collective_time("all_to_all", x, a2a, link, gpu) for x in (qkv, out))
+
+
 def step_time(cfg: Config, world: int, gpu, mfu: float, gpus_per_node: int,
               simulate: bool = True) -> StepTime:  # fmt: skip
     """Predicted step time of `cfg` on `world` GPUs of type `gpu`."""
     r = resolved(cfg, world)
     m_, p, t_ = r.model, r.parallel, r.train
     shape = layer_shape(r)
-    links = group_links(world, p.tp, p.pp, p.cp, p.ep, p.order, gpus_per_node)
+    links = group_links(world, p.tp, p.pp, p.cp, p.ep, p.order, gpus_per_node, cp_a2a_size(p))
     m = num_microbatches(t_, p.dp)
     T, A, rate = shape.tokens, shape.act_bytes, gpu.peak_tflops * 1e12 * mfu
     gran, modules, method, num = recompute_settings(r)
@@ -126,7 +198,7 @@ def step_time(cfg: Config, world: int, gpu, mfu: float, gpus_per_node: int,
     extra = 0.0
     if gran == "full":
         extra = 1.0  # the forward again in backward (block: averaged below over recomputed)
-    elif gran == "selective" and "core_attn" in modules:
+    elif gran == "selective" and "core_attn" in modules and shape.ring == 1:
         extra = attn_flops / rate / t_fwd
     if gran == "full" and method == "block":
         per_chunk = [c for _, c in rank_layers(r, 0)]
@@ -144,12 +216,10 @@ def step_time(cfg: Config, world: int, gpu, mfu: float, gpus_per_node: int,
         half = t_fwd  # the backward GEMMs cost 2·t_fwd: half dgrad, half wgrad
         tp_b = max(0.0, gathers - half) + max(0.0, scatters - half)
         hidden += (gathers + scatters - tp_b) * m * sum(stage_layers(m_, p)) / p.pp
-    cp_l = 0.0
-    if p.cp > 1:
-        d, g = kv_channels(m_), m_.num_query_groups
-        qkv = T * (m_.num_attention_heads / p.tp + 2 * max(g / p.tp, p.cp)) * d * A
-        out = T * m_.num_attention_heads / p.tp * d * A
-        cp_l = 2 * sum(collective_time("all_to_all", x, p.cp, links["cp"], gpu) for x in (qkv, out))
+    a2a = cp_a2a_exposed(r, links["cp_a2a"], gpu)
+    ring_f, ring_b = cp_ring_exposed(r, links["cp_ring"], gpu, rate)
+    rerun = a2a + ring_f if gran == "full" else 0.0  # the forward's again in backward
+    cp_f, cp_b = a2a + ring_f, a2a + ring_b + rerun
     ep_f = ep_b = 0.0
     if m_.num_experts is not None and p.ep > 1:
         # per mean layer: times the share of MoE layers (moe_layer_freq)
@@ -162,8 +232,8 @@ def step_time(cfg: Config, world: int, gpu, mfu: float, gpus_per_node: int,
     counts = stage_layers(m_, p)
     weights = [float(c) for c in counts]
     weights[-1] += head / 3 / layer_fwd
-    fwd = t_fwd + tp_f + cp_l + ep_f
-    bwd = 2 * t_fwd + extra * t_fwd + tp_b + cp_l + ep_b
+    fwd = t_fwd + tp_f + cp_f + ep_f
+    bwd = 2 * t_fwd + extra * t_fwd + tp_b + cp_b + ep_b
     busy, bubble, pp_exp = _pipeline(p.pp, p.vpp, m, tuple(weights), fwd, bwd, p2p, simulate)
     compute = (
         max(m * sum(weights[s] for s in range(rk, p.pp * p.vpp, p.pp)) for rk in range(p.pp))
@@ -172,7 +242,7 @@ def step_time(cfg: Config, world: int, gpu, mfu: float, gpus_per_node: int,
     )
     layers_busiest = max(sum(c for _, c in rank_layers(r, rk)) for rk in range(p.pp))
     tp_exp = m * layers_busiest * (tp_f + tp_b)
-    cp_exp = m * layers_busiest * 2 * cp_l
+    cp_exp = m * layers_busiest * (cp_f + cp_b)
     ep_exp = m * layers_busiest * (ep_f + ep_b)
 
     dp_exp, dp_hidden = _dp_time(r, world, gpu, links, m, t_fwd, layers_busiest)

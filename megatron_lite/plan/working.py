@@ -36,6 +36,15 @@ dtype's bytes, f the MLP width, N the MoE rows a rank sends and receives):
   its bucket; the loop: the last expert's SwiGLU backward, 3·(N/E_l)·f·A, and with E_l > 1 the
   other experts' output gradients N·h·A and the stacked fc2 weight gradient E_l·h·f·A (the
   combine's saved 2·N·h·A and that expert's fc2 input freed);
+- ring attention's backward (ring > 1, dense layers; context/ring.py), its largest moment: a
+  sub-block's three fp32 score-sized tensors at once (probabilities, dO·Vᵀ minus delta, dS),
+  3·b·(n/(tp·a2a))·c²·4 and its causal bool mask c² with c = min(s/(2·ring),
+  ring.tile_size) (a chunk, cut into runs of at most that), beside the output's gradient T·n·d/tp·A,
+  dQ 4·T·n·d/tp, the K/V block and its receive 2·E·A, dK/dV and the dK/dV message and its
+  receive 3·4·E (E = T·a2a·2·g_r·d K/V elements of the ring rank, g_r its KV heads), and in
+  bf16 the fp32 copies of q, dO (2·4·T·n·d/tp) and K/V (4·E); the layer's MLP and proj inputs
+  freed by then. Its forward holds the same three score tensors with fewer copies and the
+  layer's MLP not yet made, so the backward is the larger;
 - loss backward (the last stage): the fp32 gradient of the logits [T, V/tp] beside the saved
   logits (torch kernels: also exp of them), plan/activations.py head_terms.
 
@@ -56,7 +65,13 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from megatron_lite.plan.activations import LayerShape, moe_assignments, shared_expert_terms
+from megatron_lite.context.ring import tile_size
+from megatron_lite.plan.activations import (
+    LayerShape,
+    layer_terms,
+    moe_assignments,
+    shared_expert_terms,
+)
 
 
 def _reduction(x: LayerShape) -> float:
@@ -99,6 +114,11 @@ def backward_moments(x: LayerShape, moe: bool = False) -> list[tuple]:
     docstring)."""
     if moe:
         return _moe_backward_moments(x)
+    ring = ring_backward_moment(x)
+    return _dense_backward_moments(x) + ([ring] if ring else [])
+
+
+def _dense_backward_moments(x: LayerShape) -> list[tuple]:
     T, h, A, t, f = x.tokens, x.h, x.act_bytes, x.tp, x.f
     sp = x.sp and t > 1
     cast = x.residual_bytes != A  # the residual stream's gradient cast to the branch's dtype
@@ -122,6 +142,23 @@ def backward_moments(x: LayerShape, moe: bool = False) -> list[tuple]:
         (act + (T * h * A if sp else 0.0) + in_grad + fc1_w, fc2_in + act, 0, 1, None),
         (in_grad + fc1_w, fc2_in + act + fc1_in, 0, 1, 1),  # fc1's into its bucket
     ]
+
+
+def ring_backward_moment(x: LayerShape) -> tuple | None:
+    """The ring attention's backward moment (module docstring), as backward_moments' tuples,
+    or None without a ring."""
+    if x.ring == 1:
+        return None
+    T, A, t, d, a2a = x.tokens, x.act_bytes, x.tp, x.d, x.a2a
+    c = min(x.s / (2 * x.ring), tile_size(x.b, x.n // (t * a2a)))
+    scores = 3 * x.b * x.n / (t * a2a) * c * c * 4 + c * c  # and the causal mask
+    g_r = max(x.g // t, a2a) // a2a if a2a > 1 else x.g // t
+    e, q = T * a2a * 2 * g_r * d, T * x.n * d / t  # K/V elements of the block, q's
+    copies = 0.0 if A == 4 else 2 * 4 * q + 4 * e
+    w = scores + q * A + 4 * q + 2 * e * A + 3 * 4 * e + copies
+    terms = layer_terms(x)
+    freed = terms["fc1_in"] + terms["act"] + terms["fc2_in"] + terms["proj_in"]
+    return (w, freed + terms["norms"] / 2, 0, 2, None)
 
 
 def _moe_backward_moments(x: LayerShape) -> list[tuple]:

@@ -20,7 +20,7 @@ def _reference(q, k, v, docs):
     return torch.einsum("bhqk,kbhd->qbhd", scores.softmax(-1), v)
 
 
-def _ring_vs_reference(rank, world, n, g, with_docs, balanced):
+def _ring_vs_reference(rank, world, n, g, with_docs, balanced, tile=None):
     from megatron_lite.context import ring
     from megatron_lite.context.layout import positions, ring_ranges
     from megatron_lite.parallel.comm_stats import STATS
@@ -44,7 +44,8 @@ def _ring_vs_reference(rank, world, n, g, with_docs, balanced):
     ring.block_forward = counted
     shard = [t[mine].clone().requires_grad_() for t in (q, k, v)]
     STATS.start_step(0)
-    out = ring.ring_attention(*shard, dist.group.WORLD, all_ranges, docs)
+    kw = {} if tile is None else {"tile": tile}
+    out = ring.ring_attention(*shard, dist.group.WORLD, all_ranges, docs, **kw)
     fwd_bytes = STATS.bytes["cp_send"]
     out.backward(gout[mine])
     full = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -56,13 +57,14 @@ def _ring_vs_reference(rank, world, n, g, with_docs, balanced):
 
 
 @pytest.mark.parametrize(
-    "world,n,g,docs",
-    [(2, 4, 4, False), (4, 4, 2, False), (4, 4, 1, True), (2, 2, 2, True)],
-    ids=["cp2_mha", "cp4_gqa", "cp4_mqa_docs", "cp2_docs"],
-)
-def test_ring_matches_float64_reference(world, n, g, docs):
+    "world,n,g,docs,tile",
+    [(2, 4, 4, False, None), (4, 4, 2, False, None), (4, 4, 1, True, None),
+     (2, 2, 2, True, 3)],
+    ids=["cp2_mha", "cp4_gqa", "cp4_mqa_docs", "cp2_docs_tiles_of_3"],
+)  # fmt: skip
+def test_ring_matches_float64_reference(world, n, g, docs, tile):
     s, b, d = 16, 2, 4
-    results = run_ranks(world, _ring_vs_reference, n, g, docs, True, timeout=60)
+    results = run_ranks(world, _ring_vs_reference, n, g, docs, True, tile, timeout=60)
     block = s // world * b * 2 * g * d * 8  # one K/V block, float64
     for rank, (err, _, fwd, total, recv) in enumerate(results):
         assert err < 1e-10, f"rank {rank}: ring attention vs float64 reference: {err:.2e}"

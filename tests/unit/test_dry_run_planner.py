@@ -13,6 +13,11 @@ The same on a fine-grained MoE with a shared expert (configs/moe_fine_grained.ya
 grouped-GEMM experts' working set; and the bytes of its EP all-to-alls (plan/step_time.py)
 against the dry run's collectives, within 1%.
 
+Ring attention (parallel.cp_comm_type p2p and a2a+p2p) on Llama-3 8B's layers at seq 32K:
+its saved terms and masks, the peak (a2a+p2p: inside the ring's backward, plan/working.py),
+and the bytes it sends and receives around the ring (plan/step_time.py cp_ring_bytes) equal
+to comm_stats' cp_send and cp_recv.
+
 The dry run initializes a fake process group, process-global state, so it runs in a child
 process (never in pytest's); tools/bench_dry_run.py runs the same comparison at full depth."""
 
@@ -24,12 +29,20 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RING = ["model.num_layers=2", "model.seq_length=32768", "parallel.tp=2", "parallel.pp=1",
+        "parallel.cp=8", "parallel.dp=1", "train.global_batch_size=1"]  # fmt: skip
 # name: (config, world, overrides, pipeline ranks the dry run runs)
 LAYOUTS = {
     "70b-tp4-pp2-cp2-zero2": ("configs/llama3_70b.yaml", 32, [
         "parallel.tp=4", "parallel.pp=2", "parallel.vpp=1", "parallel.cp=2", "parallel.dp=2",
         "parallel.zero_stage=2", "model.num_layers=4",
     ], [0, 1]),
+    # ring attention at a long sequence (Llama-3 8B's layers, seq 32K, tp2 cp8): the ring
+    # alone (its peak the loss backward's), and Ulysses over 4 ranks inside a ring of 2 (the
+    # ring backward's sub-block scores at the peak); their cp_send/cp_recv bytes exactly
+    "8b-32k-tp2-cp8-p2p": ("configs/llama3_8b.yaml", 16, RING + ["parallel.cp_comm_type=p2p"], [0]),
+    "8b-32k-tp2-cp8-a2a+p2p": ("configs/llama3_8b.yaml", 16, RING + [
+        "parallel.cp_comm_type=a2a+p2p", "parallel.cp_a2a_size=4"], [0]),
     "moe-shared-expert-ep8": ("configs/moe_fine_grained.yaml", 8, [
         "model.num_layers=2", "model.moe_shared_expert_ffn_hidden_size=2816",
     ], [0]),
@@ -45,12 +58,13 @@ from megatron_lite.validation import validate
 
 config, world, overrides = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 cfg = validate(with_vocab(load_config(config, overrides)), world)
-from megatron_lite.plan.step_time import ep_all_to_all_bytes
+from megatron_lite.plan.step_time import cp_ring_bytes, ep_all_to_all_bytes
 
 results = dry_run(cfg, world, None, "steady", workers=1, kernels="fused")  # one rank a stage
 out = [
     dict(j, predicted_phase=r.predicted.phase,
-         predicted_a2a=ep_all_to_all_bytes(cfg, j["coords"]["pp"], j["microbatches"]))
+         predicted_a2a=ep_all_to_all_bytes(cfg, j["coords"]["pp"], j["microbatches"]),
+         predicted_ring=cp_ring_bytes(cfg, j["coords"]["pp"], j["microbatches"]))
     for j, r in zip(to_json(results), results)
 ]
 print(json.dumps(out))
@@ -88,6 +102,11 @@ def test_planner_terms_match_the_dry_run_of_a_full_size_layer(layout):
             assert want > 0 and abs(got - want) <= 0.01 * want, (
                 f"{at}, EP all-to-all bytes: dry run {got}, planner {want}"
             )
+        if "p2p" in layout:  # the ring's K/V and dK/dV sends, and as many receives
+            for k in ("cp_send", "cp_recv"):
+                got, want = res["comm"].get(f"comm_bytes/{k}", 0.0), res["predicted_ring"]
+                print(f"{layout}: {k} bytes, dry run {got:.0f}, planner {want:.0f}")
+                assert want > 0 and got == want, f"{layout} {k}: dry run {got}, planner {want}"
         kind = res["peak_phase"].split()[0]  # "forward layer 1", "backward", "recompute layer 0"
         assert res["predicted_phase"].endswith("forward" if kind == "forward" else "backward"), (
             f"{at}: peak in {res['peak_phase']!r} (dry run) vs {res['predicted_phase']!r} (planner)"
