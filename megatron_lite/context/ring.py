@@ -59,7 +59,7 @@ class Block:
 
 # a sub-block's fp32 scores (b·heads·tile², three of them in backward) stay under this,
 # however long the chunks are: tile_size picks the longest query/key run that fits
-SCORE_BYTES = 2**28
+SCORE_BYTES = 2**30
 
 
 def tile_size(batch: int, heads: int) -> int:
