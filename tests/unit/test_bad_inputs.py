@@ -53,7 +53,7 @@ CONFIG_CASES = [
     ("tp-zero", ["parallel.tp=0"], "parallel.tp=0: must be >= 1"),
     ("pp-negative", ["parallel.pp=-1"], "parallel.pp=-1: must be >= 1"),
     ("order-short", ["parallel.order=tp-dp"], "parallel.order"),
-    ("cp-comm", ["parallel.cp_comm_type=p2p"], "parallel.cp_comm_type='p2p'"),
+    ("cp-comm", ["parallel.cp_comm_type=ring"], "parallel.cp_comm_type='ring'"),
     ("dp-zero", ["parallel.dp=0"], "parallel.dp=0"),
     ("sp-not-bool", ["parallel.sequence_parallel=2"], "parallel.sequence_parallel=2"),
     # data

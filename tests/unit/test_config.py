@@ -65,7 +65,11 @@ def test_wrong_type_names_key():
         ),
         (1, ["model.arch=bert"], "model.arch='bert': must be one of llama, gpt"),
         (1, ["parallel.ep=2"], "needs an MoE model"),
-        (3, ["parallel.cp=3"], "query heads per TP rank (4) must be divisible by cp"),
+        (
+            3,
+            ["parallel.cp=3"],
+            "query heads per TP rank (4) must be divisible by the Ulysses ranks",
+        ),
         (
             2,
             ["parallel.cp=2", "model.seq_length=63"],
