@@ -1,7 +1,7 @@
 """Context-parallel benchmark: load balance of ring attention, and activation memory per rank
 against cp for every parallel.cp_comm_type, measured on CPU gloo ranks.
 
-    python tools/bench_context_parallel.py                 # all three parts, ~15 min on 2 cores
+    python tools/bench_context_parallel.py                 # all three parts, ~17 min on 2 cores
     python tools/bench_context_parallel.py --part balance  # ring attention alone
     python tools/bench_context_parallel.py --part memory   # training runs, cp 1..8 per type
     python tools/bench_context_parallel.py --part long     # 16K tokens: cp 1 against cp 8
