@@ -33,6 +33,15 @@ def _validate_moe(cfg: Config) -> None:
             "lower the top-k",
         )
         _validate_moe_ranges(m)
+        _rule(  # capacity keeps each expert's first tokens in sequence order across the CP
+            # shards, which the ring's chunks (j and 2·ring−1−j) do not follow
+            m.moe_capacity_factor is None or p.cp == 1 or p.cp_comm_type == "a2a",
+            "model.moe_capacity_factor",
+            m.moe_capacity_factor,
+            f"token dropping follows the sequence order of the CP shards, which "
+            f"parallel.cp_comm_type={p.cp_comm_type} (the ring's balanced chunks) does not keep",
+            "use dropless MoE (model.moe_capacity_factor=null) or parallel.cp_comm_type=a2a",
+        )
     else:
         _rule(
             p.ep == 1,

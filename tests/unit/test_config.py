@@ -5,6 +5,9 @@ import pytest
 from megatron_lite.config import ConfigError, load_config
 from megatron_lite.validation import validate
 
+P2P = ["parallel.cp_comm_type=p2p"]
+HYBRID = ["parallel.cp_comm_type=a2a+p2p", "parallel.cp_a2a_size=2"]
+
 
 def _cfg(*overrides):
     return load_config(None, ["data.mock=true", "model.vocab_size=128", *overrides])
@@ -88,6 +91,23 @@ def test_wrong_type_names_key():
         (4, ["parallel.tp=2", "model.num_experts=4", "parallel.ep=4"], "must divide dp·cp"),
         (1, ["model.num_experts=4", "model.moe_layer_freq=0"], "model.moe_layer_freq=0"),
         (1, ["model.num_experts=4", "model.moe_capacity_factor=0"], "must be > 0 when set"),
+        # context parallelism of each type (parallel.cp_comm_type)
+        (4, [*P2P, "parallel.cp=4", "model.seq_length=36"], "and by 2·ring"),
+        (4, ["parallel.cp=4", "parallel.cp_comm_type=a2a+p2p"], "a2a+p2p needs Ulysses groups"),
+        (4, [*HYBRID, "parallel.cp=4", "parallel.cp_a2a_size=4"], "a2a+p2p needs Ulysses"),
+        (2, ["parallel.cp=2", "parallel.cp_a2a_size=2"], "only a2a+p2p uses it"),
+        (2, [*P2P, "parallel.cp=2", "model.attention_dropout=0.1"], "has no attention dropout"),
+        (2, [*P2P, "parallel.cp=2", "model.attention_backend=flash"], "computes its blocks in"),
+        (
+            8,
+            [*HYBRID, "parallel.cp=8", "model.hidden_size=96", "model.num_attention_heads=3"],
+            "the Ulysses ranks (2",
+        ),
+        (
+            2,
+            [*P2P, "parallel.cp=2", "model.num_experts=4", "model.moe_capacity_factor=1.0"],
+            "token dropping follows the sequence order",
+        ),
         (
             1,
             ["data.mock=false", "data.paths=[/nonexistent/x]"],
