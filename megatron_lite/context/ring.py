@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_lite.context.documents import causal_document_mask
 from megatron_lite.context.layout import Ranges
 from megatron_lite.parallel import host, mappings
 
@@ -46,15 +47,14 @@ class Block:
 
     def mask(self, device: torch.device) -> torch.Tensor | None:
         """bool [b or 1, 1, 1, sq, sk] (True: attend), or None (attend to all)."""
+        if not self.causal and self.docs is None:
+            return None
         qs, qe, ks, ke = self.span
-        mask = None
-        if self.causal:
-            q_pos = torch.arange(qs, qe, device=device)
-            mask = (torch.arange(ks, ke, device=device) <= q_pos[:, None])[None]  # [1, sq, sk]
+        q_pos, k_pos = torch.arange(qs, qe, device=device), torch.arange(ks, ke, device=device)
+        q_doc = k_doc = None
         if self.docs is not None:
-            same = self.docs[:, qs:qe, None] == self.docs[:, None, ks:ke]  # [b, sq, sk]
-            mask = same if mask is None else same & mask
-        return None if mask is None else mask[:, None, None]
+            q_doc, k_doc = self.docs[:, qs:qe], self.docs[:, ks:ke]
+        return causal_document_mask(q_pos, k_pos, q_doc, k_doc)[:, None]  # [b|1, 1, 1, sq, sk]
 
 
 # a sub-block's fp32 scores (b·heads·tile², three of them in backward) stay under this,
