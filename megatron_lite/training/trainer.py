@@ -26,7 +26,6 @@ from megatron_lite.parallel.random import model_parallel_seed
 from megatron_lite.pipeline.engine import forward_backward
 from megatron_lite.pipeline.p2p import activation_shape, pipeline_dtype, warm_up
 from megatron_lite.pipeline.trace import SpanRecorder, write_trace
-from megatron_lite.resolve import cp_a2a_size
 from megatron_lite.training.activation_memory import SavedTensorMeter
 from megatron_lite.training.flops import model_flops_per_token, peak_tflops
 from megatron_lite.training.lm_step import lm_forward_step
@@ -53,13 +52,14 @@ class Trainer:
         # before anything else: a broken pipeline link (NCCL/P2P set-up, a missing rank) fails
         # here with a P2PError naming rank and peer, not in step 1
         warm_up(mesh.pp.group, self.device, cfg.parallel.timeout_s)
-        warm_up(mesh.cp_ring.group, self.device, cfg.parallel.timeout_s, axis="cp")
-        if mesh.cp_a2a.size != cp_a2a_size(cfg.parallel):  # a mesh built for another CP type
+        a2a = resolve.cp_a2a_size(cfg.parallel)
+        if mesh.cp_a2a.size != a2a:  # a mesh built for another CP type
             raise ValueError(
                 f"parallel.cp_comm_type={cfg.parallel.cp_comm_type}: the mesh's Ulysses groups "
-                f"have {mesh.cp_a2a.size} ranks, the config needs {cp_a2a_size(cfg.parallel)}; "
+                f"have {mesh.cp_a2a.size} ranks, the config needs {a2a}; "
                 "build it with megatron_lite.resolve.rank_layout(cfg.parallel, world)"
             )
+        warm_up(mesh.cp_ring.group, self.device, cfg.parallel.timeout_s, axis="cp")
         self.tracker = model_parallel_seed(cfg.train.seed, mesh.tp.rank, mesh.pp.rank)
         self.step = 0
         self.eod_mask_id = resolve.eod_mask_id(cfg.data)  # data.eod_mask_loss: split_sample's
