@@ -160,6 +160,7 @@ class TrainConfig:
 @dataclass
 class LogConfig:
     interval: int = 1
+    memory_steps: int = 2  # the run's first steps measured by the memory tracker (mem/* peaks)
     progress: bool = True
     wandb: bool = False
     wandb_project: str = "megatron_lite"

@@ -36,8 +36,6 @@ from megatron_lite.training.optimizer import build_data_parallel, lr_at, set_lr
 from megatron_lite.training.profiling import StepProfiler
 from megatron_lite.training.signals import StopSignals
 
-TRACKED_STEPS = 2  # the run's first steps, measured by a MemoryTracker (mem/* step peaks)
-
 
 class Trainer:
     """Owns the model chunks, optimizer and step loop for one rank."""
@@ -231,10 +229,10 @@ class Trainer:
         return [mb.to(self.device, non_blocking=True) for mb in batches]
 
     def train_step(self) -> dict:
-        """One optimizer step -> its metrics record. The run's first TRACKED_STEPS steps run
+        """One optimizer step -> its metrics record. The run's first log.memory_steps run
         under a MemoryTracker (unless one is attached already, as a dry run's): their mem/*
         are the step's peak by category (see _step_memory)."""
-        own = self.memory_tracker is None and self._tracked < TRACKED_STEPS
+        own = self.memory_tracker is None and self._tracked < self.cfg.log.memory_steps
         if not own:
             return self._train_step()
         buffers = [b for c in self.chunks for b in c.buffers()]
@@ -333,7 +331,7 @@ class Trainer:
 
     def _step_memory(self, activations_changed: bool) -> dict[str, int]:
         """The step's mem/* figures (max over ranks). A tracked step (the run's first
-        TRACKED_STEPS, or a dry run's) measures the step's peak by category; the model states
+        log.memory_steps, or a dry run's) measures the step's peak by category; the model states
         keep their shapes and a dense model's activations too, so later steps keep the last
         report (no collective per step) until some rank's activation peak changes (MoE
         routing; flagged in the step's SUM all-reduce); on CUDA the allocator's peaks change,
@@ -348,7 +346,8 @@ class Trainer:
             or activations_changed
         ):
             self._memory = self.memory_report()
-        if tracker is not None and self._tracked == TRACKED_STEPS - 1 and dist.get_rank() == 0:
+        last = self._tracked == self.cfg.log.memory_steps - 1
+        if tracker is not None and last and dist.get_rank() == 0:
             print(self.peak_line(self._memory), flush=True)
         return self._memory
 

@@ -189,6 +189,13 @@ def _validate_train_ranges(cfg: Config) -> None:
         "print every N >= 1 steps",
     )
     _rule(
+        cfg.log.memory_steps >= 0,
+        "log.memory_steps",
+        cfg.log.memory_steps,
+        "must be >= 0",
+        "measure the run's first N >= 0 steps (0: none)",
+    )
+    _rule(
         d.tokenizer_vocab_size >= 1,
         "data.tokenizer_vocab_size",
         d.tokenizer_vocab_size,
