@@ -30,13 +30,18 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-COMPUTE_KINDS = ("forward", "backward")
+COMPUTE_KINDS = ("forward", "backward", "weight")
 COMM_KINDS = ("recv_forward", "send_forward", "recv_backward", "send_backward")
 KINDS = COMPUTE_KINDS + COMM_KINDS
 # Order of ops inside one batch: activation traffic first, then gradient traffic.
 _BATCH_ORDER = {"send_forward": 0, "recv_forward": 1, "send_backward": 2, "recv_backward": 3}
-_SHORT = {"forward": "F", "backward": "B", "recv_forward": "rF", "send_forward": "sF",
-          "recv_backward": "rB", "send_backward": "sB"}  # fmt: skip
+_MATCH_RECV = {"send_forward": "recv_forward", "send_backward": "recv_backward"}
+_SHORT = {"forward": "F", "backward": "B", "weight": "W", "recv_forward": "rF",
+          "send_forward": "sF", "recv_backward": "rB", "send_backward": "sB"}  # fmt: skip
+# Where the pp * vpp virtual stages sit: "loop" puts stage c * pp + r on rank r (Megatron's
+# interleaving), "v" puts stages r and 2 * pp - 1 - r on rank r (ZB-V, DualPipeV: vpp = 2, and
+# the last rank's two chunks meet, so the turn from chunk 0 to chunk 1 stays on one rank).
+PLACEMENTS = ("loop", "v")
 
 
 @dataclass(frozen=True)
@@ -66,18 +71,33 @@ class Action:
 Step = Action | tuple[Action, ...]
 
 
-def virtual_stage(pp_rank: int, chunk: int, pp_size: int) -> int:
+def virtual_stage(pp_rank: int, chunk: int, pp_size: int, placement: str = "loop") -> int:
     """Global position of local `chunk` on `pp_rank` in the pipeline of pp_size * vpp stages."""
+    if placement == "v":
+        if chunk not in (0, 1):
+            raise ValueError(f"chunk={chunk}: the V placement holds chunks 0 and 1 only")
+        return pp_rank if chunk == 0 else 2 * pp_size - 1 - pp_rank
+    if placement != "loop":
+        raise ValueError(f"placement={placement!r} is not one of {PLACEMENTS}")
     return chunk * pp_size + pp_rank
 
 
-def peer_of(action: Action, pp_rank: int, pp_size: int) -> tuple[int, int]:
+def stage_location(stage: int, pp_size: int, placement: str = "loop") -> tuple[int, int]:
+    """(pipeline rank, local chunk) holding virtual `stage`: the inverse of `virtual_stage`."""
+    if placement == "v":
+        return (stage, 0) if stage < pp_size else (2 * pp_size - 1 - stage, 1)
+    if placement != "loop":
+        raise ValueError(f"placement={placement!r} is not one of {PLACEMENTS}")
+    return stage % pp_size, stage // pp_size
+
+
+def peer_of(action: Action, pp_rank: int, pp_size: int, placement: str = "loop") -> tuple[int, int]:
     """(peer rank, peer's local chunk) on the other side of a send/recv action."""
     if not action.is_comm:
         raise ValueError(f"{action.kind} has no peer: only send/recv actions do")
     downstream = action.kind in ("send_forward", "recv_backward")
-    stage = virtual_stage(pp_rank, action.chunk, pp_size) + (1 if downstream else -1)
-    return stage % pp_size, stage // pp_size
+    stage = virtual_stage(pp_rank, action.chunk, pp_size, placement) + (1 if downstream else -1)
+    return stage_location(stage, pp_size, placement)
 
 
 def comm_batches(actions: list[Action]) -> list[Step]:
@@ -324,6 +344,178 @@ def _label_receives(actions: list[Action]) -> list[Action]:
             taken[key] += 1
         labelled.append(a)
     return labelled
+
+
+def with_comm(
+    computes: list[Action], pp_size: int, pp_rank: int, vpp: int = 1, placement: str = "loop"
+) -> list[Action]:
+    """A rank's compute order with its sends and receives put in: the input of each forward
+    (grad of each backward) is received right before it and its result sent right after, unless
+    the neighbouring stage sits on this rank (the V turn). A receive goes before the weight
+    actions that precede its compute, so under posted batches (simulate's comm="posted") W
+    runs while the input is in flight."""
+    last = pp_size * vpp - 1
+    actions: list[Action] = []
+    for a in computes:
+        stage = virtual_stage(pp_rank, a.chunk, pp_size, placement)
+        before = stage > 0 and stage_location(stage - 1, pp_size, placement)[0] != pp_rank
+        after = stage < last and stage_location(stage + 1, pp_size, placement)[0] != pp_rank
+        if a.kind == "forward":
+            pre, post = ("recv_forward" if before else None), ("send_forward" if after else None)
+        elif a.kind == "backward":
+            pre, post = ("recv_backward" if after else None), ("send_backward" if before else None)
+        else:
+            pre = post = None
+        if pre:  # posted before the weight passes that precede it, which run while it lands
+            at = len(actions)
+            while at and actions[at - 1].kind == "weight":
+                at -= 1
+            actions.insert(at, Action(pre, a.microbatch, a.chunk))
+        actions.append(a)
+        actions += [Action(post, a.microbatch, a.chunk)] if post else []
+    return _sorted_batches(actions)
+
+
+def _sorted_batches(actions: list[Action]) -> list[Action]:
+    """Each run of consecutive send/recv actions in `_BATCH_ORDER` (activations first)."""
+    out: list[Action] = []
+    for step in comm_batches(actions):
+        out += _batch(*step) if isinstance(step, tuple) else [step]
+    return out
+
+
+def receive_in_send_order(
+    tables: list[list[Action]], placement: str = "loop"
+) -> list[list[Action]]:
+    """Every rank's table with receives moved up so that, on each link, they come in the order
+    the sender sends (p2p on one link is matched first-in first-out, as NCCL does).
+
+    Needed where two kinds of traffic share a link in opposite orders (ZB-V, DualPipeV: link
+    r -> r + 1 carries chunk-0 activations and chunk-1 gradients); a receive that moves up is
+    only posted earlier, which posted batches (simulate's comm="posted") never wait on."""
+    pp = len(tables)
+    sent: dict[tuple[int, int], list[tuple[str, int, int]]] = defaultdict(list)
+    for rank, actions in enumerate(tables):
+        for a in actions:
+            if a.is_send:
+                peer, chunk = peer_of(a, rank, pp, placement)
+                sent[(rank, peer)].append((_MATCH_RECV[a.kind], a.microbatch, chunk))
+    fixed = []
+    for rank, actions in enumerate(tables):
+        queue = {link: list(order) for link, order in sent.items() if link[1] == rank}
+        posted: set[tuple[str, int, int]] = set()
+        out: list[Action] = []
+        for a in actions:
+            if a.is_comm and not a.is_send:
+                key = (a.kind, a.microbatch, a.chunk)
+                if key not in posted:
+                    link = (peer_of(a, rank, pp, placement)[0], rank)
+                    order = queue[link]
+                    while order:  # everything the sender sends first, then this one
+                        kind, mb, chunk = order.pop(0)
+                        posted.add((kind, mb, chunk))
+                        out.append(Action(kind, mb, chunk))
+                        if (kind, mb, chunk) == key:
+                            break
+                continue
+            out.append(a)
+        fixed.append(out)
+    return fixed
+
+
+def zb_h1(pp_size: int, pp_rank: int, num_microbatches: int) -> list[Action]:
+    """ZB-H1 (Qi et al. 2024): 1F1B with each backward split into B (input grad) and W (weight
+    grad), at 1F1B's activation memory.
+
+    Warm-up and steady phase are 1F1B's with B in place of the whole backward, so the first
+    backward reaches rank 0 sooner; rank r holds back its first r weight passes (W follows B at
+    a lag of r microbatches) and runs them in the cool-down, where 1F1B idles. Every rank then
+    has at most pp microbatches forwarded and not yet through W: rank 0's 1F1B peak. Bubble per
+    rank for uniform costs: (pp - 1)(F + B - W) against 1F1B's (pp - 1)(F + B + W).
+    """
+    check_schedule_args(pp_size, num_microbatches)
+    _check_rank(pp_size, pp_rank)
+    m, lag = num_microbatches, pp_rank
+    num_warmup = min(pp_size - pp_rank - 1, m)
+    F, B, W = (
+        (lambda mb: Action("forward", mb)),
+        (lambda mb: Action("backward", mb)),
+        (lambda mb: Action("weight", mb)),
+    )
+    computes = [F(mb) for mb in range(num_warmup)]
+    next_w = 0
+    for i in range(m - num_warmup):
+        computes += [F(num_warmup + i), B(i)]
+        if i >= lag:
+            computes.append(W(next_w))
+            next_w += 1
+    for mb in range(m - num_warmup, m):
+        computes.append(B(mb))
+        computes.append(W(next_w))
+        next_w += 1
+    computes += [W(mb) for mb in range(next_w, m)]
+    return with_comm(computes, pp_size, pp_rank)
+
+
+def zb_v(pp_size: int, pp_rank: int, num_microbatches: int) -> list[Action]:
+    """ZB-V's table for `pp_rank` (see `_zb_v_computes`), receives in each sender's order."""
+    check_schedule_args(pp_size, num_microbatches)
+    _check_rank(pp_size, pp_rank)
+    tables = [
+        with_comm(_zb_v_computes(pp_size, r, num_microbatches), pp_size, r, 2, "v")
+        for r in range(pp_size)
+    ]
+    return receive_in_send_order(tables, "v")[pp_rank]
+
+
+def _zb_v_computes(pp_size: int, pp_rank: int, num_microbatches: int) -> list[Action]:
+    """ZB-V (Qi et al. 2024, "Zero Bubble (Almost) Pipeline Parallelism"): two chunks per rank in
+    the V placement (rank r holds virtual stages r and 2 * pp - 1 - r, so the loss is on rank
+    0 and the turn from chunk 0 to chunk 1 stays on the last rank), backward split into B and W.
+
+    Rank r: 2(pp - r) - 1 forwards of chunk 0; r pairs (chunk-1 forward, chunk-0 forward); pp - r
+    rounds of chunk 1's F, B, W; then the steady round (F, B, W of chunk 0, then of chunk 1)
+    until every forward is issued; the cool-down runs r pairs of backwards (chunk 0, chunk 1),
+    pp - r rounds (chunk-0 B, its oldest pending W) and last the pending W of chunk 1, then of
+    chunk 0. Fewer than 2 * pp - 1 microbatches: the order of 2 * pp - 1 with the missing ones
+    left out. Peak activations: 2 * pp chunk-microbatches per rank, 1F1B's pp whole-model ones.
+    """
+    p, r, m = pp_size, pp_rank, num_microbatches
+    n = max(m, 2 * p - 1)
+    issued = {"forward": [0, 0], "backward": [0, 0], "weight": [0, 0]}  # next mb, per chunk
+    computes: list[Action] = []
+
+    def run(kind: str, chunk: int) -> None:
+        computes.append(Action(kind, issued[kind][chunk], chunk))
+        issued[kind][chunk] += 1
+
+    for _ in range(2 * (p - r) - 1):
+        run("forward", 0)
+    for _ in range(r):
+        run("forward", 1)
+        run("forward", 0)
+    for _ in range(p - r):
+        run("forward", 1)
+        run("backward", 1)
+        run("weight", 1)
+    while issued["forward"][1] < issued["forward"][0] or issued["forward"][0] < n:
+        if issued["forward"][0] < n:
+            run("forward", 0)
+        for chunk in (0, 1):
+            if chunk == 1:
+                run("forward", 1)
+            run("backward", chunk)
+            run("weight", chunk)
+    for _ in range(r):
+        run("backward", 0)
+        run("backward", 1)
+    for _ in range(p - r):
+        run("backward", 0)
+        run("weight", 0)
+    for chunk in (1, 0):
+        while issued["weight"][chunk] < issued["backward"][chunk]:
+            run("weight", chunk)
+    return [a for a in computes if a.microbatch < m]
 
 
 def get_schedule(pp_size: int, pp_rank: int, num_microbatches: int, vpp: int = 1) -> list[Action]:
