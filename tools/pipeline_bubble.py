@@ -2,9 +2,12 @@
 
     python tools/pipeline_bubble.py --pp 4 --vpp 2 --microbatches 8
     python tools/pipeline_bubble.py --pp 4 --microbatches 8 --print-schedule --trace trace.json
+    python tools/pipeline_bubble.py --pp 4 -m 8 --schedule zb-h1 --weight-cost 1
 
-Costs are per chunk action (a chunk holds 1/vpp of a rank's layers); the formula column is the
-Megatron paper's (pp-1)/(vpp*m), exact for forward=1, backward=2, comm=0.
+Costs are per chunk action (a chunk holds 1/vpp of a rank's layers); --backward-cost is a whole
+backward, of which the zero-bubble schedules' W takes --weight-cost (default half). The formula
+line is the Megatron paper's (pp-1)/(vpp*m) for 1F1B and interleaved (exact for forward=1,
+backward=2, comm=0) and Qi et al.'s (pp-1)(F+B-W)/(m(F+B+W)) for ZB-H1 (B: the input-grad part).
 """
 
 from __future__ import annotations
@@ -14,7 +17,14 @@ import json
 import sys
 from fractions import Fraction
 
-from megatron_lite.pipeline.schedules import format_actions, get_schedule_table
+from megatron_lite.pipeline.schedules import (
+    SCHEDULES,
+    format_actions,
+    get_schedule_table,
+    resolve_schedule,
+    schedule_comm,
+    schedule_placement,
+)
 from megatron_lite.pipeline.simulate import chrome_trace, simulate
 
 
@@ -34,16 +44,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--forward-cost", type=_number, default=Fraction(1))
     parser.add_argument("--backward-cost", type=_number, default=Fraction(2))
     parser.add_argument("--comm-cost", type=_number, default=Fraction(0))
+    parser.add_argument(
+        "--weight-cost",
+        type=_number,
+        default=None,
+        help="W's part of --backward-cost (zero-bubble schedules; default half)",
+    )
+    parser.add_argument("--schedule", default=None, choices=sorted(SCHEDULES),
+                        help="default: 1f1b, or interleaved with --vpp > 1")  # fmt: skip
     parser.add_argument("--print-schedule", action="store_true", help="print every rank's actions")
     parser.add_argument("--trace", help="write a Chrome/Perfetto trace JSON to this path")
     args = parser.parse_args(argv)
 
     try:
-        table = get_schedule_table(args.pp, args.microbatches, args.vpp)
+        table = get_schedule_table(args.pp, args.microbatches, args.vpp, args.schedule)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    result = simulate(table, args.forward_cost, args.backward_cost, args.comm_cost)
+    name = resolve_schedule(args.schedule, args.vpp)
+    how = {"placement": schedule_placement(name, args.vpp), "comm": schedule_comm(name, args.vpp)}
+    costs = (args.forward_cost, args.backward_cost, args.comm_cost)
+    result = simulate(table, *costs, weight_cost=args.weight_cost, **how)
 
     if args.print_schedule:
         for rank, actions in enumerate(table):
@@ -55,10 +76,16 @@ def main(argv: list[str] | None = None) -> int:
             f"{rank:>4} {result.peak_in_flight[rank]:>16} {float(result.busy[rank]):>8.3g} "
             f"{float(result.idle[rank]):>8.3g} {float(result.bubble_per_rank[rank]):>8.4f}"
         )
-    formula = Fraction(args.pp - 1, args.vpp * args.microbatches)
     print(f"makespan {float(result.makespan):.4g}")
     print(f"bubble   {result.bubble_fraction} = {float(result.bubble_fraction):.4f} (simulated)")
-    print(f"formula  {formula} = {float(formula):.4f} ((pp-1)/(vpp*m))")
+    m, f, b = args.microbatches, args.forward_cost, args.backward_cost
+    if name in ("1f1b", "interleaved"):
+        formula = Fraction(args.pp - 1, args.vpp * m)
+        print(f"formula  {formula} = {float(formula):.4f} ((pp-1)/(vpp*m))")
+    elif name == "zb-h1":
+        w = b / 2 if args.weight_cost is None else args.weight_cost
+        formula = (args.pp - 1) * (f + (b - w) - w) / (m * (f + b))
+        print(f"formula  {formula} = {float(formula):.4f} ((pp-1)(F+B-W)/(m(F+B+W)), W <= B)")
     if args.trace:
         with open(args.trace, "w") as f:
             json.dump(chrome_trace(list(result.spans)), f)

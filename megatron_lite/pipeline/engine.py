@@ -25,12 +25,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_lite.parallel import mappings
-from megatron_lite.pipeline.p2p import P2PCommunicator
+from megatron_lite.parallel import linear_async, mappings
+from megatron_lite.pipeline.p2p import P2PCommunicator, Posted
 from megatron_lite.pipeline.schedules import (
     Action,
     comm_batches,
     get_schedule,
+    resolve_schedule,
+    schedule_comm,
+    schedule_placement,
+    stage_location,
     virtual_stage,
 )
 from megatron_lite.pipeline.schedules import forward_only as forward_only_schedule
@@ -83,7 +87,12 @@ class _Run:
         self.forward_step, self.p2p, self.dtype, self.recorder = forward_step, p2p, dtype, recorder
         self.pp_rank, self.pp_size, device = pp
         self.forward_only = False
+        self.placement, self.posted, self.split = "loop", False, False
         self.last_stage = self.pp_size * len(chunks) - 1
+        self.pending: dict[tuple[str, Key], Posted] = {}  # posted receives, by what they carry
+        self.posted_sends: list[tuple[Posted, list[Key]]] = []  # posted sends, outputs they carry
+        self.wgrads: dict[Key, list] = {}  # deferred weight-gradient GEMMs, run by W
+        self.live: set[Key] = set()  # forwarded, not yet through backward (W when split)
         self.inputs: dict[Key, torch.Tensor] = {}  # received activations (leaves)
         self.outputs: dict[Key, torch.Tensor] = {}  # hidden out, or scaled loss (last stage)
         self.output_grads: dict[Key, torch.Tensor] = {}  # received d(loss)/d(output)
@@ -94,12 +103,40 @@ class _Run:
         self.sync = torch.cuda.synchronize if recorder and device.type == "cuda" else None
 
     def stage(self, chunk: int) -> int:
-        return virtual_stage(self.pp_rank, chunk, self.pp_size)
+        return virtual_stage(self.pp_rank, chunk, self.pp_size, self.placement)
+
+    def local_chunk(self, stage: int) -> int | None:
+        """This rank's chunk holding `stage` (the V turn), None if another rank holds it."""
+        if not 0 <= stage <= self.last_stage:
+            return None
+        rank, chunk = stage_location(stage, self.pp_size, self.placement)
+        return chunk if rank == self.pp_rank else None
+
+    def arrived(self, kind: str, key: Key) -> None:
+        """Posted batches: wait for the receive that carries `kind` of `key`, if one is out."""
+        posted = self.pending.pop((kind, key), None)
+        if posted is not None:
+            action = Action(kind, *key)
+            posted.wait(action)
+            t = posted.received[action]
+            if kind == "recv_forward":
+                self.inputs[key] = t.requires_grad_()
+            else:
+                self.output_grads[key] = t
 
     def forward(self, a: Action) -> None:
         key, stage = (a.microbatch, a.chunk), self.stage(a.chunk)
+        self.arrived("recv_forward", key)
+        prev = self.local_chunk(stage - 1)
+        if prev is not None:  # the V turn: the previous stage's output, on this rank
+            self.inputs[key] = self.outputs[(a.microbatch, prev)].detach().requires_grad_()
         x = None if stage == 0 else self.inputs[key]  # [s/cp(/tp), b, h] from the previous stage
-        out = self.forward_step(self.chunks[a.chunk], self.microbatches[a.microbatch], x)
+        with (
+            linear_async.defer_wgrad(self.chunks[a.chunk], self.wgrads.setdefault(key, []))
+            if self.split and not self.forward_only
+            else contextlib.nullcontext()
+        ):
+            out = self.forward_step(self.chunks[a.chunk], self.microbatches[a.microbatch], x)
         if self.forward_only:
             self.inputs.pop(key, None)
         if stage == self.last_stage:
@@ -109,17 +146,22 @@ class _Run:
         else:  # the wire dtype is fixed; a bf16 output is upcast exactly
             self.outputs[key] = out.to(self.dtype)
         if not self.forward_only:
+            self.live.add(key)
             self.note_held()
 
     def note_held(self) -> None:
         st, held = self.stats, self.outputs.values()
-        st.max_in_flight = max(st.max_in_flight, len(self.outputs))
+        st.max_in_flight = max(st.max_in_flight, len(self.live))
         nbytes = sum(t.untyped_storage().nbytes() for t in held)
         st.max_output_bytes = max(st.max_output_bytes, nbytes)
 
     def backward(self, a: Action) -> None:
         key, stage = (a.microbatch, a.chunk), self.stage(a.chunk)
+        self.arrived("recv_backward", key)
         out = self.outputs.pop(key)
+        nxt = self.local_chunk(stage + 1)
+        if nxt is not None:  # the V turn: the next stage's input grad, on this rank
+            self.output_grads[key] = self.input_grads.pop((a.microbatch, nxt))
         grad = None if stage == self.last_stage else self.output_grads.pop(key)
         if self.before_backward is not None:
             self.before_backward(a.chunk, a.microbatch == self.last_backward[a.chunk])
@@ -129,8 +171,20 @@ class _Run:
             if inp.grad is None:
                 raise RuntimeError(f"{a}: the chunk's input got no gradient (is it used?)")
             self.input_grads[key] = inp.grad  # [s/cp(/tp), b, h]
+        if not self.split:
+            self.live.discard(key)
+
+    def weight(self, a: Action) -> None:
+        """W: the weight-gradient GEMMs the chunk's backward queued (the linear layers'), into
+        main_grad / .grad; the activations they read are released with them."""
+        key = (a.microbatch, a.chunk)
+        linear_async.run_wgrads(self.wgrads.pop(key, []))
+        self.live.discard(key)
 
     def communicate(self, batch: tuple[Action, ...]) -> None:
+        if self.posted and not self.forward_only:
+            self.post(batch)
+            return
         payload = {}
         for a in batch:
             key = (a.microbatch, a.chunk)
@@ -153,7 +207,44 @@ class _Run:
             else:
                 self.output_grads[key] = t
 
+    def post(self, batch: tuple[Action, ...]) -> None:
+        """Posted batches: post and go on; receives are waited for by the compute that needs
+        them, sends at the end (`settle`) or once they are seen done."""
+        payload = {}
+        for a in batch:
+            key = (a.microbatch, a.chunk)
+            if a.kind == "send_forward":
+                payload[a] = self.outputs[key].detach()
+            elif a.kind == "send_backward":
+                payload[a] = self.input_grads.pop(key)
+        posted = self.p2p.post(batch, payload)
+        for a in batch:
+            if not a.is_send:
+                self.pending[(a.kind, (a.microbatch, a.chunk))] = posted
+        sent = [(a.microbatch, a.chunk) for a in batch if a.kind == "send_forward"]
+        self.posted_sends.append((posted, sent))
+        self.settle(block=False)
+
+    def settle(self, block: bool) -> None:
+        """Free the outputs whose sends have landed (block: wait for every send first)."""
+        keep = []
+        for posted, sent in self.posted_sends:
+            sends = [a for a in posted.batch if a.is_send]
+            if block:
+                for a in sends:
+                    posted.wait(a)
+            if any(a in posted.pending for a in sends):
+                keep.append((posted, sent))
+                continue
+            for key in sent:  # the output's graph stays until its backward
+                if key in self.outputs:
+                    self.stats.freed_outputs += deallocate_output(self.outputs[key])
+        self.posted_sends = keep
+
     def execute(self, step: Action | tuple[Action, ...]) -> None:
+        if not isinstance(step, tuple) and step.kind in ("forward", "backward"):
+            # posted batches: the wait for the input is idle time, not the compute's
+            self.arrived("recv_" + step.kind, (step.microbatch, step.chunk))
         if self.sync:
             self.sync()
         start = self.recorder.now() if self.recorder else 0.0
@@ -161,8 +252,10 @@ class _Run:
             self.communicate(step)
         elif step.kind == "forward":
             self.forward(step)
-        else:
+        elif step.kind == "backward":
             self.backward(step)
+        else:
+            self.weight(step)
         if self.recorder:
             if self.sync:
                 self.sync()
@@ -176,6 +269,8 @@ class _Run:
             "outputs": self.outputs,
             "output grads": self.output_grads,
             "input grads": self.input_grads,
+            "weight passes": self.wgrads,
+            "receives": {k for _, k in self.pending},
         }
         left = {name: sorted(d) for name, d in held.items() if d}
         if left:
@@ -197,6 +292,7 @@ def forward_backward(
     forward_only: bool = False,
     stats: PipelineStats | None = None,
     before_backward: BeforeBackward | None = None,
+    schedule: str | None = None,
 ) -> torch.Tensor:
     """Forward and backward of every microbatch through this rank's `chunks`; returns the sum of
     the unscaled losses `forward_step` returned (float64, 0-dim; zero unless this rank holds the
@@ -211,26 +307,42 @@ def forward_backward(
     this rank held (`PipelineStats`). `before_backward(chunk, is_last)` runs before each
     backward, outside autograd, with is_last true for each chunk's last backward of the table
     (e.g. `DataParallelWrapper.before_backward`: FSDP2 reduces there, not in every backward).
+    `schedule` names the table (schedules.SCHEDULES; None: 1F1B or interleaved by the chunk
+    count). The zero-bubble ones split each backward: B runs autograd with the parallel linear
+    layers' weight-gradient GEMMs queued (`linear_async.defer_wgrad`), W runs the queue; their
+    batches are posted, each compute waiting only for the receive it needs.
     """
     pp = mappings.size(pp_group)
     pp_rank = dist.get_rank(pp_group) if pp > 1 else 0
     device = device or torch.device("cpu")
-    schedule = forward_only_schedule if forward_only else get_schedule
-    actions = schedule(pp, pp_rank, len(microbatches), len(chunks))
+    vpp = len(chunks)
+    name = resolve_schedule(schedule, vpp)
+    placement = schedule_placement(name, vpp)
+    if forward_only:
+        if placement != "loop":
+            raise NotImplementedError(f"forward-only tables for the {name!r} schedule")
+        actions = forward_only_schedule(pp, pp_rank, len(microbatches), vpp)
+    else:
+        actions = get_schedule(pp, pp_rank, len(microbatches), vpp, name)
     p2p = None
     if pp > 1:
         if tensor_shape is None:
             raise ValueError("forward_backward: pp > 1 needs the tensor_shape that crosses stages")
         ranks = dist.get_process_group_ranks(pp_group)
-        p2p = P2PCommunicator(pp_group, ranks, tensor_shape, dtype, device, timeout_s)
+        p2p = P2PCommunicator(
+            pp_group, ranks, tensor_shape, dtype, device, timeout_s, placement=placement
+        )
     pp_info = (pp_rank, pp, device)
     run = _Run(chunks, microbatches, forward_step, loss_scale, p2p, pp_info, dtype, recorder)
     run.forward_only = forward_only
+    run.placement, run.posted = placement, schedule_comm(name, vpp) == "posted" and pp > 1
+    run.split = any(a.kind == "weight" for a in actions)
     run.before_backward = before_backward
     run.last_backward = {a.chunk: a.microbatch for a in actions if a.kind == "backward"}
     with torch.no_grad() if forward_only else contextlib.nullcontext():
         for step in comm_batches(actions):
             run.execute(step)
+        run.settle(block=True)
     run.check_done()
     if stats is not None:
         stats.__dict__.update(run.stats.__dict__)

@@ -106,8 +106,9 @@ class P2PCommunicator:
         device: torch.device,
         timeout_s: float,
         trace: bool | None = None,
+        placement: str = "loop",
     ):
-        self.group, self.ranks = group, list(ranks)
+        self.group, self.ranks, self.placement = group, list(ranks), placement
         self.rank = dist.get_rank()
         if self.rank not in self.ranks:
             raise ValueError(f"rank {self.rank} is not in the pipeline group {self.ranks}")
@@ -118,7 +119,7 @@ class P2PCommunicator:
 
     def peer(self, action: Action) -> int:
         """Global rank on the other side of a send/recv action."""
-        return self.ranks[peer_of(action, self.pp_rank, self.pp_size)[0]]
+        return self.ranks[peer_of(action, self.pp_rank, self.pp_size, self.placement)[0]]
 
     def exchange(
         self, batch: Sequence[Action], tensors: Mapping[Action, torch.Tensor]
@@ -128,6 +129,13 @@ class P2PCommunicator:
         `tensors` holds the payload of each send action ([s/cp(/tp), b, h]); returns a fresh
         tensor of that shape for each recv action.
         """
+        posted = self.post(batch, tensors)
+        posted.wait()
+        return posted.received
+
+    def post(self, batch: Sequence[Action], tensors: Mapping[Action, torch.Tensor]) -> Posted:
+        """Post `batch` as `exchange` does and return at once: `Posted.wait(action)` waits for
+        one op (what a compute needs), `Posted.wait()` for all (the zero-bubble schedules)."""
         ops, received = [], {}
         for action in batch:
             if not action.is_comm:
@@ -147,12 +155,7 @@ class P2PCommunicator:
             works = dist.batch_isend_irecv(ops)
         except RuntimeError as e:
             raise self._error(batch, batch[0], f"failed to post: {e}") from e
-        # gloo returns one work per op; a coalesced backend (NCCL) one for the whole batch
-        named = batch if len(works) == len(ops) else [batch[0]] * len(works)
-        _wait_all(works, named, deadline, self.timeout_s, functools.partial(self._error, batch))
-        if self.trace:
-            self._print(f"done [{' '.join(map(str, batch))}]")
-        return received
+        return Posted(self, tuple(batch), works, received, deadline, ops)
 
     def _check_send(self, action: Action, t: torch.Tensor | None) -> torch.Tensor:
         if t is None:
@@ -185,6 +188,33 @@ class P2PCommunicator:
             f"(pp rank {self.pp_rank} of {self.pp_size}, batch [{' '.join(map(str, batch))}]) "
             f"{what}"
         )
+
+
+class Posted:
+    """One posted batch: its received buffers and the works still to wait for."""
+
+    def __init__(self, comm: P2PCommunicator, batch, works, received, deadline, ops):
+        self.comm, self.batch, self.received, self.deadline = comm, batch, received, deadline
+        # gloo returns one work per op; a coalesced backend (NCCL) one for the whole batch
+        per_op = len(works) == len(ops)
+        self.pending = {a: [w] for a, w in zip(batch, works, strict=False)} if per_op else {
+            a: list(works) for a in batch
+        }  # fmt: skip
+        self._sends = [a for a in batch if a.is_send]
+
+    def wait(self, action: Action | None = None) -> None:
+        """Wait for `action`'s op (None: every op of the batch), with the batch's deadline."""
+        for a in self.batch if action is None else (action,):
+            works = self.pending.pop(a, [])
+            for w in works:  # a coalesced work is shared: waiting it twice is harmless
+                _wait_all([w], [a], self.deadline, self.comm.timeout_s,
+                          functools.partial(self.comm._error, self.batch))  # fmt: skip
+        if action is None and self.comm.trace:
+            self.comm._print(f"done [{' '.join(map(str, self.batch))}]")
+
+    @property
+    def done(self) -> bool:
+        return not self.pending
 
 
 def _post(ops: list, deadline: float, device: torch.device):

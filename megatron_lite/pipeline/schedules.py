@@ -128,7 +128,9 @@ def format_actions(actions: list[Action]) -> str:
     return " ".join(parts)
 
 
-def check_schedule_args(pp_size: int, num_microbatches: int, vpp: int = 1) -> None:
+def check_schedule_args(
+    pp_size: int, num_microbatches: int, vpp: int = 1, schedule: str | None = None
+) -> None:
     """Reject degree/microbatch combinations no schedule supports, with the rule and a fix."""
     if pp_size < 1 or vpp < 1:
         raise ValueError(f"pp={pp_size} and vpp={vpp} must both be >= 1")
@@ -141,7 +143,7 @@ def check_schedule_args(pp_size: int, num_microbatches: int, vpp: int = 1) -> No
                 "with pp=1 use vpp=1"
             )
         return
-    problem = microbatches_problem(pp_size, num_microbatches, vpp)
+    problem = microbatches_problem(pp_size, num_microbatches, vpp, schedule)
     if problem is None:
         return
     if num_microbatches < pp_size:
@@ -153,7 +155,9 @@ def check_schedule_args(pp_size: int, num_microbatches: int, vpp: int = 1) -> No
     raise ValueError(f"{problem}; use num_microbatches={lower} or {lower + pp_size}, or vpp=1")
 
 
-def microbatches_problem(pp_size: int, num_microbatches: int, vpp: int = 1) -> str | None:
+def microbatches_problem(
+    pp_size: int, num_microbatches: int, vpp: int = 1, schedule: str | None = None
+) -> str | None:
     """Why the pipeline schedules cannot run `num_microbatches` on (pp, vpp), or None: the one
     owner of the microbatch-count rules (config validation words its message from this)."""
     if pp_size > 1 and num_microbatches < pp_size:
@@ -161,7 +165,7 @@ def microbatches_problem(pp_size: int, num_microbatches: int, vpp: int = 1) -> s
             f"num_microbatches={num_microbatches} must be >= pp={pp_size} for the 1F1B "
             f"schedule: with fewer than the {pp_size} pipeline stages the pipeline never fills"
         )
-    if pp_size > 1 and vpp > 1 and num_microbatches % pp_size:
+    if pp_size > 1 and vpp > 1 and schedule in (None, "interleaved") and num_microbatches % pp_size:
         return (
             f"num_microbatches={num_microbatches} must be a multiple of pp={pp_size} for the "
             f"interleaved schedule (vpp={vpp}): microbatches pass through the model chunks in "
@@ -459,7 +463,7 @@ def zb_h1(pp_size: int, pp_rank: int, num_microbatches: int) -> list[Action]:
 
 def zb_v(pp_size: int, pp_rank: int, num_microbatches: int) -> list[Action]:
     """ZB-V's table for `pp_rank` (see `_zb_v_computes`), receives in each sender's order."""
-    check_schedule_args(pp_size, num_microbatches)
+    check_schedule_args(pp_size, num_microbatches, 2, "zb-v")
     _check_rank(pp_size, pp_rank)
     tables = [
         with_comm(_zb_v_computes(pp_size, r, num_microbatches), pp_size, r, 2, "v")
@@ -518,12 +522,54 @@ def _zb_v_computes(pp_size: int, pp_rank: int, num_microbatches: int) -> list[Ac
     return [a for a in computes if a.microbatch < m]
 
 
-def get_schedule(pp_size: int, pp_rank: int, num_microbatches: int, vpp: int = 1) -> list[Action]:
-    """The action list of `pp_rank`: no pipelining, 1F1B or interleaved 1F1B by (pp, vpp)."""
-    check_schedule_args(pp_size, num_microbatches, vpp)
+# parallel.pipeline_schedule: name -> (vpp it needs, None: any >= 2; placement; batches)
+SCHEDULES = {
+    "1f1b": (1, "loop", "rendezvous"),
+    "interleaved": (None, "loop", "rendezvous"),
+    "zb-h1": (1, "loop", "posted"),
+    "zb-v": (2, "v", "posted"),
+}
+
+
+def resolve_schedule(schedule: str | None, vpp: int = 1) -> str:
+    """The schedule's name: None picks 1F1B or interleaved 1F1B by vpp (the default)."""
+    if schedule is None:
+        return "1f1b" if vpp == 1 else "interleaved"
+    if schedule not in SCHEDULES:
+        raise ValueError(f"pipeline schedule {schedule!r} is not one of {sorted(SCHEDULES)}")
+    need = SCHEDULES[schedule][0]
+    if (need is None and vpp < 2) or (need is not None and vpp != need):
+        rule = "vpp >= 2" if need is None else f"vpp={need}"
+        raise ValueError(f"pipeline schedule {schedule!r} needs {rule} (model chunks per "
+                         f"pipeline rank), not vpp={vpp}")  # fmt: skip
+    return schedule
+
+
+def schedule_placement(schedule: str | None, vpp: int = 1) -> str:
+    """Where the schedule puts the virtual stages ("loop" or "v")."""
+    return SCHEDULES[resolve_schedule(schedule, vpp)][1]
+
+
+def schedule_comm(schedule: str | None, vpp: int = 1) -> str:
+    """How the engine runs the schedule's batches: "rendezvous" (wait for each batch) or
+    "posted" (post it and wait where a compute needs what it receives)."""
+    return SCHEDULES[resolve_schedule(schedule, vpp)][2]
+
+
+def get_schedule(
+    pp_size: int, pp_rank: int, num_microbatches: int, vpp: int = 1, schedule: str | None = None
+) -> list[Action]:
+    """The action list of `pp_rank`: no pipelining (pp = 1), else `schedule` (None: 1F1B or
+    interleaved 1F1B by vpp)."""
+    check_schedule_args(pp_size, num_microbatches, vpp, schedule)
+    name = resolve_schedule(schedule, vpp)
     if pp_size == 1:
         return no_pipelining(num_microbatches)
-    if vpp == 1:
+    if name == "zb-h1":
+        return zb_h1(pp_size, pp_rank, num_microbatches)
+    if name == "zb-v":
+        return zb_v(pp_size, pp_rank, num_microbatches)
+    if name == "1f1b":
         return one_f_one_b(pp_size, pp_rank, num_microbatches)
     return interleaved_one_f_one_b(pp_size, pp_rank, num_microbatches, vpp)
 
@@ -545,6 +591,8 @@ def forward_only(pp_size: int, pp_rank: int, num_microbatches: int, vpp: int = 1
     return actions
 
 
-def get_schedule_table(pp_size: int, num_microbatches: int, vpp: int = 1) -> list[list[Action]]:
+def get_schedule_table(
+    pp_size: int, num_microbatches: int, vpp: int = 1, schedule: str | None = None
+) -> list[list[Action]]:
     """Every rank's action list, indexed by pipeline rank (what `simulate` takes)."""
-    return [get_schedule(pp_size, r, num_microbatches, vpp) for r in range(pp_size)]
+    return [get_schedule(pp_size, r, num_microbatches, vpp, schedule) for r in range(pp_size)]

@@ -23,7 +23,12 @@ import torch.distributed as dist
 
 from megatron_lite.atomic import write_atomic
 from megatron_lite.parallel.mappings import guarded
-from megatron_lite.pipeline.schedules import get_schedule_table
+from megatron_lite.pipeline.schedules import (
+    get_schedule_table,
+    resolve_schedule,
+    schedule_comm,
+    schedule_placement,
+)
 from megatron_lite.pipeline.simulate import simulate
 
 TRACE_FILE = "pipeline_trace.json"
@@ -60,7 +65,7 @@ def chrome_events(rank: int, pp_rank: int, spans: list[tuple]) -> list[dict]:
             {"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": row}}
         )
     for kind, mb, chunk, start, end in spans:
-        row = "compute" if kind in ("forward", "backward") else kind
+        row = "compute" if kind in ("forward", "backward", "weight") else kind
         events.append(
             {
                 "name": f"{kind} mb{mb} c{chunk}",
@@ -111,7 +116,7 @@ def summarize(trace: dict) -> dict:
         pid, dur = e["pid"], e["dur"] / 1e6
         pp_of[pid] = e["args"]["pp_rank"]
         window = max(window, (e["ts"] + e["dur"]) / 1e6)
-        if e["cat"] in ("forward", "backward"):
+        if e["cat"] in ("forward", "backward", "weight"):
             busy[pid] += dur
             cost[e["cat"]].append(dur)
         else:  # the ops of one batch share their start and end
@@ -121,17 +126,23 @@ def summarize(trace: dict) -> dict:
     total_busy = sum(busy[r] for r in ranks)
     meta = trace.get("otherData", {})
     pp, vpp, m = meta.get("pp"), meta.get("vpp", 1), meta.get("num_microbatches")
+    schedule = meta.get("schedule")
     predicted = {}
     if pp and m:
-        table = get_schedule_table(pp, m, vpp)
-        predicted["formula"] = float(Fraction(pp - 1, vpp * m))
-        predicted["unit_costs"] = float(simulate(table).bubble_fraction)
+        table = get_schedule_table(pp, m, vpp, schedule)
+        how = {"placement": schedule_placement(schedule, vpp), "comm": schedule_comm(schedule, vpp)}
+        if resolve_schedule(schedule, vpp) in ("1f1b", "interleaved"):
+            predicted["formula"] = float(Fraction(pp - 1, vpp * m))
+        predicted["unit_costs"] = float(simulate(table, **how).bubble_fraction)
         if cost["forward"] and cost["backward"]:
             fwd = sum(cost["forward"]) / len(cost["forward"])
             bwd = sum(cost["backward"]) / len(cost["backward"])
+            wgt = sum(cost["weight"]) / len(cost["weight"]) if cost["weight"] else 0.0
             comm = min((dur for *_, dur in batches), default=0.0)
-            predicted["measured_costs"] = float(simulate(table, fwd, bwd, comm).bubble_fraction)
-            ms = {"forward": fwd * 1e3, "backward": bwd * 1e3, "comm": comm * 1e3}
+            sim = simulate(table, fwd, bwd + wgt, comm, weight_cost=wgt, **how)
+            predicted["measured_costs"] = float(sim.bubble_fraction)
+            ms = {"forward": fwd * 1e3, "backward": bwd * 1e3, "weight": wgt * 1e3,
+                  "comm": comm * 1e3}  # fmt: skip
             predicted["costs_ms"] = ms
     return {
         "window_s": window,

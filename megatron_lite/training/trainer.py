@@ -25,6 +25,7 @@ from megatron_lite.parallel.params import init_parameters, unique_owner
 from megatron_lite.parallel.random import model_parallel_seed
 from megatron_lite.pipeline.engine import forward_backward
 from megatron_lite.pipeline.p2p import activation_shape, pipeline_dtype, warm_up
+from megatron_lite.pipeline.schedules import resolve_schedule
 from megatron_lite.pipeline.trace import SpanRecorder, write_trace
 from megatron_lite.training.activation_memory import SavedTensorMeter
 from megatron_lite.training.flops import model_flops_per_token, peak_tflops
@@ -185,6 +186,7 @@ class Trainer:
             recorder=recorder,
             forward_only=forward_only,
             before_backward=self.dp.before_backward,
+            schedule=cfg.parallel.pipeline_schedule,
         )
         if recorder is not None:
             meta = {
@@ -192,6 +194,7 @@ class Trainer:
                 "vpp": len(self.chunks),
                 "step": self.step,
                 "num_microbatches": len(microbatches),
+                "schedule": resolve_schedule(cfg.parallel.pipeline_schedule, len(self.chunks)),
                 "world_size": dist.get_world_size(),
             }
             write_trace(recorder, mesh.pp.rank, meta, cfg.train.out_dir)

@@ -278,7 +278,7 @@ def _validate_batch_sizes(cfg: Config) -> None:
         f"use a multiple of {per_step}",
     )
     n_micro = num_microbatches(t, p.dp)
-    problem = microbatches_problem(p.pp, n_micro, p.vpp)
+    problem = microbatches_problem(p.pp, n_micro, p.vpp, p.pipeline_schedule)
     multiple = p.pp * per_step
     _rule(
         problem is None,

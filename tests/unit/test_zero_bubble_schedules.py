@@ -167,3 +167,24 @@ def test_weight_cost_splits_the_backward():
     result = simulate([split], 1, 3, weight_cost=1)
     assert result.makespan == simulate([[F(0), B(0), F(1), B(1)]], 1, 3).makespan == 8
     assert simulate([[F(0), F(1), B(0), B(1), W(0), W(1)]]).peak_in_flight == (2,)
+
+
+@pytest.mark.parametrize(
+    "overrides, rule",
+    [
+        (["parallel.pipeline_schedule=zb-v"], "does not build the V placement"),
+        (["parallel.pipeline_schedule=zb-h1", "parallel.vpp=2"], "needs vpp=1"),
+        (["parallel.pipeline_schedule=interleaved"], "needs vpp >= 2"),
+        (["parallel.pipeline_schedule=zb-h1", "parallel.zero_stage=3"], "FSDP2"),
+        (["parallel.pipeline_schedule=gpipe"], "must be one of"),
+    ],
+)
+def test_bad_schedule_choices_are_config_errors(overrides, rule):
+    from megatron_lite.config import ConfigError, load_config
+    from megatron_lite.validation import validate
+
+    base = ["data.mock=true", "model.num_layers=4", "parallel.pp=2", "train.global_batch_size=8"]
+    cfg = load_config(None, [*base, *overrides])
+    with pytest.raises(ConfigError, match=rule) as err:
+        validate(cfg, world_size=2)
+    assert "parallel.pipeline_schedule=" in str(err.value) and "Fix:" in str(err.value)
