@@ -51,13 +51,12 @@ def main(argv: list[str] | None = None) -> int:
         c = pred["costs_ms"]
         print(
             f"simulated, measured costs           {pred['measured_costs']:.4f}  (F "
-            f"{c['forward']:.2f} ms, B {c['backward']:.2f} ms, p2p batch {c['comm']:.2f} ms)"
+            f"{c['forward']:.2f} ms, B {c['backward']:.2f} ms, W {c.get('weight', 0.0):.2f} ms, "
+            f"p2p batch {c['comm']:.2f} ms)"
         )
     if "unit_costs" in pred:
-        print(
-            f"simulated, F=1 B=2, no comm cost    {pred['unit_costs']:.4f}  = formula "
-            f"(pp-1)/(vpp*m) = {pred['formula']:.4f}"
-        )
+        formula = f"  = formula (pp-1)/(vpp*m) = {pred['formula']:.4f}" if "formula" in pred else ""
+        print(f"simulated, F=1 B=2, no comm cost    {pred['unit_costs']:.4f}{formula}")
     return 0
 
 

@@ -36,10 +36,36 @@ LAYOUTS = {
 }  # pp4_vpp2: m=8; tp2_sp_pp2_vpp2_dp2: m=4 (both reach the interleaved steady state)
 
 
+# ZB-H1: each backward split into B (input grad, the linear layers' weight GEMMs queued) and
+# W (the queue); batches posted. m = pp, 2·pp and an odd count; with tp2+SP
+ZB_H1 = ["parallel.pipeline_schedule=zb-h1"]
+M3 = (*UNTIED, "train.micro_batch_size=1", "train.global_batch_size=3")
+ZB_LAYOUTS = {
+    "zb_h1_pp2_m4": (2, TIED, ["parallel.pp=2", *ZB_H1]),
+    "zb_h1_pp4_m4": (4, TIED, ["parallel.pp=4", *ZB_H1]),
+    "zb_h1_pp2_m3": (2, M3, ["parallel.pp=2", *ZB_H1]),
+    "zb_h1_tp2_sp_pp2_dp2": (8, TIED, [*SP_PP2, *ZB_H1]),
+    "zb_h1_pp2_dp2_zero1": (4, TIED, ["parallel.pp=2", "parallel.zero_stage=1", *ZB_H1]),
+    # full recompute: the rerun in B computes its weight gradients there (nothing queued)
+    "zb_h1_pp2_full_recompute": (
+        2,
+        TIED,
+        [
+            "parallel.pp=2",
+            "model.recompute_granularity=full",
+            "model.recompute_method=uniform",
+            "model.recompute_num_layers=1",
+            *ZB_H1,
+        ],
+    ),  # fmt: skip
+    "zb_h1_moe_ep2_pp2": (4, MOE, ["parallel.ep=2", "parallel.pp=2", *ZB_H1]),
+}
+
+
 @pytest.mark.parity
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", [*LAYOUTS, *ZB_LAYOUTS])
 def test_pipeline_loss_parity(layout, tmp_path):
-    world, model, overrides = LAYOUTS[layout]
+    world, model, overrides = {**LAYOUTS, **ZB_LAYOUTS}[layout]
     model = (*model, *SHORT)
     ref = reference_losses(model)
     got = train_losses(world, [*model, *overrides], str(tmp_path))
@@ -127,39 +153,3 @@ def test_pipeline_trace_and_timeline_tool(tmp_path, capsys):
     text = capsys.readouterr().out
     for part in ("busy", "idle", "measured bubble", "simulated", "(pp-1)/(vpp*m) = 0.1250"):
         assert part in text, f"{part!r} missing from the timeline report:\n{text}"
-
-
-# ZB-H1: each backward split into B (input grad, the linear layers' weight GEMMs queued) and
-# W (the queue); batches posted. m = pp, 2·pp and an odd count; with tp2+SP
-ZB_H1 = ["parallel.pipeline_schedule=zb-h1"]
-M3 = (*UNTIED, "train.micro_batch_size=1", "train.global_batch_size=3")
-ZB_LAYOUTS = {
-    "zb_h1_pp2_m4": (2, TIED, ["parallel.pp=2", *ZB_H1]),
-    "zb_h1_pp4_m4": (4, TIED, ["parallel.pp=4", *ZB_H1]),
-    "zb_h1_pp2_m3": (2, M3, ["parallel.pp=2", *ZB_H1]),
-    "zb_h1_tp2_sp_pp2_dp2": (8, TIED, [*SP_PP2, *ZB_H1]),
-    "zb_h1_pp2_dp2_zero1": (4, TIED, ["parallel.pp=2", "parallel.zero_stage=1", *ZB_H1]),
-    # full recompute: the rerun in B computes its weight gradients there (nothing queued)
-    "zb_h1_pp2_full_recompute": (
-        2,
-        TIED,
-        [
-            "parallel.pp=2",
-            "model.recompute_granularity=full",
-            "model.recompute_method=uniform",
-            "model.recompute_num_layers=1",
-            *ZB_H1,
-        ],
-    ),  # fmt: skip
-    "zb_h1_moe_ep2_pp2": (4, MOE, ["parallel.ep=2", "parallel.pp=2", *ZB_H1]),
-}
-
-
-@pytest.mark.parity
-@pytest.mark.parametrize("layout", ZB_LAYOUTS)
-def test_zero_bubble_loss_parity(layout, tmp_path):
-    world, model, overrides = ZB_LAYOUTS[layout]
-    model = (*model, *SHORT)
-    ref = reference_losses(model)
-    got = train_losses(world, [*model, *overrides], str(tmp_path))
-    assert_parity(got, ref, layout)
