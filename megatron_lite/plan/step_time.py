@@ -14,6 +14,10 @@ Overlap model (what our code overlaps):
 - EP (MoE) all-to-alls are exposed: EP's dispatch and combine, T·u·k·h·A
   each, in forward, backward and a recompute's rerun, on the MoE layers (moe_layer_freq).
 - PP: each send/receive batch costs its p2p time on the schedule's critical path (simulator).
+  zb-h1 (parallel.pipeline_schedule) splits each backward into B and W, W being the linear
+  layers' weight-gradient GEMMs (a layer's forward GEMM time; the attention core has no
+  weights), with posted batches; B then has no weight-gradient GEMM to hide the TP
+  reduce-scatter of the input gradient behind, so that is exposed.
 - DP: gradient buckets reduce during the last microbatch's backward, all but the last bucket
   hidden (ZeRO-2 reduce-scatters every microbatch: the earlier ones hide behind their backward
   and the next forward); the ZeRO-1/2 weight all-gather hides behind the next forward but the
@@ -60,32 +64,40 @@ class StepTime:
 
 
 def _pipeline(pp: int, vpp: int, m: int, weights: tuple, fwd: float, bwd: float, comm: float,
-              simulate: bool) -> tuple[float, float, float]:  # fmt: skip
+              simulate: bool, schedule: str | None = None,
+              wgt: float | None = None) -> tuple[float, float, float]:  # fmt: skip
     """(busy time of the busiest rank, bubble, time the p2p adds) of the schedule with these
-    per-layer costs. Bubble: the simulator's makespan minus busy, or the closed form (pp - 1)
-    mean virtual-stage forward+backward of fill and drain. P2P: every send/receive batch on the
-    critical path (an upper bound)."""
+    per-layer costs (`wgt`: W's part of `bwd` for a zero-bubble schedule). Bubble: the
+    simulator's makespan minus busy, or the closed form: (pp - 1) mean virtual-stage
+    forward+backward of fill and drain, (pp - 1)(F + B - W) for zb-h1. P2P: every send/receive
+    batch on the critical path (an upper bound)."""
     busy = max(m * sum(weights[s] for s in range(r, pp * vpp, pp)) * (fwd + bwd) for r in range(pp))
     if pp == 1:
         return busy, 0.0, 0.0
     if not simulate:
-        mean = sum(weights) / len(weights) * (fwd + bwd)
-        return busy, (pp - 1) * mean, 2 * m * vpp * comm
-    no_comm = _simulated(pp, vpp, m, weights, fwd, bwd, 0.0)
+        mean = sum(weights) / len(weights)
+        fill = fwd + bwd if schedule != "zb-h1" else max(fwd + bwd - 2 * wgt, 0.0)
+        return busy, (pp - 1) * mean * fill, 2 * m * vpp * comm
+    no_comm = _simulated(pp, vpp, m, weights, fwd, bwd, 0.0, schedule, wgt)
     return busy, max(0.0, no_comm - busy), 2 * m * vpp * comm
 
 
 @functools.lru_cache(maxsize=256)
-def _simulated(pp, vpp, m, weights, fwd, bwd, comm) -> float:
+def _simulated(pp, vpp, m, weights, fwd, bwd, comm, schedule=None, wgt=None) -> float:
     """The simulator's makespan for m microbatches. Beyond fill and drain each microbatch adds
     the same time, so for m > 3·pp the makespan is extrapolated linearly from 2·pp and 3·pp."""
-    from megatron_lite.pipeline.schedules import get_schedule_table
+    from megatron_lite.pipeline.schedules import (
+        get_schedule_table,
+        schedule_comm,
+        schedule_placement,
+    )
     from megatron_lite.pipeline.simulate import simulate
 
+    how = {"placement": schedule_placement(schedule, vpp), "comm": schedule_comm(schedule, vpp)}
+
     def run(n: int) -> float:
-        return float(
-            simulate(get_schedule_table(pp, n, vpp), fwd, bwd, comm, list(weights)).makespan
-        )
+        table = get_schedule_table(pp, n, vpp, schedule)
+        return float(simulate(table, fwd, bwd, comm, list(weights), wgt, **how).makespan)
 
     if m <= 3 * pp:
         return run(m)
@@ -214,7 +226,9 @@ def step_time(cfg: Config, world: int, gpu, mfu: float, gpus_per_node: int,
         gathers = 2 * one[0] * (2 if shape.sp else 1) + (tp_f / 2 if gran == "full" else 0)
         scatters = 2 * one[1]
         half = t_fwd  # the backward GEMMs cost 2·t_fwd: half dgrad, half wgrad
-        tp_b = max(0.0, gathers - half) + max(0.0, scatters - half)
+        # zb-h1 defers the wgrad GEMMs to W: nothing hides the input gradient's reduce-scatter
+        hides = 0.0 if p.pipeline_schedule == "zb-h1" else half
+        tp_b = max(0.0, gathers - half) + max(0.0, scatters - hides)
         hidden += (gathers + scatters - tp_b) * m * sum(stage_layers(m_, p)) / p.pp
     a2a = cp_a2a_exposed(r, links["cp_a2a"], gpu)
     ring_f, ring_b = cp_ring_exposed(r, links["cp_ring"], gpu, rate)
@@ -234,7 +248,11 @@ def step_time(cfg: Config, world: int, gpu, mfu: float, gpus_per_node: int,
     weights[-1] += head / 3 / layer_fwd
     fwd = t_fwd + tp_f + cp_f + ep_f
     bwd = 2 * t_fwd + extra * t_fwd + tp_b + cp_b + ep_b
-    busy, bubble, pp_exp = _pipeline(p.pp, p.vpp, m, tuple(weights), fwd, bwd, p2p, simulate)
+    # W: the linear layers' weight-gradient GEMMs (the forward GEMMs' time; the attention
+    # core has no weights); only for a schedule that splits the backward
+    wgt = max(t_fwd - attn_flops / rate, 0.0) if p.pipeline_schedule == "zb-h1" else None
+    busy, bubble, pp_exp = _pipeline(p.pp, p.vpp, m, tuple(weights), fwd, bwd, p2p, simulate,
+                                     p.pipeline_schedule, wgt)  # fmt: skip
     compute = (
         max(m * sum(weights[s] for s in range(rk, p.pp * p.vpp, p.pp)) for rk in range(p.pp))
         * t_fwd
