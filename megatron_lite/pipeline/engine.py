@@ -118,7 +118,7 @@ class _Run:
         if posted is not None:
             action = Action(kind, *key)
             posted.wait(action)
-            t = posted.received[action]
+            t = posted.received.pop(action)  # the batch may outlive it (a send still out)
             if kind == "recv_forward":
                 self.inputs[key] = t.requires_grad_()
             else:

@@ -38,6 +38,8 @@ def test_eval_loss_is_layout_independent_and_leaves_training_alone(tmp_path):
     layouts = {
         "tp2_sp_pp2": (4, ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.pp=2"]),
         "dp2_zero1": (2, ["parallel.zero_stage=1"]),
+        # zero-bubble training, evaluation on the unchanged forward-only table
+        "pp2_zb_h1": (2, ["parallel.pp=2", "parallel.pipeline_schedule=zb-h1"]),
     }
     for name, (world, over) in layouts.items():
         got_losses, got_evals = _run(world, ["train.eval_interval=5", *over], str(tmp_path / name))
