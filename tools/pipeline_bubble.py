@@ -22,8 +22,7 @@ from megatron_lite.pipeline.schedules import (
     format_actions,
     get_schedule_table,
     resolve_schedule,
-    schedule_comm,
-    schedule_placement,
+    simulate_options,
 )
 from megatron_lite.pipeline.simulate import chrome_trace, simulate
 
@@ -62,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     name = resolve_schedule(args.schedule, args.vpp)
-    how = {"placement": schedule_placement(name, args.vpp), "comm": schedule_comm(name, args.vpp)}
+    how = simulate_options(name, args.vpp)
     costs = (args.forward_cost, args.backward_cost, args.comm_cost)
     result = simulate(table, *costs, weight_cost=args.weight_cost, **how)
 

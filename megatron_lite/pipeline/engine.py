@@ -90,7 +90,8 @@ class _Run:
         self.placement, self.posted, self.split = "loop", False, False
         self.last_stage = self.pp_size * len(chunks) - 1
         self.pending: dict[tuple[str, Key], Posted] = {}  # posted receives, by what they carry
-        self.posted_sends: list[tuple[Posted, list[Key]]] = []  # posted sends, outputs they carry
+        # posted batches with sends: (batch, its sends, the outputs they carry)
+        self.posted_sends: list[tuple[Posted, list[Action], list[Key]]] = []
         self.wgrads: dict[Key, list] = {}  # deferred weight-gradient GEMMs, run by W
         self.live: set[Key] = set()  # forwarded, not yet through backward (W when split)
         self.inputs: dict[Key, torch.Tensor] = {}  # received activations (leaves)
@@ -126,7 +127,6 @@ class _Run:
 
     def forward(self, a: Action) -> None:
         key, stage = (a.microbatch, a.chunk), self.stage(a.chunk)
-        self.arrived("recv_forward", key)
         prev = self.local_chunk(stage - 1)
         if prev is not None:  # the V turn: the previous stage's output, on this rank
             self.inputs[key] = self.outputs[(a.microbatch, prev)].detach().requires_grad_()
@@ -157,7 +157,6 @@ class _Run:
 
     def backward(self, a: Action) -> None:
         key, stage = (a.microbatch, a.chunk), self.stage(a.chunk)
-        self.arrived("recv_backward", key)
         out = self.outputs.pop(key)
         nxt = self.local_chunk(stage + 1)
         if nxt is not None:  # the V turn: the next stage's input grad, on this rank
@@ -221,20 +220,21 @@ class _Run:
         for a in batch:
             if not a.is_send:
                 self.pending[(a.kind, (a.microbatch, a.chunk))] = posted
-        sent = [(a.microbatch, a.chunk) for a in batch if a.kind == "send_forward"]
-        self.posted_sends.append((posted, sent))
+        sends = [a for a in batch if a.is_send]
+        if sends:
+            sent = [(a.microbatch, a.chunk) for a in sends if a.kind == "send_forward"]
+            self.posted_sends.append((posted, sends, sent))
         self.settle(block=False)
 
     def settle(self, block: bool) -> None:
         """Free the outputs whose sends have landed (block: wait for every send first)."""
         keep = []
-        for posted, sent in self.posted_sends:
-            sends = [a for a in posted.batch if a.is_send]
+        for posted, sends, sent in self.posted_sends:
             if block:
                 for a in sends:
                     posted.wait(a)
-            if any(a in posted.pending for a in sends):
-                keep.append((posted, sent))
+            elif not all([posted.landed(a) for a in sends]):
+                keep.append((posted, sends, sent))
                 continue
             for key in sent:  # the output's graph stays until its backward
                 if key in self.outputs:

@@ -155,7 +155,9 @@ class P2PCommunicator:
             works = dist.batch_isend_irecv(ops)
         except RuntimeError as e:
             raise self._error(batch, batch[0], f"failed to post: {e}") from e
-        return Posted(self, tuple(batch), works, received, deadline, ops)
+        # gloo returns one work per op; a coalesced backend (NCCL) one for the whole batch
+        per_op = len(works) == len(ops)
+        return Posted(self, tuple(batch), works, received, deadline, per_op)
 
     def _check_send(self, action: Action, t: torch.Tensor | None) -> torch.Tensor:
         if t is None:
@@ -193,28 +195,30 @@ class P2PCommunicator:
 class Posted:
     """One posted batch: its received buffers and the works still to wait for."""
 
-    def __init__(self, comm: P2PCommunicator, batch, works, received, deadline, ops):
+    def __init__(self, comm: P2PCommunicator, batch, works, received, deadline, per_op: bool):
         self.comm, self.batch, self.received, self.deadline = comm, batch, received, deadline
-        # gloo returns one work per op; a coalesced backend (NCCL) one for the whole batch
-        per_op = len(works) == len(ops)
-        self.pending = {a: [w] for a, w in zip(batch, works, strict=False)} if per_op else {
-            a: list(works) for a in batch
-        }  # fmt: skip
-        self._sends = [a for a in batch if a.is_send]
+        # per op (gloo), or every op waits for the one coalesced work (waiting twice is harmless)
+        self.pending = (
+            {a: [w] for a, w in zip(batch, works, strict=True)}
+            if per_op
+            else {a: list(works) for a in batch}
+        )
 
     def wait(self, action: Action | None = None) -> None:
         """Wait for `action`'s op (None: every op of the batch), with the batch's deadline."""
+        error = functools.partial(self.comm._error, self.batch)
         for a in self.batch if action is None else (action,):
             works = self.pending.pop(a, [])
-            for w in works:  # a coalesced work is shared: waiting it twice is harmless
-                _wait_all([w], [a], self.deadline, self.comm.timeout_s,
-                          functools.partial(self.comm._error, self.batch))  # fmt: skip
+            _wait_all(works, [a] * len(works), self.deadline, self.comm.timeout_s, error)
         if action is None and self.comm.trace:
             self.comm._print(f"done [{' '.join(map(str, self.batch))}]")
 
-    @property
-    def done(self) -> bool:
-        return not self.pending
+    def landed(self, action: Action) -> bool:
+        """Whether `action`'s op has completed, without waiting (then it needs no wait)."""
+        if all(w.is_completed() for w in self.pending.get(action, [])):
+            self.wait(action)  # completed: collects errors, returns at once
+            return True
+        return False
 
 
 def _post(ops: list, deadline: float, device: torch.device):

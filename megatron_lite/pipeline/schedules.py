@@ -35,7 +35,7 @@ COMM_KINDS = ("recv_forward", "send_forward", "recv_backward", "send_backward")
 KINDS = COMPUTE_KINDS + COMM_KINDS
 # Order of ops inside one batch: activation traffic first, then gradient traffic.
 _BATCH_ORDER = {"send_forward": 0, "recv_forward": 1, "send_backward": 2, "recv_backward": 3}
-_MATCH_RECV = {"send_forward": "recv_forward", "send_backward": "recv_backward"}
+RECV_OF = {"send_forward": "recv_forward", "send_backward": "recv_backward"}  # a send's match
 _SHORT = {"forward": "F", "backward": "B", "weight": "W", "recv_forward": "rF",
           "send_forward": "sF", "recv_backward": "rB", "send_backward": "sB"}  # fmt: skip
 # Where the pp * vpp virtual stages sit: "loop" puts stage c * pp + r on rank r (Megatron's
@@ -403,7 +403,7 @@ def receive_in_send_order(
         for a in actions:
             if a.is_send:
                 peer, chunk = peer_of(a, rank, pp, placement)
-                sent[(rank, peer)].append((_MATCH_RECV[a.kind], a.microbatch, chunk))
+                sent[(rank, peer)].append((RECV_OF[a.kind], a.microbatch, chunk))
     fixed = []
     for rank, actions in enumerate(tables):
         queue = {link: list(order) for link, order in sent.items() if link[1] == rank}
@@ -554,6 +554,11 @@ def schedule_comm(schedule: str | None, vpp: int = 1) -> str:
     """How the engine runs the schedule's batches: "rendezvous" (wait for each batch) or
     "posted" (post it and wait where a compute needs what it receives)."""
     return SCHEDULES[resolve_schedule(schedule, vpp)][2]
+
+
+def simulate_options(schedule: str | None, vpp: int = 1) -> dict[str, str]:
+    """`simulate`'s placement= and comm= for the schedule's tables."""
+    return {"placement": schedule_placement(schedule, vpp), "comm": schedule_comm(schedule, vpp)}
 
 
 def get_schedule(

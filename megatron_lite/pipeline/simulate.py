@@ -22,9 +22,14 @@ from collections import defaultdict
 from dataclasses import dataclass
 from fractions import Fraction
 
-from megatron_lite.pipeline.schedules import Action, Step, peer_of, stage_location, virtual_stage
-
-_MATCH = {"send_forward": "recv_forward", "send_backward": "recv_backward"}
+from megatron_lite.pipeline.schedules import (
+    RECV_OF,
+    Action,
+    Step,
+    peer_of,
+    stage_location,
+    virtual_stage,
+)
 
 
 class ScheduleError(ValueError):
@@ -189,7 +194,7 @@ def _pair_ops(
     for link in sorted(set(sends) | set(recvs)):
         out, inc = sends[link], recvs[link]
         for n, (s, r) in enumerate(zip(out, inc, strict=False)):
-            expected = (_MATCH[s.action.kind], s.action.microbatch)
+            expected = (RECV_OF[s.action.kind], s.action.microbatch)
             if (r.action.kind, r.action.microbatch) != expected or peer_of(
                 s.action, s.rank, pp, placement
             ) != (r.rank, r.action.chunk):

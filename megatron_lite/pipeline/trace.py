@@ -23,12 +23,7 @@ import torch.distributed as dist
 
 from megatron_lite.atomic import write_atomic
 from megatron_lite.parallel.mappings import guarded
-from megatron_lite.pipeline.schedules import (
-    get_schedule_table,
-    resolve_schedule,
-    schedule_comm,
-    schedule_placement,
-)
+from megatron_lite.pipeline.schedules import get_schedule_table, resolve_schedule, simulate_options
 from megatron_lite.pipeline.simulate import simulate
 
 TRACE_FILE = "pipeline_trace.json"
@@ -130,7 +125,7 @@ def summarize(trace: dict) -> dict:
     predicted = {}
     if pp and m:
         table = get_schedule_table(pp, m, vpp, schedule)
-        how = {"placement": schedule_placement(schedule, vpp), "comm": schedule_comm(schedule, vpp)}
+        how = simulate_options(schedule, vpp)
         if resolve_schedule(schedule, vpp) in ("1f1b", "interleaved"):
             predicted["formula"] = float(Fraction(pp - 1, vpp * m))
         predicted["unit_costs"] = float(simulate(table, **how).bubble_fraction)

@@ -86,14 +86,10 @@ def _pipeline(pp: int, vpp: int, m: int, weights: tuple, fwd: float, bwd: float,
 def _simulated(pp, vpp, m, weights, fwd, bwd, comm, schedule=None, wgt=None) -> float:
     """The simulator's makespan for m microbatches. Beyond fill and drain each microbatch adds
     the same time, so for m > 3·pp the makespan is extrapolated linearly from 2·pp and 3·pp."""
-    from megatron_lite.pipeline.schedules import (
-        get_schedule_table,
-        schedule_comm,
-        schedule_placement,
-    )
+    from megatron_lite.pipeline.schedules import get_schedule_table, simulate_options
     from megatron_lite.pipeline.simulate import simulate
 
-    how = {"placement": schedule_placement(schedule, vpp), "comm": schedule_comm(schedule, vpp)}
+    how = simulate_options(schedule, vpp)
 
     def run(n: int) -> float:
         table = get_schedule_table(pp, n, vpp, schedule)

@@ -15,18 +15,11 @@ from megatron_lite.pipeline.schedules import (
     zb_v,
 )
 from megatron_lite.pipeline.simulate import DeadlockError, ScheduleError, simulate
+from tests.unit.test_schedules import B, F, rB, rF, sB, sF
 
 
 def table(build, pp, m):
     return [build(pp, r, m) for r in range(pp)]
-
-
-def F(mb, c=0):
-    return Action("forward", mb, c)
-
-
-def B(mb, c=0):
-    return Action("backward", mb, c)
 
 
 def W(mb, c=0):
@@ -118,29 +111,15 @@ def test_posted_batches_leave_1f1b_and_interleaved_unchanged():
 
 
 def test_posted_sends_do_not_block_but_missing_inputs_deadlock():
-    def op(kind, mb):
-        return Action(kind, mb)
-
     # each rank sends before it receives, in separate batches: a rendezvous deadlock (the
     # second send waits for a receive posted only after the peer's own send), fine posted
-    rank0 = [
-        F(0),
-        (op("send_forward", 0),),
-        F(1),
-        (op("send_forward", 1),),
-        (op("recv_backward", 0),),
-        B(0),
-        (op("recv_backward", 1),),
-        B(1),
-    ]
-    rank1 = [(op("recv_forward", 0),), F(0), B(0), (op("send_backward", 0),),
-             (op("recv_forward", 1),), F(1), B(1), (op("send_backward", 1),)]  # fmt: skip
+    rank0 = [F(0), (sF(0),), F(1), (sF(1),), (rB(0),), B(0), (rB(1),), B(1)]
+    rank1 = [(rF(0),), F(0), B(0), (sB(0),), (rF(1),), F(1), B(1), (sB(1),)]
     with pytest.raises(DeadlockError):
         simulate([rank0, rank1])
     assert simulate([rank0, rank1], comm="posted").makespan == 9
     # rank 0 needs the gradient before it sends the activation rank 1 needs: stuck either way
-    late = [F(0), op("recv_backward", 0), B(0), op("send_forward", 0), F(1),
-            op("send_forward", 1), op("recv_backward", 1), B(1)]  # fmt: skip
+    late = [F(0), rB(0), B(0), sF(0), F(1), sF(1), rB(1), B(1)]
     with pytest.raises(
         DeadlockError, match=r"rank 0 action 1 recv_backward\(mb=0, chunk=0\) waits for rank 1"
     ):
