@@ -8,7 +8,9 @@ lists, CPU tensors). If any rank raises, the first error (with its traceback) is
 the other ranks have ended too (or `settle` seconds passed, then they are killed); if
 the ranks don't finish within `timeout` seconds they are killed and the test fails with the
 ranks that were still running, so a hang fails fast instead of stalling CI; a rank that dies
-without a result (a crash: segfault, os._exit) fails the test within a second.
+without a result (a crash: segfault, os._exit) fails the test within a second. A process group
+that fails to form (gloo's TCP mesh refused, seen once in hundreds of runs with the launch tests
+beside) is started again once, on a new store, before `fn` ran anywhere.
 """
 
 from __future__ import annotations
@@ -56,6 +58,11 @@ def _child(rank, world_size, store_path, fn, args, queue, timeout):
             world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout),
         )
+        dist.barrier()  # every rank's group formed before any runs `fn`
+    except BaseException as e:
+        queue.put((rank, "no group", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        return
+    try:
         out = fn(rank, world_size, *args)
         dist.destroy_process_group()
         # plain pickle copies tensor storage; the mp queue's shared-memory tensors would die
@@ -80,7 +87,18 @@ def _settle(procs, queue, reported: int, world_size: int, settle: float) -> None
         p.kill()
 
 
+class _NoGroup(RuntimeError):
+    """The ranks' process group did not form; nothing of `fn` ran."""
+
+
 def run_ranks(world_size: int, fn, *args, timeout: float = 120.0, settle: float = 3.0) -> list:
+    try:
+        return _run_ranks(world_size, fn, args, timeout, settle)
+    except _NoGroup:
+        return _run_ranks(world_size, fn, args, timeout, settle)
+
+
+def _run_ranks(world_size: int, fn, args, timeout: float, settle: float) -> list:
     ctx = _context()
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -116,6 +134,10 @@ def run_ranks(world_size: int, fn, *args, timeout: float = 120.0, settle: float 
                 raise TimeoutError(
                     f"ranks {missing} of {world_size} did not finish within {timeout:.0f}s (hang?)"
                 ) from None
+            if status == "no group":
+                for p in procs:
+                    p.kill()
+                raise _NoGroup(f"rank {rank}: the process group did not form: {value}")
             if status == "error":
                 _settle(procs, queue, len(results) + 1, world_size, settle)
                 raise RuntimeError(f"rank {rank} failed: {value}")

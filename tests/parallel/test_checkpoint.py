@@ -1,7 +1,7 @@
 """Sharded checkpoints with the real Trainer on forked gloo ranks.
 
-An unbroken 20-step run saves at step 10; a second run resumes from that checkpoint and trains
-steps 10..19. On the same layout its losses equal the unbroken run's bitwise (sync save with
+An unbroken 10-step run saves at step 5; a second run resumes from that checkpoint and trains
+steps 5..9. On the same layout its losses equal the unbroken run's bitwise (sync save with
 dropout, async save); on another layout (tp, dp, sp, pp, cp, ep changed, world size 2 -> 1)
 they match within 1e-4 relative. A crash between the DCP write and the rename leaves the
 previous checkpoint usable; a damaged file is reported by name and resume=auto falls back past
@@ -19,7 +19,9 @@ from tests.parallel.parity import TINY, max_rel_diff, structured_dataset
 LLAMA = ["model.arch=llama"]  # tied embeddings, vocabulary 250 padded to 256 at tp=2
 GPT = ["model.arch=gpt", "model.tie_embeddings=false"]  # biases in qkv segments, positions
 MOE = ["model.arch=llama", "model.num_experts=4", "model.moe_router_topk=2"]
-SAVE = ["train.save_interval=10"]
+# the straight run: STEPS steps saving at AT (and after the last); a resume trains AT..STEPS-1
+STEPS, AT = 10, 5
+SAVE = [f"train.steps={STEPS}", f"train.save_interval={AT}"]
 
 
 def _has(module: str) -> bool:
@@ -32,7 +34,7 @@ def _has(module: str) -> bool:
 
 def _train(rank, world, overrides, out_dir, mode):
     """Train with the real Trainer; rank 0 returns [(step, loss, ckpt_blocked_s)].
-    mode "crash20": the commit (rename) of step 20's checkpoint raises after the DCP write;
+    mode "crash10": the commit (rename) of step 10's checkpoint raises after the DCP write;
     mode "signal3": rank 1 sends itself SIGUSR1 during step index 3;
     mode "ioerror": rank 1 cannot read any checkpoint (PermissionError while verifying)."""
     import signal
@@ -44,11 +46,11 @@ def _train(rank, world, overrides, out_dir, mode):
     from megatron_lite.train import prepare
     from megatron_lite.training.trainer import Trainer
 
-    if mode == "crash20":
+    if mode == "crash10":
         commit = checkpoint_files.commit
 
         def crash(tmp, final, meta, table=None):
-            if final.endswith("step_20"):
+            if final.endswith("step_10"):
                 raise RuntimeError("simulated crash after the DCP write, before the rename")
             commit(tmp, final, meta, table)
 
@@ -83,20 +85,20 @@ def train(world, overrides, out_dir, mode="", timeout=120):
     return run_ranks(world, _train, args, str(out_dir), mode, timeout=timeout)
 
 
-def ckpt(run_dir, step=10) -> str:
+def ckpt(run_dir, step=AT) -> str:
     return f"train.resume={os.path.join(run_dir, 'checkpoints', f'step_{step}')}"
 
 
 @pytest.fixture(scope="module")
 def llama_tp2(tmp_path_factory):
-    """Unbroken 20 steps on tp=2 (sync save at 10 and 20): (run dir, records)."""
+    """Unbroken STEPS steps on tp=2 (sync save at AT and STEPS): (run dir, records)."""
     d = tmp_path_factory.mktemp("llama_tp2")
     return d, train(2, [*LLAMA, "parallel.tp=2", *SAVE], d)[0]
 
 
 @pytest.fixture(scope="module")
 def gpt_dp2(tmp_path_factory):
-    """Unbroken 20 steps on dp=2 with async save at 10 and 20."""
+    """Unbroken STEPS steps on dp=2 with async save at AT and STEPS."""
     d = tmp_path_factory.mktemp("gpt_dp2")
     return d, train(2, [*GPT, *SAVE, "train.async_save=true"], d)[0]
 
@@ -107,23 +109,25 @@ def losses(records):
 
 def check_resume(base, world, overrides, tmp_path, exact):
     run_dir, full = base
-    got = train(world, [*overrides, ckpt(run_dir)], tmp_path)[0]
-    assert [s for s, _, _ in got] == list(range(10, 20)), "resume did not continue at step 10"
-    diff = max_rel_diff(losses(got), losses(full[10:]))
+    got = train(world, [*overrides, f"train.steps={STEPS}", ckpt(run_dir)], tmp_path)[0]
+    assert [s for s, _, _ in got] == list(range(AT, STEPS)), f"resume did not continue at {AT}"
+    diff = max_rel_diff(losses(got), losses(full[AT:]))
     print(f"RESUME {overrides}: max rel diff {diff:.2e}")
     if exact:
-        assert losses(got) == losses(full[10:]), f"not bitwise: max rel diff {diff:.2e}"
+        assert losses(got) == losses(full[AT:]), f"not bitwise: max rel diff {diff:.2e}"
     assert diff < 1e-4, f"{overrides}: resumed losses differ by {diff:.2e}"
 
 
 def test_checkpoint_layout_on_disk(llama_tp2):
     run_dir, records = llama_tp2
     ckpt_dir = os.path.join(run_dir, "checkpoints")
-    assert sorted(os.listdir(ckpt_dir)) == ["latest", "step_10", "step_20"]
-    assert open(os.path.join(ckpt_dir, "latest")).read().strip() == "step_20"
-    files = set(os.listdir(os.path.join(ckpt_dir, "step_20")))
+    assert sorted(os.listdir(ckpt_dir)) == ["latest", "step_10", "step_5"]
+    assert open(os.path.join(ckpt_dir, "latest")).read().strip() == "step_10"
+    files = set(os.listdir(os.path.join(ckpt_dir, "step_10")))
     assert {"metadata.json", ".metadata", "__0_0.distcp", "__1_0.distcp"} <= files
-    assert [b is not None for _, _, b in records] == [i in (9, 19) for i in range(20)]
+    assert [b is not None for _, _, b in records] == [
+        i in (AT - 1, STEPS - 1) for i in range(STEPS)
+    ]
 
 
 def test_exact_resume_with_dropout(tmp_path):
@@ -170,20 +174,23 @@ def test_reshard_moe_ep2_to_one_rank(tmp_path):
 
 
 def test_crash_during_save_and_damaged_file(llama_tp2, tmp_path):
-    """The step-20 save (tp=2) dies on rank 0 before its rename: both ranks stop with an error
-    (no hang), step_15 (`latest`) and step_10 survive. With step_15 damaged, an explicit resume
-    names the file; resume=auto falls back to step_10 (resumed on one rank)."""
+    """The step-10 save (tp=2, every 3 steps) dies on rank 0 before its rename: both ranks stop
+    with an error (no hang), step_9 (`latest`) and step_6 survive. With step_9 damaged, an
+    explicit resume names the file; resume=auto falls back to step_6 (resumed on one rank)."""
     run = tmp_path / "crashed"
+    every_3 = [*LLAMA, "parallel.tp=2", f"train.steps={STEPS}", "train.save_interval=3"]
     with pytest.raises(RuntimeError, match="simulated crash|failed on another rank"):
-        train(2, [*LLAMA, "parallel.tp=2", "train.save_interval=5"], run, mode="crash20")
+        train(2, every_3, run, mode="crash10")
     ckpt_dir = run / "checkpoints"
-    assert sorted(os.listdir(ckpt_dir)) == [".tmp-step_20", "latest", "step_10", "step_15"]
-    os.truncate(ckpt_dir / "step_15" / "__1_0.distcp", 100)
-    with pytest.raises(RuntimeError, match=r"step_15/__1_0\.distcp is truncated"):
-        train(1, [*LLAMA, ckpt(run, 15)], tmp_path / "explicit")
-    got = train(1, [*LLAMA, f"train.ckpt_dir={ckpt_dir}"], tmp_path / "auto")[0]
-    assert [s for s, _, _ in got] == list(range(10, 20)), "auto did not fall back to step 10"
-    diff = max_rel_diff(losses(got), losses(llama_tp2[1][10:]))
+    assert sorted(os.listdir(ckpt_dir)) == [".tmp-step_10", "latest", "step_6", "step_9"]
+    os.truncate(ckpt_dir / "step_9" / "__1_0.distcp", 100)
+    with pytest.raises(RuntimeError, match=r"step_9/__1_0\.distcp is truncated"):
+        train(1, [*LLAMA, f"train.steps={STEPS}", ckpt(run, 9)], tmp_path / "explicit")
+    got = train(
+        1, [*LLAMA, f"train.steps={STEPS}", f"train.ckpt_dir={ckpt_dir}"], tmp_path / "auto"
+    )[0]
+    assert [s for s, _, _ in got] == list(range(6, STEPS)), "auto did not fall back to step 6"
+    diff = max_rel_diff(losses(got), losses(llama_tp2[1][6:]))
     assert diff < 1e-4, f"resumed after the crash, losses differ by {diff:.2e}"
 
 
@@ -226,7 +233,7 @@ def _second_dataset(directory) -> str:
 
 def test_exact_resume_with_blending_and_validation(tmp_path):
     """Blended datasets, a train/valid split with evaluation every 5 steps and ZeRO-1 on dp=2:
-    10 steps + resume + 10 steps give bitwise the losses of 20 straight steps."""
+    5 steps + resume + 5 steps give bitwise the losses of 10 straight steps."""
     from tests.parallel.parity import structured_dataset
 
     data = f"data.paths=[{structured_dataset()},{_second_dataset(tmp_path)}]"

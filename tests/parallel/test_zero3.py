@@ -16,7 +16,7 @@ from tests.parallel.parity import (
     reference_losses,
     train_losses,
 )
-from tests.parallel.test_checkpoint import SAVE, ckpt, losses, train
+from tests.parallel.test_checkpoint import AT, SAVE, STEPS, ckpt, losses, train
 
 LLAMA = ("model.arch=llama",)  # tied embeddings
 MOE = ("model.arch=llama", "model.num_experts=4", "model.moe_router_topk=2")
@@ -55,19 +55,24 @@ def test_zero3_bf16_tracks_the_bf16_single_rank(tmp_path):
 
 
 def test_resume_across_stages_and_dp_sizes(tmp_path):
-    """Stage 1 dp2 saves at step 10 -> stage 3 dp4 resumes, and stage 3 dp4 saves -> stage 1
+    """Stage 1 dp2 saves at step AT -> stage 3 dp4 resumes, and stage 3 dp4 saves -> stage 1
     dp2 resumes: each continues its straight run within 1e-5 (and the two straight runs, and
     the single rank, agree)."""
     stage1, stage3 = [*LLAMA, "parallel.zero_stage=1"], [*LLAMA, Z3]
-    one = losses(train(2, [*stage1, *SAVE], tmp_path / "s1")[0])  # straight; saves at 10, 20
+    one = losses(train(2, [*stage1, *SAVE], tmp_path / "s1")[0])  # straight; saves at AT, STEPS
     three = losses(train(4, [*stage3, *SAVE], tmp_path / "s3")[0])
     assert max_rel_diff(three, one) < 1e-5, f"zero3 dp4 vs zero1 dp2 straight: {three} {one}"
-    assert max_rel_diff(three, reference_losses(LLAMA)) < 1e-5, "zero3 dp4 vs one rank"
-    to3 = train(4, [*stage3, ckpt(tmp_path / "s1")], tmp_path / "s1_to_s3")[0]
-    to1 = train(2, [*stage1, ckpt(tmp_path / "s3")], tmp_path / "s3_to_s1")[0]
+    one_rank = reference_losses((*LLAMA, f"train.steps={STEPS}"))
+    assert max_rel_diff(three, one_rank) < 1e-5, "zero3 dp4 vs one rank"
+    to3 = train(4, [*stage3, ckpt(tmp_path / "s1"), f"train.steps={STEPS}"], tmp_path / "s1_to_s3")[
+        0
+    ]
+    to1 = train(2, [*stage1, ckpt(tmp_path / "s3"), f"train.steps={STEPS}"], tmp_path / "s3_to_s1")[
+        0
+    ]
     for name, got in (("zero1 dp2 -> zero3 dp4", to3), ("zero3 dp4 -> zero1 dp2", to1)):
-        assert [s for s, _, _ in got] == list(range(10, 20)), f"{name}: not continued at 10"
-        diff = max_rel_diff(losses(got), one[10:])
+        assert [s for s, _, _ in got] == list(range(AT, STEPS)), f"{name}: not continued at AT"
+        diff = max_rel_diff(losses(got), one[AT:])
         print(f"RESUME {name}: max rel diff {diff:.2e}")
         assert diff < 1e-5, f"{name}: resumed losses differ by {diff:.2e}"
 
