@@ -178,6 +178,9 @@ class LoadTargets:
     parallel: ParallelRead
     loaded: list[torch.Tensor]  # every tensor a read fills (zeroed first)
     steps: list[tuple[torch.Tensor, str]]  # (optimizer step tensor, its buffer's key)
+    # (loaded view, view filled from it): the tied output-layer copy where its embedding is on
+    # this rank too (zb-v's V placement puts both on pipeline rank 0), stored once
+    aliases: list[tuple[torch.Tensor, torch.Tensor]]
     optimizer: object
     masters_loaded: bool
 
@@ -190,6 +193,8 @@ class LoadTargets:
     def finish(self) -> None:
         for step, key in self.steps:
             step.copy_(self.buffers[key])
+        for src, dst in self.aliases:
+            dst.copy_(src)
         if not self.masters_loaded:  # masters that are copies start from the loaded weights
             self.optimizer.sync_masters_from_params()
 
@@ -205,7 +210,7 @@ def load_targets(chunks, optimizer, mesh, with_optimizer: bool, with_master: boo
     """This rank's `LoadTargets`: the model (and with_optimizer the AdamW state) it holds.
     `with_master`: the checkpoint holds fp32 master weights, read into the masters kept apart
     from the parameters (stage 3: into the fp32 shards, instead of the model weights)."""
-    buffers, pieces, loaded, steps = {}, {}, [], []
+    buffers, pieces, loaded, steps, aliases = {}, {}, [], [], []
     kinds = _kinds(with_optimizer, with_master)
     families = []
     for family in holdings(chunks, optimizer, mesh):
@@ -219,6 +224,9 @@ def load_targets(chunks, optimizer, mesh, with_optimizer: bool, with_master: boo
                 loaded.append(slot.data)
                 for c in unit.chunks:
                     name = _name(f"{slot.kind}/{c.key}", c)
+                    if name in buffers:  # a tied copy beside its embedding: filled from it
+                        aliases.append((buffers[name], c.view(slot.data, unit.lo)))
+                        continue
                     buffers[name] = c.view(slot.data, unit.lo)
                     pieces[name] = Piece(f"{slot.kind}/{c.key}", c.global_shape, c.offsets)
                     keys.append(name)
@@ -227,10 +235,10 @@ def load_targets(chunks, optimizer, mesh, with_optimizer: bool, with_master: boo
                 if key not in buffers:
                     buffers[key], pieces[key] = torch.zeros(()), Piece(key, (), ())
                 steps.append((unit.step, key))
-            if slots:
+            if slots and keys:
                 tensors = tuple(s.data for s in slots)
                 shared.append(Shared(tuple(keys), tensors, unit.replicas, unit.meta.is_expert))
         families.append(shared)
     parallel = ParallelRead(buffers, families)
     masters = with_optimizer and with_master
-    return LoadTargets(buffers, pieces, parallel, loaded, steps, optimizer, masters)
+    return LoadTargets(buffers, pieces, parallel, loaded, steps, aliases, optimizer, masters)

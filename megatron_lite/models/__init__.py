@@ -14,16 +14,19 @@ from megatron_lite.parallel import fake
 from megatron_lite.parallel.mesh import ParallelMesh
 from megatron_lite.parallel.params import init_parameters, materialize
 from megatron_lite.parallel.random import RNGStatesTracker
-from megatron_lite.pipeline.schedules import virtual_stage
+from megatron_lite.pipeline.schedules import schedule_placement, virtual_stage
 from megatron_lite.resolve import stage_layers
 
 __all__ = ["SPECS", "ModelChunk", "TransformerConfig", "build_model", "chunk_layers"]
 
 
-def chunk_layers(stage_layers: list[int], pp: int, pp_rank: int, chunk: int) -> list[int]:
+def chunk_layers(
+    stage_layers: list[int], pp: int, pp_rank: int, chunk: int, placement: str = "loop"
+) -> list[int]:
     """Global layer numbers of local `chunk` on `pp_rank`: virtual stage chunk·pp + pp_rank
-    (Megatron's interleaving) holds the next stage_layers[stage] layers."""
-    stage = virtual_stage(pp_rank, chunk, pp)
+    (Megatron's interleaving; under the V placement of zb-v, pp_rank or 2·pp − 1 − pp_rank)
+    holds the next stage_layers[stage] layers."""
+    stage = virtual_stage(pp_rank, chunk, pp, placement)
     start = sum(stage_layers[:stage])
     return list(range(start, start + stage_layers[stage]))
 
@@ -44,19 +47,20 @@ def build_model(
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab_size))
     config = TransformerConfig.from_config(cfg, mesh.layout.world_size)
     pp, vpp = mesh.pp.size, cfg.parallel.vpp
+    placement = schedule_placement(cfg.parallel.pipeline_schedule, vpp)
     split = stage_layers(cfg.model, cfg.parallel)
     chunks = []
     # init=False builds on meta and gives the parameters storage after; a dry run's fake
     # tensors have no storage to give, so they are built on `device` at once
     build_on = device if fake.active() else "meta"
     for c in range(vpp):
-        stage = virtual_stage(mesh.pp.rank, c, pp)
+        stage = virtual_stage(mesh.pp.rank, c, pp, placement)
         with contextlib.nullcontext() if init else torch.device(build_on):
             chunk = ModelChunk(
                 config,
                 mesh,
                 tracker,
-                chunk_layers(split, pp, mesh.pp.rank, c),
+                chunk_layers(split, pp, mesh.pp.rank, c, placement),
                 pre_process=stage == 0,
                 post_process=stage == pp * vpp - 1,
             )

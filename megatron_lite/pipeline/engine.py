@@ -129,7 +129,10 @@ class _Run:
         key, stage = (a.microbatch, a.chunk), self.stage(a.chunk)
         prev = self.local_chunk(stage - 1)
         if prev is not None:  # the V turn: the previous stage's output, on this rank
-            self.inputs[key] = self.outputs[(a.microbatch, prev)].detach().requires_grad_()
+            if self.forward_only:  # nothing of it is kept for a backward
+                self.inputs[key] = self.outputs.pop((a.microbatch, prev))
+            else:
+                self.inputs[key] = self.outputs[(a.microbatch, prev)].detach().requires_grad_()
         x = None if stage == 0 else self.inputs[key]  # [s/cp(/tp), b, h] from the previous stage
         with (
             linear_async.defer_wgrad(self.chunks[a.chunk], self.wgrads.setdefault(key, []))
@@ -299,7 +302,8 @@ def forward_backward(
     last virtual stage). Backward runs on each loss times `loss_scale`.
 
     chunks[c] is virtual stage c·pp + pp_rank of `pp_group` (None or size 1: no pipelining,
-    plain gradient accumulation). `tensor_shape`/`dtype` are the activation that crosses stages
+    plain gradient accumulation); under the V placement (zb-v) chunks 0 and 1 are stages
+    pp_rank and 2·pp − 1 − pp_rank. `tensor_shape`/`dtype` are the activation that crosses stages
     (every microbatch the same, e.g. `activation_shape(...)`); `timeout_s` bounds each
     send/recv batch (errors name rank, step, action and peer). `recorder` collects one span per
     action for a pipeline trace. `forward_only` (evaluation) runs the `forward_only` table under
@@ -319,9 +323,7 @@ def forward_backward(
     name = resolve_schedule(schedule, vpp)
     placement = schedule_placement(name, vpp)
     if forward_only:
-        if placement != "loop":
-            raise NotImplementedError(f"forward-only tables for the {name!r} schedule")
-        actions = forward_only_schedule(pp, pp_rank, len(microbatches), vpp)
+        actions = forward_only_schedule(pp, pp_rank, len(microbatches), vpp, placement)
     else:
         actions = get_schedule(pp, pp_rank, len(microbatches), vpp, name)
     p2p = None

@@ -556,6 +556,11 @@ def schedule_comm(schedule: str | None, vpp: int = 1) -> str:
     return SCHEDULES[resolve_schedule(schedule, vpp)][2]
 
 
+def splits_backward(schedule: str | None, vpp: int = 1) -> bool:
+    """Whether the schedule splits each backward into B (input grad) and W (weight grads)."""
+    return resolve_schedule(schedule, vpp) in ("zb-h1", "zb-v")
+
+
 def simulate_options(schedule: str | None, vpp: int = 1) -> dict[str, str]:
     """`simulate`'s placement= and comm= for the schedule's tables."""
     return {"placement": schedule_placement(schedule, vpp), "comm": schedule_comm(schedule, vpp)}
@@ -579,19 +584,26 @@ def get_schedule(
     return interleaved_one_f_one_b(pp_size, pp_rank, num_microbatches, vpp)
 
 
-def forward_only(pp_size: int, pp_rank: int, num_microbatches: int, vpp: int = 1) -> list[Action]:
+def forward_only(
+    pp_size: int, pp_rank: int, num_microbatches: int, vpp: int = 1, placement: str = "loop"
+) -> list[Action]:
     """Evaluation: each microbatch through this rank's chunks in virtual-stage order, forwards
-    only (receive, forward, send), with no activation kept for a backward."""
+    only (receive, forward, send), with no activation kept for a backward. Under the V
+    placement the turn (chunk 0 to chunk 1 on the last rank) stays on the rank: no send."""
     check_schedule_args(pp_size, num_microbatches, vpp)
     _check_rank(pp_size, pp_rank)
     last, actions = pp_size * vpp - 1, []
+
+    def remote(stage: int) -> bool:
+        return 0 <= stage <= last and stage_location(stage, pp_size, placement)[0] != pp_rank
+
     for mb in range(num_microbatches):
         for chunk in range(vpp):
-            stage = virtual_stage(pp_rank, chunk, pp_size)
-            if stage > 0:
+            stage = virtual_stage(pp_rank, chunk, pp_size, placement)
+            if remote(stage - 1):
                 actions.append(Action("recv_forward", mb, chunk))
             actions.append(Action("forward", mb, chunk))
-            if stage < last:
+            if remote(stage + 1):
                 actions.append(Action("send_forward", mb, chunk))
     return actions
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 
 from megatron_lite.config import Config
-from megatron_lite.pipeline.schedules import virtual_stage
+from megatron_lite.pipeline.schedules import schedule_placement, virtual_stage
 from megatron_lite.resolve import (
     kv_channels,
     moe_ffn_hidden_size,
@@ -63,10 +63,15 @@ def layer_params(cfg: Config, moe: bool) -> tuple[int, int]:
     return sum(n for n, e in params if not e), sum(n for n, e in params if e)
 
 
+def placement(cfg: Config) -> str:
+    """Where the pipeline schedule puts the virtual stages ("loop", or "v" for zb-v)."""
+    return schedule_placement(cfg.parallel.pipeline_schedule, cfg.parallel.vpp)
+
+
 def rank_layers(cfg: Config, pp_rank: int) -> list[tuple[int, int]]:
     """(first layer index, layer count) of each model chunk on pipeline rank `pp_rank`."""
     counts, p = stage_layers(cfg.model, cfg.parallel), cfg.parallel
-    stages = (virtual_stage(pp_rank, c, p.pp) for c in range(p.vpp))
+    stages = (virtual_stage(pp_rank, c, p.pp, placement(cfg)) for c in range(p.vpp))
     return [(sum(counts[:s]), counts[s]) for s in stages]
 
 
@@ -81,7 +86,7 @@ def head_params(cfg: Config, pp_rank: int, chunk: int) -> tuple[list[Param], lis
     """(before the layers, after them) of a chunk: the embedding (and GPT's positions) on
     virtual stage 0, the final norm and output layer on the last."""
     m, p = cfg.model, cfg.parallel
-    stage, last = virtual_stage(pp_rank, chunk, p.pp), p.pp * p.vpp - 1
+    stage, last = virtual_stage(pp_rank, chunk, p.pp, placement(cfg)), p.pp * p.vpp - 1
     vocab = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, p.tp)
     rows = vocab // p.tp * m.hidden_size
     before, after = [], []

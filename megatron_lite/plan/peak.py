@@ -44,7 +44,14 @@ from megatron_lite.plan.activations import (
     recompute_settings,
     rope_table_bytes,
 )
-from megatron_lite.plan.params import buckets, chunk_moe, fsdp_units, head_params, rank_params
+from megatron_lite.plan.params import (
+    buckets,
+    chunk_moe,
+    fsdp_units,
+    head_params,
+    placement,
+    rank_params,
+)
 from megatron_lite.plan.working import backward_moments, forward_working
 from megatron_lite.resolve import num_microbatches
 
@@ -114,7 +121,7 @@ def _chunks(cfg: Config, pp_rank: int, shape) -> list[_Chunk]:
             rebuilt = terms["act"] + terms["fc2_in"]
             offset = -shape.tokens * shape.u * shape.h * shape.act_bytes  # the attention's
         root, layers = fsdp_units(cfg, pp_rank, c)
-        stage = virtual_stage(pp_rank, c, p.pp)
+        stage = virtual_stage(pp_rank, c, p.pp, placement(cfg))
         cuts = ([], [])
         if p.zero_stage == 2:
             for expert, n, cut in zip((False, True), shards, cuts, strict=True):
@@ -129,10 +136,17 @@ def _chunks(cfg: Config, pp_rank: int, shape) -> list[_Chunk]:
 
 
 @functools.lru_cache(maxsize=1024)
-def _compute_actions(pp: int, rank: int, microbatches: int, vpp: int) -> tuple:
-    """(is a forward, chunk) of each compute action of the rank's schedule, in order."""
-    actions = get_schedule(pp, rank, microbatches, vpp)
-    return tuple((a.kind == "forward", a.chunk) for a in actions if not a.is_comm)
+def _compute_actions(
+    pp: int, rank: int, microbatches: int, vpp: int, schedule: str | None = None
+) -> tuple:
+    """(is a forward, chunk) of each forward and backward of the rank's schedule, in order. A
+    zero-bubble schedule's W (the deferred weight gradients) is not walked: its activations
+    are taken as freed by B, so its peak is 1F1B's (what ZB-H1 claims; the inputs the queued
+    weight GEMMs keep until W are not counted)."""
+    actions = get_schedule(pp, rank, microbatches, vpp, schedule)
+    return tuple(
+        (a.kind == "forward", a.chunk) for a in actions if a.kind in ("forward", "backward")
+    )
 
 
 def _walk(cfg: Config, pp_rank: int, kernels: str):
@@ -182,7 +196,7 @@ def _walk(cfg: Config, pp_rank: int, kernels: str):
         return grads + 4 * (mine + other)
 
     seen = set()  # (action, state) already yielded: the steady state repeats itself
-    for forward, c in _compute_actions(p.pp, pp_rank, walk, p.vpp):
+    for forward, c in _compute_actions(p.pp, pp_rank, walk, p.vpp, p.pipeline_schedule):
         ch = chunks[c]
         root, layer = (A * ch.root, A * ch.layer) if p.zero_stage == 3 else (0.0, 0.0)
         now = grads + 4 * sum(in_flight)
@@ -302,7 +316,7 @@ def saved_peak(cfg: Config, pp_rank: int, kernels: str = "fused") -> float:
     chunks = _chunks(cfg, pp_rank, shape)
     logits = head["final_norm"] + head["output_in"] + head["logits"]
     kept = best = 0.0
-    for forward, c in _compute_actions(p.pp, pp_rank, walk, p.vpp):
+    for forward, c in _compute_actions(p.pp, pp_rank, walk, p.vpp, p.pipeline_schedule):
         ch = chunks[c]
         step = ch.kept + (head["embedding"] if ch.embedding else 0.0)
         kept += step if forward else -step

@@ -14,7 +14,7 @@ Overlap model (what our code overlaps):
 - EP (MoE) all-to-alls are exposed: EP's dispatch and combine, T·u·k·h·A
   each, in forward, backward and a recompute's rerun, on the MoE layers (moe_layer_freq).
 - PP: each send/receive batch costs its p2p time on the schedule's critical path (simulator).
-  zb-h1 (parallel.pipeline_schedule) splits each backward into B and W, W being the linear
+  zb-h1 and zb-v (parallel.pipeline_schedule) split each backward into B and W, W being the linear
   layers' weight-gradient GEMMs (a layer's forward GEMM time; the attention core has no
   weights), with posted batches; B then has no weight-gradient GEMM to hide the TP
   reduce-scatter of the input gradient behind, so that is exposed.
@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 from megatron_lite.config import Config
 from megatron_lite.context.ulysses import ulysses_kv_heads
+from megatron_lite.pipeline.schedules import schedule_placement, splits_backward, virtual_stage
 from megatron_lite.plan.activations import layer_shape, recompute_settings, resolved
 from megatron_lite.plan.comm import collective_time, group_links
 from megatron_lite.plan.params import chunk_moe, rank_layers, rank_params
@@ -69,17 +70,26 @@ def _pipeline(pp: int, vpp: int, m: int, weights: tuple, fwd: float, bwd: float,
     """(busy time of the busiest rank, bubble, time the p2p adds) of the schedule with these
     per-layer costs (`wgt`: W's part of `bwd` for a zero-bubble schedule). Bubble: the
     simulator's makespan minus busy, or the closed form: (pp - 1) mean virtual-stage
-    forward+backward of fill and drain, (pp - 1)(F + B - W) for zb-h1. P2P: every send/receive
-    batch on the critical path (an upper bound)."""
-    busy = max(m * sum(weights[s] for s in range(r, pp * vpp, pp)) * (fwd + bwd) for r in range(pp))
+    forward+backward of fill and drain, (pp - 1)(F + B - 2W) for zb-h1 (zb-v: always the
+    simulator). P2P: every send/receive batch on the critical path (an upper bound)."""
+    stages = rank_stages(pp, vpp, schedule)
+    busy = max(m * sum(weights[s] for s in stages[r]) * (fwd + bwd) for r in range(pp))
     if pp == 1:
         return busy, 0.0, 0.0
-    if not simulate:
+    if not simulate and schedule != "zb-v":
         mean = sum(weights) / len(weights)
         fill = fwd + bwd if schedule != "zb-h1" else max(fwd + bwd - 2 * wgt, 0.0)
         return busy, (pp - 1) * mean * fill, 2 * m * vpp * comm
     no_comm = _simulated(pp, vpp, m, weights, fwd, bwd, 0.0, schedule, wgt)
     return busy, max(0.0, no_comm - busy), 2 * m * vpp * comm
+
+
+@functools.lru_cache(maxsize=256)
+def rank_stages(pp: int, vpp: int, schedule: str | None = None) -> tuple[tuple[int, ...], ...]:
+    """The virtual stages each pipeline rank holds (index = pp rank), by the schedule's
+    placement."""
+    place = schedule_placement(schedule, vpp)
+    return tuple(tuple(virtual_stage(r, c, pp, place) for c in range(vpp)) for r in range(pp))
 
 
 @functools.lru_cache(maxsize=256)
@@ -195,6 +205,8 @@ def step_time(cfg: Config, world: int, gpu, mfu: float, gpus_per_node: int,
     m = num_microbatches(t_, p.dp)
     T, A, rate = shape.tokens, shape.act_bytes, gpu.peak_tflops * 1e12 * mfu
     gran, modules, method, num = recompute_settings(r)
+    schedule = p.pipeline_schedule
+    split = splits_backward(schedule, p.vpp)  # B and W apart (zero bubble)
 
     # training.flops owns the FLOP count: per token 6·N + 6·L·s·q; a layer's share is the total
     # without the output layer (6·h·V) over L, in forward FLOPs (a third)
@@ -222,8 +234,8 @@ def step_time(cfg: Config, world: int, gpu, mfu: float, gpus_per_node: int,
         gathers = 2 * one[0] * (2 if shape.sp else 1) + (tp_f / 2 if gran == "full" else 0)
         scatters = 2 * one[1]
         half = t_fwd  # the backward GEMMs cost 2·t_fwd: half dgrad, half wgrad
-        # zb-h1 defers the wgrad GEMMs to W: nothing hides the input gradient's reduce-scatter
-        hides = 0.0 if p.pipeline_schedule == "zb-h1" else half
+        # zb-h1/zb-v defer the wgrad GEMMs to W: nothing hides the input grad's reduce-scatter
+        hides = 0.0 if split else half
         tp_b = max(0.0, gathers - half) + max(0.0, scatters - hides)
         hidden += (gathers + scatters - tp_b) * m * sum(stage_layers(m_, p)) / p.pp
     a2a = cp_a2a_exposed(r, links["cp_a2a"], gpu)
@@ -246,11 +258,11 @@ def step_time(cfg: Config, world: int, gpu, mfu: float, gpus_per_node: int,
     bwd = 2 * t_fwd + extra * t_fwd + tp_b + cp_b + ep_b
     # W: the linear layers' weight-gradient GEMMs (the forward GEMMs' time; the attention
     # core has no weights); only for a schedule that splits the backward
-    wgt = max(t_fwd - attn_flops / rate, 0.0) if p.pipeline_schedule == "zb-h1" else None
+    wgt = max(t_fwd - attn_flops / rate, 0.0) if split else None
     busy, bubble, pp_exp = _pipeline(p.pp, p.vpp, m, tuple(weights), fwd, bwd, p2p, simulate,
                                      p.pipeline_schedule, wgt)  # fmt: skip
     compute = (
-        max(m * sum(weights[s] for s in range(rk, p.pp * p.vpp, p.pp)) for rk in range(p.pp))
+        max(m * sum(weights[s] for s in held) for held in rank_stages(p.pp, p.vpp, schedule))
         * t_fwd
         * (3 + extra)
     )

@@ -76,6 +76,9 @@ class Trainer:
                 for p in c.parameters():
                     if p.requires_grad:
                         p.data = p.data.to(torch.bfloat16)
+        # the last virtual stage (the loss): the last pipeline rank, or under zb-v's V placement
+        # the first
+        self.holds_loss = any(c.post_process for c in self.chunks)
         self.dp = build_data_parallel(self.chunks, mesh, cfg, self.device)  # ZeRO-3: new params
         for c in self.chunks if zero3 else []:  # RoPE tables, vocabulary mask: built on meta
             c.init_buffers(self.device)
@@ -130,7 +133,7 @@ class Trainer:
         training samples, the RNG states and the MoE statistics are left as they were."""
         t, mesh = self.cfg.train, self.mesh
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # [loss sum, tokens]
-        owner = mesh.is_last_stage and mesh.tp.rank == 0
+        owner = self.holds_loss and mesh.tp.rank == 0
         for it in range(t.eval_iters):
             batches = microbatches_at(
                 self.valid_dataset,
@@ -144,7 +147,7 @@ class Trainer:
             loss = self._forward_backward(micro, 1.0, forward_only=True)
             if owner:
                 sums[0] += loss.double().reshape(())
-            if mesh.tp.rank == 0 and mesh.cp.rank == 0 and mesh.is_last_stage:
+            if mesh.tp.rank == 0 and mesh.cp.rank == 0 and self.holds_loss:
                 for mb in micro:  # each dp rank's tokens once; summed on the device
                     sums[1] += (split_sample(mb, self.eod_mask_id)[1] != IGNORE_INDEX).sum()
         mappings.all_reduce(sums, dist.group.WORLD, kind="all_reduce_eval")
@@ -277,7 +280,7 @@ class Trainer:
             # a rank that got a stop signal adds 1, so every rank agrees on stopping without a
             # collective of its own; likewise a rank whose activation peak changed since it was last
             # reduced (MoE routing) adds 1, so all redo the memory MAX all-reduce
-            owner = mesh.is_last_stage and mesh.tp.rank == 0
+            owner = self.holds_loss and mesh.tp.rank == 0
             grad_sq = self.dp.grad_square_sum()
             loss_part = loss_sum.reshape(()).double() if owner else torch.zeros_like(grad_sq)
             # a failed write of metrics.jsonl (rank 0) stops the run like a signal (train.py)

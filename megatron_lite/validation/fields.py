@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from megatron_lite.config import Config, ModelConfig, TrainConfig
-from megatron_lite.pipeline.schedules import resolve_schedule
+from megatron_lite.pipeline.schedules import SCHEDULES, resolve_schedule
 from megatron_lite.resolve import CP_COMM_TYPES, kv_channels
 from megatron_lite.validation.rules import _choice, _rule
 
-ENGINE_SCHEDULES = ("1f1b", "interleaved", "zb-h1")  # what the trainer runs (schedules.py)
+ENGINE_SCHEDULES = ("1f1b", "interleaved", "zb-h1", "zb-v")  # what the trainer runs
 
 
 def _validate_choices(cfg: Config) -> None:
@@ -25,28 +25,22 @@ def _validate_choices(cfg: Config) -> None:
     _choice("model.attention_backend", m.attention_backend, ("auto", "sdpa", "flash", "te"))
     _choice("model.linear_backend", m.linear_backend, ("local", "te"))
     _choice("parallel.cp_comm_type", p.cp_comm_type, CP_COMM_TYPES)
-    _rule(
-        p.pipeline_schedule != "zb-v",
-        "parallel.pipeline_schedule",
-        p.pipeline_schedule,
-        "zb-v runs in the schedule simulator and tools/pipeline_timeline.py only: the trainer "
-        "does not build the V placement of model chunks yet",
-        "use parallel.pipeline_schedule=zb-h1 (or 1f1b / interleaved)",
-    )
     _choice("parallel.pipeline_schedule", p.pipeline_schedule, (None, *ENGINE_SCHEDULES))
     _rule(
-        not (p.pipeline_schedule == "zb-h1" and p.zero_stage == 3),
+        not (p.pipeline_schedule in ("zb-h1", "zb-v") and p.zero_stage == 3),
         "parallel.pipeline_schedule",
         p.pipeline_schedule,
-        "zb-h1 runs the linear layers' weight gradients after their backward, past the point "
-        "where FSDP2 (parallel.zero_stage=3) reduce-scatters them",
-        "use parallel.zero_stage=1 or 2 with zb-h1, or the 1f1b schedule with zero_stage=3",
+        f"{p.pipeline_schedule} runs the linear layers' weight gradients after their backward, "
+        "past the point where FSDP2 (parallel.zero_stage=3) reduce-scatters them",
+        f"use parallel.zero_stage=1 or 2 with {p.pipeline_schedule}, or the 1f1b schedule "
+        "with zero_stage=3",
     )
     if p.pipeline_schedule is not None:
         try:
             resolve_schedule(p.pipeline_schedule, p.vpp)
         except ValueError as e:
-            fix = "set parallel.vpp=1" if p.vpp != 1 else "set parallel.vpp=2 or more"
+            need = SCHEDULES.get(p.pipeline_schedule, (1,))[0]  # the vpp it runs on
+            fix = f"set parallel.vpp={need}" if need else "set parallel.vpp=2 or more"
             _rule(False, "parallel.pipeline_schedule", p.pipeline_schedule, str(e), fix)
     _choice("log.wandb_mode", cfg.log.wandb_mode, ("offline", "online", "disabled"))
 

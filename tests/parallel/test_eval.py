@@ -40,6 +40,8 @@ def test_eval_loss_is_layout_independent_and_leaves_training_alone(tmp_path):
         "dp2_zero1": (2, ["parallel.zero_stage=1"]),
         # zero-bubble training, evaluation on the unchanged forward-only table
         "pp2_zb_h1": (2, ["parallel.pp=2", "parallel.pipeline_schedule=zb-h1"]),
+        # the V placement's forward-only table: the turn on rank 1, the loss on rank 0
+        "pp2_zb_v": (2, ["parallel.pp=2", "parallel.vpp=2", "parallel.pipeline_schedule=zb-v"]),
     }
     for name, (world, over) in layouts.items():
         got_losses, got_evals = _run(world, ["train.eval_interval=3", *over], str(tmp_path / name))

@@ -36,9 +36,12 @@ LAYOUTS = {
 }  # pp4_vpp2: m=8; tp2_sp_pp2_vpp2_dp2: m=4 (both reach the interleaved steady state)
 
 
-# ZB-H1: each backward split into B (input grad, the linear layers' weight GEMMs queued) and
-# W (the queue); batches posted. m = pp, 2·pp and an odd count; with tp2+SP
+# ZB-H1 and ZB-V: each backward split into B (input grad, the linear layers' weight GEMMs
+# queued) and W (the queue); batches posted. m = pp, 2·pp and an odd count; with tp2+SP
 ZB_H1 = ["parallel.pipeline_schedule=zb-h1"]
+ZB_V = ["parallel.pipeline_schedule=zb-v", "parallel.vpp=2"]
+FULL = ["model.recompute_granularity=full", "model.recompute_method=uniform",
+        "model.recompute_num_layers=1"]  # fmt: skip
 M3 = (*UNTIED, "train.micro_batch_size=1", "train.global_batch_size=3")
 ZB_LAYOUTS = {
     "zb_h1_pp2_m4": (2, TIED, ["parallel.pp=2", *ZB_H1]),
@@ -47,19 +50,19 @@ ZB_LAYOUTS = {
     "zb_h1_tp2_sp_pp2_dp2": (8, TIED, [*SP_PP2, *ZB_H1]),
     "zb_h1_pp2_dp2_zero1": (4, TIED, ["parallel.pp=2", "parallel.zero_stage=1", *ZB_H1]),
     # full recompute: the rerun in B computes its weight gradients there (nothing queued)
-    "zb_h1_pp2_full_recompute": (
-        2,
-        TIED,
-        [
-            "parallel.pp=2",
-            "model.recompute_granularity=full",
-            "model.recompute_method=uniform",
-            "model.recompute_num_layers=1",
-            *ZB_H1,
-        ],
-    ),  # fmt: skip
+    "zb_h1_pp2_full_recompute": (2, TIED, ["parallel.pp=2", *FULL, *ZB_H1]),
     "zb_h1_moe_ep2_pp2": (4, MOE, ["parallel.ep=2", "parallel.pp=2", *ZB_H1]),
-}
+    # ZB-V: two chunks per rank in the V placement, so the tied embedding and its output-layer
+    # copy are both on rank 0 (summed there); m = 2·pp, pp (dp2), odd
+    "zb_v_pp2_m4": (2, TIED, ["parallel.pp=2", *ZB_V]),
+    "zb_v_pp4_m4": (4, LAYERS8, ["parallel.pp=4", *ZB_V]),
+    "zb_v_pp2_m3_full_recompute": (2, M3, ["parallel.pp=2", *FULL, *ZB_V]),
+    "zb_v_tp2_sp_pp2_dp2": (8, TIED, [*SP_PP2, *ZB_V]),
+    "zb_v_pp2_dp2_zero1": (4, TIED, ["parallel.pp=2", "parallel.zero_stage=1", *ZB_V]),
+    "zb_v_pp2_dp2_zero2_selective": (4, TIED, ["parallel.pp=2", "parallel.zero_stage=2",
+                                               "model.recompute_granularity=selective", *ZB_V]),
+    "zb_v_moe_ep2_pp2": (4, MOE, ["parallel.ep=2", "parallel.pp=2", *ZB_V]),
+}  # fmt: skip
 
 
 @pytest.mark.parity

@@ -1,12 +1,14 @@
-"""The engine runs ZB-H1 on forked gloo ranks with a float64 model of parallel linear layers:
-the weight gradients equal one process's, W really runs the linear layers' weight GEMMs (B
-leaves them unset), and the microbatches in flight per rank are the simulator's."""
+"""The engine runs ZB-H1 and ZB-V on forked gloo ranks with a float64 model of parallel linear
+layers: the weight gradients equal one process's, W really runs the linear layers' weight GEMMs
+(B leaves them unset), and the microbatches in flight per rank are the simulator's. ZB-V holds
+two chunks per rank in the V placement (rank r: stages r and 2·pp − 1 − r, the turn on the last
+rank, the loss on the first)."""
 
 import pytest
 import torch
 from torch import nn
 
-from megatron_lite.pipeline.schedules import get_schedule_table
+from megatron_lite.pipeline.schedules import get_schedule_table, simulate_options, virtual_stage
 from megatron_lite.pipeline.simulate import simulate
 from tests.dist_harness import run_ranks
 
@@ -39,7 +41,7 @@ def forward_step(chunk, mb, x):
     return y.square().mean() if chunk.last else y
 
 
-def _run(rank, world, m):
+def _run(rank, world, m, schedule):
     import torch.distributed as dist
 
     from megatron_lite.parallel import linear_async
@@ -47,43 +49,54 @@ def _run(rank, world, m):
 
     micro = [torch.randn(S, B, H, generator=torch.Generator().manual_seed(7 + i),
                          dtype=torch.float64) for i in range(m)]  # fmt: skip
-    stages = [Stage(v, v == world - 1) for v in range(world)]  # every rank builds all (seeds)
-    chunk = stages[rank]
-    ran = []  # (weight grad set before W?, queue length) per W
+    vpp, place = (2, "v") if schedule == "zb-v" else (1, "loop")
+    n = world * vpp
+    stages = [Stage(v, v == n - 1) for v in range(n)]  # every rank builds all (seeds)
+    mine = [virtual_stage(rank, c, world, place) for c in range(vpp)]
+    chunks = [stages[v] for v in mine]
+    ran = []  # (weight grads set before W?, queue length) per W
     real_run = linear_async.run_wgrads
 
     def spy(queue):
-        ran.append((chunk.linear.weight.grad is not None, len(queue)))
+        ran.append((any(c.linear.weight.grad is not None for c in chunks), len(queue)))
         real_run(queue)
 
     linear_async.run_wgrads = spy
     stats = PipelineStats()
     try:
         forward_backward(
-            [chunk], micro, forward_step, pp_group=dist.group.WORLD, tensor_shape=(S, B, H),
-            dtype=torch.float64, timeout_s=30, stats=stats, schedule="zb-h1",
+            chunks, micro, forward_step, pp_group=dist.group.WORLD, tensor_shape=(S, B, H),
+            dtype=torch.float64, timeout_s=30, stats=stats, schedule=schedule,
         )  # fmt: skip
     finally:
         linear_async.run_wgrads = real_run
-    ref = [Stage(v, v == world - 1) for v in range(world)]  # one process, the whole model
+    ref = [Stage(v, v == n - 1) for v in range(n)]  # one process, the whole model
     for mb in micro:
         x = mb
         for st in ref:
             x = st(x)
         x.square().mean().backward()
     err = max(
-        (chunk.linear.weight.grad - ref[rank].linear.weight.grad).abs().max().item(),
-        (chunk.linear.bias.grad - ref[rank].linear.bias.grad).abs().max().item(),
-    )
+        (getattr(got.linear, name).grad - getattr(ref[v].linear, name).grad).abs().max()
+        for got, v in zip(chunks, mine, strict=True)
+        for name in ("weight", "bias")
+    ).item()
     return stats.max_in_flight, err, ran
 
 
-@pytest.mark.parametrize("pp,m", [(2, 4), (4, 4), (4, 7)])
-def test_zb_h1_matches_one_process_and_runs_the_weight_gemms_in_w(pp, m):
-    peaks = simulate(get_schedule_table(pp, m, 1, "zb-h1"), comm="posted").peak_in_flight
-    for rank, (in_flight, err, ran) in enumerate(run_ranks(pp, _run, m, timeout=60)):
-        where = f"pp={pp} m={m} rank {rank}"
+@pytest.mark.parametrize(
+    "schedule,pp,m", [("zb-h1", 2, 4), ("zb-h1", 4, 4), ("zb-h1", 4, 7), ("zb-v", 2, 3),
+                      ("zb-v", 4, 8)],
+)  # fmt: skip
+def test_zero_bubble_matches_one_process_and_runs_the_weight_gemms_in_w(schedule, pp, m):
+    vpp = 2 if schedule == "zb-v" else 1
+    table = get_schedule_table(pp, m, vpp, schedule)
+    peaks = simulate(table, **simulate_options(schedule, vpp)).peak_in_flight
+    for rank, (in_flight, err, ran) in enumerate(run_ranks(pp, _run, m, schedule, timeout=60)):
+        where = f"{schedule} pp={pp} m={m} rank {rank}"
         assert err < 1e-12, f"{where}: grads differ from one process by {err}"
-        assert in_flight == peaks[rank] == min(pp, m), f"{where}: {in_flight} in flight"
-        assert len(ran) == m and all(n == 1 for _, n in ran), (where, ran)  # one GEMM per W
-        assert not ran[0][0], f"{where}: the weight had a gradient before the first W"
+        # ZB-H1 holds 1F1B's min(pp, m); ZB-V min(m + 1 + rank, 2·pp) half-model chunks
+        want = min(m + 1 + rank, 2 * pp) if schedule == "zb-v" else min(pp, m)
+        assert in_flight == peaks[rank] == want, f"{where}: {in_flight} in flight"
+        assert len(ran) == m * vpp and all(k == 1 for _, k in ran), (where, ran)  # 1 GEMM a W
+        assert not ran[0][0], f"{where}: a weight had a gradient before the first W"

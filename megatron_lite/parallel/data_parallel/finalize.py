@@ -72,11 +72,19 @@ def sum_model_parallel_copies(
     grads: Sequence[LocalGrad], mesh: ParallelMesh, tied: Collection[torch.nn.Parameter]
 ) -> None:
     """Sum the sequence-parallel replicas over TP and the grads of `tied` over the embedding
-    group, in place, one flat all-reduce each (no-ops on groups of one rank)."""
+    group, in place, one flat all-reduce each (no-ops on groups of one rank). A rank holding
+    both the embedding and its copy (the V placement of zb-v puts the first and the last
+    virtual stage on pipeline rank 0) adds the two here: the group's other ranks hold none."""
     sp = [g.grad for g in grads if meta_of(g.param).sequence_parallel]
     mappings.all_reduce_flat(sp, mesh.tp.group)
     ids = {id(p) for p in tied}
-    mappings.all_reduce_flat([g.grad for g in grads if id(g.param) in ids], mesh.embedding.group)
+    local = [g.grad for g in grads if id(g.param) in ids]
+    if len(ids) == 2:  # the embedding and its copy, here: equal shapes and shards
+        if local:
+            local[0].add_(local[1])
+            local[1].copy_(local[0])
+        return
+    mappings.all_reduce_flat(local, mesh.embedding.group)
 
 
 @torch.no_grad()
