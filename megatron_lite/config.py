@@ -79,7 +79,8 @@ class ParallelConfig:
     tp: int = 1
     pp: int = 1
     vpp: int = 1  # virtual pipeline stages (model chunks) per pipeline rank
-    pipeline_schedule: str | None = None  # None: 1f1b (vpp=1) / interleaved | zb-h1 | zb-v
+    # None: 1f1b (vpp=1) / interleaved; zb-h1; zb-v and dualpipev (vpp=2)
+    pipeline_schedule: str | None = None
     pipeline_layers: list[int] | None = None  # layers per virtual stage (None: even split)
     decoder_first_pipeline_num_layers: int | None = None  # Megatron's: the first stage's layers
     decoder_last_pipeline_num_layers: int | None = None  # the last stage's; the rest even

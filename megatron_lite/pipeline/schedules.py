@@ -146,6 +146,8 @@ def check_schedule_args(
     problem = microbatches_problem(pp_size, num_microbatches, vpp, schedule)
     if problem is None:
         return
+    if schedule == "dualpipev" and num_microbatches < 2 * pp_size:
+        raise ValueError(f"{problem}; use num_microbatches >= {2 * pp_size}")
     if num_microbatches < pp_size:
         raise ValueError(
             f"{problem}; use num_microbatches >= {pp_size} "
@@ -164,6 +166,12 @@ def microbatches_problem(
         return (
             f"num_microbatches={num_microbatches} must be >= pp={pp_size} for the 1F1B "
             f"schedule: with fewer than the {pp_size} pipeline stages the pipeline never fills"
+        )
+    if pp_size > 1 and schedule == "dualpipev" and num_microbatches < 2 * pp_size:
+        return (
+            f"num_microbatches={num_microbatches} must be >= 2·pp={2 * pp_size} for the "
+            "dualpipev schedule: each rank's warm-up forwards 2·(pp - rank) - 1 microbatches "
+            "before its first backward"
         )
     if pp_size > 1 and vpp > 1 and schedule in (None, "interleaved") and num_microbatches % pp_size:
         return (
@@ -522,12 +530,90 @@ def _zb_v_computes(pp_size: int, pp_rank: int, num_microbatches: int) -> list[Ac
     return [a for a in computes if a.microbatch < m]
 
 
+def dualpipev(pp_size: int, pp_rank: int, num_microbatches: int) -> list[Action]:
+    """DualPipeV's table for `pp_rank` (see `_dualpipev_computes`), receives in each sender's
+    order."""
+    check_schedule_args(pp_size, num_microbatches, 2, "dualpipev")
+    _check_rank(pp_size, pp_rank)
+    tables = [
+        with_comm(_dualpipev_computes(pp_size, r, num_microbatches), pp_size, r, 2, "v")
+        for r in range(pp_size)
+    ]
+    return receive_in_send_order(tables, "v")[pp_rank]
+
+
+def _dualpipev_computes(pp_size: int, pp_rank: int, num_microbatches: int) -> list[Action]:
+    """DualPipeV (DeepSeek-V3's DualPipe, "cut in half" onto the V placement of ZB-V: rank r
+    holds virtual stages r and 2·pp − 1 − r). Its main phase pairs the forward of one chunk
+    with the backward of the other (F0 B1, then F1 B0: on a GPU the two overlap, so one's
+    communication hides behind the other's compute; a table runs them in that order). Per
+    rank r, with p = pp and m microbatches (m >= 2p), DeepSeek's eight phases:
+
+      1. 2(p - r - 1) forwards of chunk 0          5. p - r - 1 × (B1, F1, B0)
+      2. r + 1 × (F0, F1)                          6. r + 1 × (B1, B0), the later half
+      3. p - r - 1 × (B1 split, its W, F1)            split (W queued)
+      4. m - 2p + r + 1 × (F0, B1, F1, B0)         7. p - r - 1 × (a queued W, B0 split)
+                                                   8. r + 1 queued W
+
+    A backward not split runs its W right after it (the whole backward); a split one queues
+    its W (oldest first). The loss is on rank 0 (stage 2p - 1), the turn on rank p - 1."""
+    p, r, m = pp_size, pp_rank, num_microbatches
+    nxt = {"forward": [0, 0], "backward": [0, 0]}  # next microbatch, per chunk
+    queue: list[Action] = []  # split backwards' weight passes, oldest first
+    computes: list[Action] = []
+
+    def f(chunk: int) -> None:
+        computes.append(Action("forward", nxt["forward"][chunk], chunk))
+        nxt["forward"][chunk] += 1
+
+    def b(chunk: int, split: bool) -> None:
+        mb = nxt["backward"][chunk]
+        nxt["backward"][chunk] += 1
+        computes.append(Action("backward", mb, chunk))
+        (queue.append if split else computes.append)(Action("weight", mb, chunk))
+
+    def w() -> None:
+        computes.append(queue.pop(0))
+
+    for _ in range(2 * (p - r - 1)):
+        f(0)
+    for _ in range(r + 1):
+        f(0)
+        f(1)
+    for _ in range(p - r - 1):
+        b(1, split=True)
+        w()
+        f(1)
+    for _ in range(m - 2 * p + r + 1):
+        f(0)
+        b(1, split=False)
+        f(1)
+        b(0, split=False)
+    for _ in range(p - r - 1):
+        b(1, split=False)
+        f(1)
+        b(0, split=False)
+    split = False
+    for i in range(r + 1):  # the later half of these backwards split (by the rank's parity)
+        split = split or (i == (r + 1) // 2 and r % 2 == 1)
+        b(1, split)
+        split = split or (i == (r + 1) // 2 and r % 2 == 0)
+        b(0, split)
+    for _ in range(p - r - 1):
+        w()
+        b(0, split=True)
+    for _ in range(r + 1):
+        w()
+    return computes
+
+
 # parallel.pipeline_schedule: name -> (vpp it needs, None: any >= 2; placement; batches)
 SCHEDULES = {
     "1f1b": (1, "loop", "rendezvous"),
     "interleaved": (None, "loop", "rendezvous"),
     "zb-h1": (1, "loop", "posted"),
     "zb-v": (2, "v", "posted"),
+    "dualpipev": (2, "v", "posted"),
 }
 
 
@@ -558,7 +644,7 @@ def schedule_comm(schedule: str | None, vpp: int = 1) -> str:
 
 def splits_backward(schedule: str | None, vpp: int = 1) -> bool:
     """Whether the schedule splits each backward into B (input grad) and W (weight grads)."""
-    return resolve_schedule(schedule, vpp) in ("zb-h1", "zb-v")
+    return resolve_schedule(schedule, vpp) in ("zb-h1", "zb-v", "dualpipev")
 
 
 def simulate_options(schedule: str | None, vpp: int = 1) -> dict[str, str]:
@@ -579,6 +665,8 @@ def get_schedule(
         return zb_h1(pp_size, pp_rank, num_microbatches)
     if name == "zb-v":
         return zb_v(pp_size, pp_rank, num_microbatches)
+    if name == "dualpipev":
+        return dualpipev(pp_size, pp_rank, num_microbatches)
     if name == "1f1b":
         return one_f_one_b(pp_size, pp_rank, num_microbatches)
     return interleaved_one_f_one_b(pp_size, pp_rank, num_microbatches, vpp)

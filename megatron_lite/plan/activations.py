@@ -374,14 +374,16 @@ def in_flight(
     split backward's counted until W): 1F1B min(pp - rank, m); ZB-H1 min(pp, m) on every rank
     (W keeps later ranks' pairs longer, the first rank's peak is 1F1B's); interleaved
     Megatron's warmup count + 1, (pp-rank-1)·2 + (vpp-1)·pp + 1, capped at m·vpp; ZB-V
-    min(m + 1 + rank, 2·pp) half-model chunks (all equal to the schedule simulator's
-    peak_in_flight)."""
+    min(m + 1 + rank, 2·pp) half-model chunks, DualPipeV 2·pp + 1 of them (m >= 2·pp; all
+    equal to the schedule simulator's peak_in_flight)."""
     if pp == 1:
         return 1
     if schedule == "zb-h1":
         return min(pp, num_microbatches)
     if schedule == "zb-v":
         return min(num_microbatches + 1 + rank, 2 * pp)
+    if schedule == "dualpipev":
+        return 2 * pp + 1
     if vpp == 1:
         return min(pp - rank, num_microbatches)
     return min((pp - rank - 1) * 2 + (vpp - 1) * pp + 1, num_microbatches * vpp)

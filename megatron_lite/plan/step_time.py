@@ -70,13 +70,13 @@ def _pipeline(pp: int, vpp: int, m: int, weights: tuple, fwd: float, bwd: float,
     """(busy time of the busiest rank, bubble, time the p2p adds) of the schedule with these
     per-layer costs (`wgt`: W's part of `bwd` for a zero-bubble schedule). Bubble: the
     simulator's makespan minus busy, or the closed form: (pp - 1) mean virtual-stage
-    forward+backward of fill and drain, (pp - 1)(F + B - 2W) for zb-h1 (zb-v: always the
-    simulator). P2P: every send/receive batch on the critical path (an upper bound)."""
+    forward+backward of fill and drain, (pp - 1)(F + B - 2W) for zb-h1 (zb-v and dualpipev:
+    always the simulator). P2P: every send/receive batch on the critical path (an upper bound)."""
     stages = rank_stages(pp, vpp, schedule)
     busy = max(m * sum(weights[s] for s in stages[r]) * (fwd + bwd) for r in range(pp))
     if pp == 1:
         return busy, 0.0, 0.0
-    if not simulate and schedule != "zb-v":
+    if not simulate and schedule not in ("zb-v", "dualpipev"):
         mean = sum(weights) / len(weights)
         fill = fwd + bwd if schedule != "zb-h1" else max(fwd + bwd - 2 * wgt, 0.0)
         return busy, (pp - 1) * mean * fill, 2 * m * vpp * comm

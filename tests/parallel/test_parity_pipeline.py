@@ -40,6 +40,8 @@ LAYOUTS = {
 # queued) and W (the queue); batches posted. m = pp, 2·pp and an odd count; with tp2+SP
 ZB_H1 = ["parallel.pipeline_schedule=zb-h1"]
 ZB_V = ["parallel.pipeline_schedule=zb-v", "parallel.vpp=2"]
+DUALPIPEV = ["parallel.pipeline_schedule=dualpipev", "parallel.vpp=2"]
+M5 = (*UNTIED, "train.micro_batch_size=1", "train.global_batch_size=5")
 FULL = ["model.recompute_granularity=full", "model.recompute_method=uniform",
         "model.recompute_num_layers=1"]  # fmt: skip
 M3 = (*UNTIED, "train.micro_batch_size=1", "train.global_batch_size=3")
@@ -62,6 +64,11 @@ ZB_LAYOUTS = {
     "zb_v_pp2_dp2_zero2_selective": (4, TIED, ["parallel.pp=2", "parallel.zero_stage=2",
                                                "model.recompute_granularity=selective", *ZB_V]),
     "zb_v_moe_ep2_pp2": (4, MOE, ["parallel.ep=2", "parallel.pp=2", *ZB_V]),
+    # DualPipeV (m >= 2·pp): F0 B1 / F1 B0 pairs in its main phase, the later backwards split
+    "dualpipev_pp2_m4": (2, TIED, ["parallel.pp=2", *DUALPIPEV]),
+    "dualpipev_pp2_m5_full_recompute": (2, M5, ["parallel.pp=2", *FULL, *DUALPIPEV]),
+    "dualpipev_pp4_m8": (4, LAYERS8, ["parallel.pp=4", "train.micro_batch_size=1", *DUALPIPEV]),
+    "dualpipev_tp2_sp_pp2_dp2_m4": (8, TIED, [*SP_PP2, "train.micro_batch_size=1", *DUALPIPEV]),
 }  # fmt: skip
 
 

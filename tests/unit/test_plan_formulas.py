@@ -69,7 +69,8 @@ def test_zero_paper_example_through_memory_formulas():
 @pytest.mark.parametrize(
     "pp,vpp,m,schedule",
     [(4, 1, 8, None), (4, 1, 4, None), (4, 2, 8, None), (2, 3, 4, None), (8, 2, 16, None),
-     (4, 1, 7, "zb-h1"), (4, 2, 4, "zb-v"), (4, 2, 5, "zb-v"), (8, 2, 24, "zb-v")],
+     (4, 1, 7, "zb-h1"), (4, 2, 4, "zb-v"), (4, 2, 5, "zb-v"), (8, 2, 24, "zb-v"),
+     (2, 2, 4, "dualpipev"), (4, 2, 9, "dualpipev"), (8, 2, 16, "dualpipev")],
 )  # fmt: skip
 def test_in_flight_matches_the_schedule_simulator(pp, vpp, m, schedule):
     table = get_schedule_table(pp, m, vpp, schedule)

@@ -6,8 +6,10 @@ import pytest
 
 from megatron_lite.pipeline.schedules import (
     Action,
+    get_schedule,
     get_schedule_table,
     receive_in_send_order,
+    simulate_options,
     stage_location,
     virtual_stage,
     with_comm,
@@ -169,3 +171,47 @@ def test_bad_schedule_choices_are_config_errors(overrides, rule):
     with pytest.raises(ConfigError, match=rule) as err:
         validate(cfg, world_size=2)
     assert "parallel.pipeline_schedule=" in str(err.value) and "Fix:" in str(err.value)
+
+
+def _torch_orders(cases):
+    """PyTorch's pipeline_order of every rank, per (class name, pp, m) (a fake process group:
+    building the schedule computes every rank's actions, nothing runs)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining import schedules as torch_schedules
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    out = {}
+    for cls, pp, m in cases:
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=pp)
+        stages = [PipelineStage(torch.nn.Linear(2, 2), s, 2 * pp, torch.device("cpu"))
+                  for s in (0, 2 * pp - 1)]  # fmt: skip
+        sched = getattr(torch_schedules, cls)(stages, n_microbatches=m)
+        out[(cls, pp, m)] = [[str(a) for a in sched.pipeline_order[r] if a is not None]
+                             for r in range(pp)]  # fmt: skip
+        dist.destroy_process_group()
+    return out
+
+
+def test_zb_v_and_dualpipev_tables_are_pytorchs():
+    """Our ZB-V and DualPipeV tables (compute order per rank) equal torch.distributed.pipelining's
+    ScheduleZBVZeroBubble and ScheduleDualPipeV, an independent implementation of the papers'
+    schedules, on pp 2-8 (PyTorch's full backward B = our B then W); and DualPipeV, simulated
+    at F = B = W per chunk, idles what ZB-V does, pp - 1 chunk forwards a rank, holding 2·pp + 1
+    chunk-microbatches on every rank."""
+    from tests.dist_harness import run_alone
+    from tests.unit.test_bench_pipeline import torch_actions
+
+    ours = {"ScheduleZBVZeroBubble": "zb-v", "ScheduleDualPipeV": "dualpipev"}
+    cases = [(cls, pp, m) for cls in ours for pp, m in ((2, 5), (4, 8), (4, 9), (8, 16))]
+    for (cls, pp, m), orders in run_alone(_torch_orders, cases, timeout=120).items():
+        for rank, order in enumerate(orders):
+            mine = [a for a in get_schedule(pp, rank, m, 2, ours[cls]) if not a.is_comm]
+            assert mine == torch_actions(order, pp), (cls, pp, m, rank, order)
+    for pp in (2, 4, 8):
+        for m in (2 * pp, 3 * pp + 1):
+            how = simulate_options("dualpipev", 2)
+            dual = simulate(get_schedule_table(pp, m, 2, "dualpipev"), 1, 2, weight_cost=1, **how)
+            assert dual.peak_in_flight == (2 * pp + 1,) * pp, (pp, m, dual.peak_in_flight)
+            assert dual.makespan == 2 * m * 3 + (pp - 1), (pp, m, dual.makespan)
