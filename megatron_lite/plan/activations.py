@@ -196,6 +196,23 @@ def layer_terms(x: LayerShape, moe: bool = False) -> dict[str, float]:
     return out
 
 
+def deferred_wgrad_bytes(x: LayerShape, moe: bool = False) -> float:
+    """Bytes one layer's queued weight-gradient GEMMs keep from its B to its W (zero-bubble
+    schedules: linear_async.defer_wgrad), one microbatch: each parallel linear's input as the
+    GEMM reads it (the column-parallel ones' [s, b, h], all-gathered under SP) and its output
+    gradient (the row-parallel ones' [s, b, h], before their reduce-scatter), in the compute
+    dtype. An MoE layer's experts and router run their weight gradients in B; its shared
+    expert is on the dense MLP's linears."""
+    T, A, t, d = x.tokens, x.act_bytes, x.tp, x.d
+    qkv, core = (x.n + 2 * x.g) * d / t, x.n * d / t
+    out = (x.h + qkv) + (core + x.h)  # linear_qkv, linear_proj: input + output gradient
+    width = x.shared_f if moe else x.f
+    if width:
+        up = (2 if x.gated else 1) * width / t
+        out += (x.h + up) + (width / t + x.h)  # fc1, fc2
+    return T * A * out
+
+
 def moe_assignments(x: LayerShape) -> float:
     """(token, expert) rows one rank sends and receives per MoE layer and microbatch: its
     T·u tokens times top-k (a dry run's balanced, dropless routing)."""

@@ -175,7 +175,9 @@ def _fewest_microbatches(cfg: Config) -> int:
 
     p = cfg.parallel
     return next(
-        m for m in range(1, 2 * p.pp * p.vpp + 2) if not microbatches_problem(p.pp, m, p.vpp)
+        m
+        for m in range(1, 2 * p.pp * p.vpp + 2)
+        if not microbatches_problem(p.pp, m, p.vpp, p.pipeline_schedule)
     )
 
 

@@ -34,10 +34,11 @@ from dataclasses import dataclass
 
 from megatron_lite.config import Config
 from megatron_lite.parallel.data_parallel.memory import formula_bytes
-from megatron_lite.pipeline.schedules import get_schedule, virtual_stage
+from megatron_lite.pipeline.schedules import get_schedule, splits_backward, virtual_stage
 from megatron_lite.plan.activations import (
     MOE_TERMS,
     chunk_bytes,
+    deferred_wgrad_bytes,
     head_terms,
     layer_shape,
     layer_terms,
@@ -53,7 +54,7 @@ from megatron_lite.plan.params import (
     rank_params,
 )
 from megatron_lite.plan.working import backward_moments, forward_working
-from megatron_lite.resolve import num_microbatches
+from megatron_lite.resolve import num_microbatches, padded_vocab_size
 
 
 @dataclass
@@ -84,6 +85,7 @@ class _Chunk:
     params: float  # its parameters (dense + expert)
     cuts: tuple[list, list]  # ZeRO-2: (dense, expert) buckets, (elements, parameters) each
     after: int  # dense parameters after its layers (final norm, output layer)
+    deferred: float = 0.0  # a split backward's queued weight GEMMs' bytes, from B to W
     backwarded: bool = False  # the walk has run a backward of it
 
 
@@ -104,9 +106,24 @@ def static_states(cfg: Config, pp_rank: int) -> dict[str, float]:
     return out
 
 
+def _deferred(cfg: Config, shape, moe: list[bool], loss: bool) -> float:
+    """A split backward's queued weight-GEMM bytes of one chunk and microbatch: its layers'
+    (none of a fully recomputed layer: its rerun in B computes them there) and, on the last
+    virtual stage, the output layer's (input [s, b, h] and logits gradient [s, b, V/tp])."""
+    gran, _, method, num = recompute_settings(cfg)
+    queued = moe if gran != "full" else (moe[min(num, len(moe)) :] if method == "block" else [])
+    out = sum(deferred_wgrad_bytes(shape, e) for e in queued)
+    if loss:
+        m = cfg.model
+        v_local = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, shape.tp)
+        out += shape.tokens * shape.act_bytes * (shape.h + v_local / shape.tp)
+    return out
+
+
 def _chunks(cfg: Config, pp_rank: int, shape) -> list[_Chunk]:
     p = cfg.parallel
     _, modules, _, _ = recompute_settings(cfg)  # selective's (none otherwise)
+    split = splits_backward(p.pipeline_schedule, p.vpp)
     shards = (p.dp_shard or p.dp * p.cp, p.dp_shard or max(p.dp * p.cp // p.ep, 1))
     chunks = []
     for c in range(p.vpp):
@@ -126,11 +143,13 @@ def _chunks(cfg: Config, pp_rank: int, shape) -> list[_Chunk]:
         if p.zero_stage == 2:
             for expert, n, cut in zip((False, True), shards, cuts, strict=True):
                 cut += buckets(cfg, pp_rank, c, expert, n) if n > 1 else []
+        loss = stage == p.pp * p.vpp - 1
         chunks.append(_Chunk(
             kept=kept, rebuilt=rebuilt, rerun_offset=offset, last_moe=bool(moe and moe[-1]),
-            loss=stage == p.pp * p.vpp - 1, embedding=stage == 0, root=root,
+            loss=loss, embedding=stage == 0, root=root,
             layer=max(layers, default=0), params=root + sum(layers), cuts=cuts,
             after=len(head_params(cfg, pp_rank, c)[1]),
+            deferred=_deferred(cfg, shape, moe, loss) if split else 0.0,
         ))  # fmt: skip
     return chunks
 
@@ -139,19 +158,26 @@ def _chunks(cfg: Config, pp_rank: int, shape) -> list[_Chunk]:
 def _compute_actions(
     pp: int, rank: int, microbatches: int, vpp: int, schedule: str | None = None
 ) -> tuple:
-    """(is a forward, chunk) of each forward and backward of the rank's schedule, in order. A
-    zero-bubble schedule's W (the deferred weight gradients) is not walked: its activations
-    are taken as freed by B, so its peak is 1F1B's (what ZB-H1 claims; the inputs the queued
-    weight GEMMs keep until W are not counted)."""
+    """(kind, chunk) of each compute action (forward, backward, weight) of the rank's schedule,
+    in order."""
     actions = get_schedule(pp, rank, microbatches, vpp, schedule)
-    return tuple(
-        (a.kind == "forward", a.chunk) for a in actions if a.kind in ("forward", "backward")
-    )
+    return tuple((a.kind, a.chunk) for a in actions if not a.is_comm)
 
 
 def _walk(cfg: Config, pp_rank: int, kernels: str):
     """Yield (phase, terms that depend on the moment) along the rank's schedule; the static
-    terms are the first thing yielded, as ("", terms)."""
+    terms are the first thing yielded, as ("", terms). A zero-bubble schedule's queued weight
+    GEMMs (from each B to its W: `_Chunk.deferred`) are in every moment's working bytes."""
+    pending = [0.0]  # the queued weight GEMMs' bytes now (moved by `_moments`)
+    for phase, dynamic in _moments(cfg, pp_rank, kernels, pending):
+        if phase:
+            grads, act, embedding, logits, working = dynamic
+            dynamic = (grads, act, embedding, logits, working + pending[0])
+        yield phase, dynamic
+
+
+def _moments(cfg: Config, pp_rank: int, kernels: str, pending: list[float]):
+    """`_walk`'s moments without the queued weight GEMMs, which it keeps in pending[0]."""
     p = cfg.parallel
     shape = layer_shape(cfg, kernels)
     m = num_microbatches(cfg.train, p.dp)
@@ -196,20 +222,29 @@ def _walk(cfg: Config, pp_rank: int, kernels: str):
         return grads + 4 * (mine + other)
 
     seen = set()  # (action, state) already yielded: the steady state repeats itself
-    for forward, c in _compute_actions(p.pp, pp_rank, walk, p.vpp, p.pipeline_schedule):
+    for kind, c in _compute_actions(p.pp, pp_rank, walk, p.vpp, p.pipeline_schedule):
         ch = chunks[c]
         root, layer = (A * ch.root, A * ch.layer) if p.zero_stage == 3 else (0.0, 0.0)
         now = grads + 4 * sum(in_flight)
-        if forward:
+        if kind == "weight":  # W: the queued GEMMs run (into the gradients), then release
+            state = ("weight", c, round(kept), round(now), round(pending[0]))
+            if state not in seen:
+                seen.add(state)
+                yield "weight", (now, kept, embedding, 0.0, 0.0)
+            pending[0] -= ch.deferred
+            continue
+        if kind == "forward":
             kept += ch.kept
             embedding += head["embedding"] if ch.embedding else 0.0
-            state = (True, c, round(kept), round(now))
+            state = (True, c, round(kept), round(now), round(pending[0]))
             if state not in seen:
                 seen.add(state)
                 yield "forward", (now, kept + fwd[ch.last_moe], embedding, 0.0, root + 2 * layer)
             continue
-        state = (False, c, round(kept), round(grads), tuple(in_flight), last_chunk)
+        moved = (round(grads), tuple(in_flight), last_chunk, round(pending[0]))
+        state = (False, c, round(kept), *moved)
         if state in seen:  # the same moments again: only the state moves on
+            pending[0] += ch.deferred
             kept -= ch.kept
             embedding -= head["embedding"] if ch.embedding else 0.0
             in_flight, last_chunk = [cut[-1][0] if cut else 0 for cut in ch.cuts], c
@@ -239,19 +274,23 @@ def _walk(cfg: Config, pp_rank: int, kernels: str):
             g = zero2(ch, c, group, arrived + before, arriving, router=ch.last_moe)
             # the loss chunk's output gradient (the final norm's) is the step's own temporary
             w += recv if ch.loss else 0.0
+            # a split backward queues its weight GEMMs' tensors as it frees the saved ones
+            w += ch.deferred * min(freed, ch.kept) / ch.kept if ch.kept else 0.0
             yield "backward", (g, act, embedding, 0.0, w + root + 2 * layer)
         kept -= ch.kept
         if ch.embedding:  # its weight gradient beside the output's, then into its bucket
             act, total = kept + (0.0 if ch.loss else recv), sum(n for _, n in ch.cuts[0])
             g = zero2(ch, c, 0, total - 1)
-            yield "backward", (g, act, embedding, 0.0, emb_grad + emb_out + root)
+            queued = ch.deferred  # the chunk's layers all through B
+            yield "backward", (g, act, embedding, 0.0, emb_grad + emb_out + root + queued)
             g = zero2(ch, c, 0, total - 1, total - 1)
-            yield "backward", (g, act, embedding, 0.0, emb_grad + root)
+            yield "backward", (g, act, embedding, 0.0, emb_grad + root + queued)
         embedding -= head["embedding"] if ch.embedding else 0.0
         in_flight, last_chunk = [cut[-1][0] if cut else 0 for cut in ch.cuts], c
         if p.zero_stage == 3 and m > 1 and not ch.backwarded:
             ch.backwarded = True  # its unsharded gradients from now on
             grads += reduce_bytes * ch.params
+        pending[0] += ch.deferred  # B done: its weight GEMMs wait for W
 
 
 def _live_buckets(cut: list, arrived: int, arriving: int | None, prev: int, same: bool) -> int:
@@ -316,8 +355,10 @@ def saved_peak(cfg: Config, pp_rank: int, kernels: str = "fused") -> float:
     chunks = _chunks(cfg, pp_rank, shape)
     logits = head["final_norm"] + head["output_in"] + head["logits"]
     kept = best = 0.0
-    for forward, c in _compute_actions(p.pp, pp_rank, walk, p.vpp, p.pipeline_schedule):
-        ch = chunks[c]
+    for kind, c in _compute_actions(p.pp, pp_rank, walk, p.vpp, p.pipeline_schedule):
+        if kind == "weight":  # the queued GEMMs' tensors are not saved for backward
+            continue
+        forward, ch = kind == "forward", chunks[c]
         step = ch.kept + (head["embedding"] if ch.embedding else 0.0)
         kept += step if forward else -step
         if forward:
