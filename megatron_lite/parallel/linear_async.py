@@ -82,6 +82,7 @@ def _weight_grad(weight: torch.Tensor, g2d: torch.Tensor, x2d: torch.Tensor, fus
 
 def _queue_wgrad(queue: list, weight, g2d: torch.Tensor, x2d: torch.Tensor) -> None:
     weight.wgrad_pending = getattr(weight, "wgrad_pending", 0) + 1
+    weight.wgrad_queued = getattr(weight, "wgrad_queued", 0) + 1  # ever (run: wgrad_done)
 
     @torch.no_grad()  # run by the caller, outside backward
     def wgrad() -> None:
@@ -92,6 +93,10 @@ def _queue_wgrad(queue: list, weight, g2d: torch.Tensor, x2d: torch.Tensor) -> N
             grad = _weight_grad(weight, g2d, x2d, fuse=False)
             weight.grad = grad if weight.grad is None else weight.grad + grad
         weight.wgrad_pending -= 1
+        weight.wgrad_done = getattr(weight, "wgrad_done", 0) + 1
+        done = getattr(weight, "after_wgrad", None)  # a gradient buffer counts what is ready
+        if done is not None:
+            done()
 
     queue.append(wgrad)
 

@@ -302,13 +302,13 @@ def forward_backward(
     last virtual stage). Backward runs on each loss times `loss_scale`.
 
     chunks[c] is virtual stage c·pp + pp_rank of `pp_group` (None or size 1: no pipelining,
-    plain gradient accumulation); under the V placement (zb-v) chunks 0 and 1 are stages
-    pp_rank and 2·pp − 1 − pp_rank. `tensor_shape`/`dtype` are the activation that crosses stages
-    (every microbatch the same, e.g. `activation_shape(...)`); `timeout_s` bounds each
-    send/recv batch (errors name rank, step, action and peer). `recorder` collects one span per
-    action for a pipeline trace. `forward_only` (evaluation) runs the `forward_only` table under
-    torch.no_grad(): no backward, no activation kept. `stats`, if given, is filled with what
-    this rank held (`PipelineStats`). `before_backward(chunk, is_last)` runs before each
+    plain gradient accumulation); under the V placement (zb-v, dualpipev) chunks 0 and 1 are
+    stages pp_rank and 2·pp − 1 − pp_rank. `tensor_shape`/`dtype` are the activation that
+    crosses stages (every microbatch the same, e.g. `activation_shape(...)`); `timeout_s` bounds
+    each send/recv batch (errors name rank, step, action and peer). `recorder` collects one span
+    per action for a pipeline trace. `forward_only` (evaluation) runs the `forward_only` table
+    under torch.no_grad(): no backward, no activation kept. `stats`, if given, is filled with
+    what this rank held (`PipelineStats`). `before_backward(chunk, is_last)` runs before each
     backward, outside autograd, with is_last true for each chunk's last backward of the table
     (e.g. `DataParallelWrapper.before_backward`: FSDP2 reduces there, not in every backward).
     `schedule` names the table (schedules.SCHEDULES; None: 1F1B or interleaved by the chunk

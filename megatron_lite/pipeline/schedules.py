@@ -471,10 +471,16 @@ def zb_h1(pp_size: int, pp_rank: int, num_microbatches: int) -> list[Action]:
 
 def zb_v(pp_size: int, pp_rank: int, num_microbatches: int) -> list[Action]:
     """ZB-V's table for `pp_rank` (see `_zb_v_computes`), receives in each sender's order."""
-    check_schedule_args(pp_size, num_microbatches, 2, "zb-v")
+    return _v_table(_zb_v_computes, "zb-v", pp_size, pp_rank, num_microbatches)
+
+
+def _v_table(computes, name: str, pp_size: int, pp_rank: int, num_microbatches: int):
+    """`pp_rank`'s table of a V-placement schedule whose per-rank compute order `computes`
+    gives: sends and receives put in, receives in each sender's order."""
+    check_schedule_args(pp_size, num_microbatches, 2, name)
     _check_rank(pp_size, pp_rank)
     tables = [
-        with_comm(_zb_v_computes(pp_size, r, num_microbatches), pp_size, r, 2, "v")
+        with_comm(computes(pp_size, r, num_microbatches), pp_size, r, 2, "v")
         for r in range(pp_size)
     ]
     return receive_in_send_order(tables, "v")[pp_rank]
@@ -533,13 +539,7 @@ def _zb_v_computes(pp_size: int, pp_rank: int, num_microbatches: int) -> list[Ac
 def dualpipev(pp_size: int, pp_rank: int, num_microbatches: int) -> list[Action]:
     """DualPipeV's table for `pp_rank` (see `_dualpipev_computes`), receives in each sender's
     order."""
-    check_schedule_args(pp_size, num_microbatches, 2, "dualpipev")
-    _check_rank(pp_size, pp_rank)
-    tables = [
-        with_comm(_dualpipev_computes(pp_size, r, num_microbatches), pp_size, r, 2, "v")
-        for r in range(pp_size)
-    ]
-    return receive_in_send_order(tables, "v")[pp_rank]
+    return _v_table(_dualpipev_computes, "dualpipev", pp_size, pp_rank, num_microbatches)
 
 
 def _dualpipev_computes(pp_size: int, pp_rank: int, num_microbatches: int) -> list[Action]:

@@ -280,12 +280,18 @@ def _validate_batch_sizes(cfg: Config) -> None:
     n_micro = num_microbatches(t, p.dp)
     problem = microbatches_problem(p.pp, n_micro, p.vpp, p.pipeline_schedule)
     multiple = p.pp * per_step
+    if p.pipeline_schedule == "dualpipev":  # 2·pp microbatches at least
+        fix = f"use global_batch_size >= {2 * multiple}"
+    elif p.vpp > 1 and p.pipeline_schedule in (None, "interleaved"):
+        fix = f"use a multiple of {multiple}"
+    else:
+        fix = f"use global_batch_size >= {multiple}"
     _rule(
         problem is None,
         "train.global_batch_size",
         t.global_batch_size,
         f"gives {n_micro} microbatches of micro_batch_size·dp = {per_step}, and {problem}",
-        f"use a multiple of {multiple}" if p.vpp > 1 else f"use global_batch_size >= {multiple}",
+        fix,
     )
 
 

@@ -1,6 +1,8 @@
 """ZeRO accounting against formulas: model-state bytes per rank (the README table, within 2%),
 data-parallel communication bytes per step, and buckets launched while the backward still runs."""
 
+import pytest
+
 from tests.dist_harness import run_ranks
 from tests.parallel.parity import TINY, structured_dataset
 
@@ -111,3 +113,60 @@ def test_zero3_traffic_matches_the_analytical_volume(tmp_path):
             "comm_bytes/all_gather_fsdp": 2 * 4 * padded // 4,
             "comm_bytes/reduce_scatter_fsdp": 4 * padded,
         }, (comm, padded)
+
+
+def _zero_bubble_launches(rank, world, out_dir, stage, schedule):
+    """One step of pp2 × dp2 under a zero-bubble schedule: each bucket's launches, and how many
+    of them came before the step's finish (from a W, as soon as the bucket was final)."""
+    from megatron_lite.parallel.data_parallel import buffers
+    from megatron_lite.parallel.mesh import ParallelMesh
+    from megatron_lite.resolve import rank_layout
+    from megatron_lite.train import prepare
+    from megatron_lite.training.trainer import Trainer
+
+    launches, finishing = [], [False]
+    launch, finish = buffers.GradBuffer._launch, buffers.GradBuffer.finish
+
+    def recording(self, bucket):
+        launches.append((id(self), bucket.start, finishing[0]))
+        launch(self, bucket)
+
+    def finishing_step(self):
+        finishing[0] = True
+        try:
+            finish(self)
+        finally:
+            finishing[0] = False
+
+    buffers.GradBuffer._launch, buffers.GradBuffer.finish = recording, finishing_step
+    vpp = 2 if schedule != "zb-h1" else 1
+    micro = 1 if schedule == "dualpipev" else 2  # dualpipev: 2·pp microbatches at least
+    args = [*TINY, f"data.paths=[{structured_dataset()}]", "train.steps=1",
+            f"train.out_dir={out_dir}", "parallel.pp=2", f"parallel.vpp={vpp}",
+            f"parallel.pipeline_schedule={schedule}", f"parallel.zero_stage={stage}",
+            "parallel.ddp_bucket_size=20000", f"train.micro_batch_size={micro}"]  # fmt: skip
+    cfg, dataset, vocab = prepare(args, world_size=world)
+    tr = Trainer(cfg, ParallelMesh(rank_layout(cfg.parallel, world)), dataset, vocab)
+    tr.train_step()
+    buckets = sorted((id(buf), b.start) for buf in tr.dp.buffers for b in buf.buckets)
+    return buckets, launches
+
+
+@pytest.mark.parametrize("stage,schedule", [(1, "zb-h1"), (1, "zb-v"), (2, "dualpipev")])
+def test_zero_bubble_buckets_are_reduced_once_and_launched_from_w(stage, schedule, tmp_path):
+    """Parameters whose weight GEMM waits for W count only after it (`wgrad_pending`,
+    `after_wgrad`): every bucket is reduced exactly once a step (ZeRO-1; ZeRO-2 once per
+    microbatch round, as with 1F1B), and most launch during the step's F/B/W, not at its
+    finish: from the W that completed them."""
+    for rank, (buckets, launches) in enumerate(
+        run_ranks(4, _zero_bubble_launches, str(tmp_path), stage, schedule, timeout=120)
+    ):
+        launched = sorted((buf, start) for buf, start, _ in launches)
+        early = sum(not at_finish for *_, at_finish in launches)
+        print(f"{schedule} zero{stage} rank {rank}: {len(launches)} launches of {len(buckets)} "
+              f"buckets, {early} before the finish")  # fmt: skip
+        if stage == 1:
+            assert launched == buckets, (rank, launched, buckets)  # each exactly once
+        else:  # ZeRO-2: one reduce-scatter per bucket and microbatch (m = 4)
+            assert launched == sorted(buckets * 4), (rank, launched, buckets)
+        assert early >= len(buckets) - 2, (rank, early, len(buckets))

@@ -57,8 +57,11 @@ per group, the one reduce-scattering and the one accumulating: `in_flight_bound`
 element (under bf16 reduction the one in flight
 is its 2-byte copy, the fp32 storage freed at launch). Without overlap (`overlap=False`) a
 bucket is reduce-scattered and waited for as soon as it is ready. A bucket whose parameters
-wait for a deferred wgrad (`wgrad_pending`) or got no gradient in a microbatch keeps
-accumulating (beyond the bound) and is reduced by `finish()`.
+got no gradient in a microbatch keeps accumulating (beyond the bound) and is reduced by
+`finish()`. A parameter whose wgrad GEMM is deferred (`wgrad_pending`: a zero-bubble
+schedule's B queued it for W) counts a microbatch's gradient once the GEMMs queued up to that
+backward have run (`wgrad_queued` at the hook, `wgrad_done` after each, `after_wgrad`), so its
+bucket launches from the W that completes it.
 """
 
 from __future__ import annotations
@@ -172,9 +175,12 @@ class GradBuffer:
                 p.main_grad = b.grad[at : at + p.numel()].view_as(p)
                 p.main_grad_placeholder = self._zero.expand(p.shape)
                 self._placeholders[id(p)] = p.main_grad_placeholder
+                p.after_wgrad = functools.partial(self._after_wgrad, p)  # linear_async calls
             if self.sharded_grads:  # ZeRO-2: storage only while the bucket reduces, so the
                 b.grad.untyped_storage().resize_(0)  # build holds one bucket at a time
         self.counts: dict[int, int] = {}
+        # per parameter: wgrad_queued at each backward whose gradient waits for its W
+        self._awaiting: dict[int, list[int]] = {}
         self.expected = 1
         self.pending_gathers = 0  # all-gathers launched by gather_params, not yet waited for
         self.grad_shard = self._make_grad_shard(self.numel)
@@ -277,9 +283,21 @@ class GradBuffer:
             if self.sharded_grads:
                 self.ensure(p)
             p.main_grad.add_(grad)  # accumulate in fp32, whatever the parameter dtype
-        if not getattr(p, "wgrad_pending", 0):  # a queued wgrad GEMM: finish() reduces it
+        if getattr(p, "wgrad_pending", 0):  # queued wgrad GEMMs: counted once they have run
+            self._awaiting.setdefault(id(p), []).append(p.wgrad_queued)
+        else:
             self._count(p)
         return (None,)
+
+    def _after_wgrad(self, p: torch.nn.Parameter) -> None:
+        """One of `p`'s deferred wgrad GEMMs ran (linear_async): count the microbatches whose
+        GEMMs have all run."""
+        if self._placeholders.get(id(p)) is not p.main_grad_placeholder:
+            return  # a newer buffer owns `p`
+        awaiting = self._awaiting.get(id(p), [])
+        while awaiting and p.wgrad_done >= awaiting[0]:
+            awaiting.pop(0)
+            self._count(p)
 
     def _check_thread(self, p: torch.nn.Parameter) -> None:
         """Every gradient of a step on one thread (module docstring), or a clear error."""
