@@ -64,6 +64,10 @@ ZB_LAYOUTS = {
     "zb_v_pp2_dp2_zero2_selective": (4, TIED, ["parallel.pp=2", "parallel.zero_stage=2",
                                                "model.recompute_granularity=selective", *ZB_V]),
     "zb_v_moe_ep2_pp2": (4, MOE, ["parallel.ep=2", "parallel.pp=2", *ZB_V]),
+    # ring context parallelism inside each chunk; uneven virtual stages
+    "zb_v_p2p_cp2_pp2": (4, TIED, ["parallel.pp=2", "parallel.cp=2",
+                                   "parallel.cp_comm_type=p2p", *ZB_V]),
+    "zb_h1_pp2_uneven": (2, TIED, ["parallel.pp=2", "parallel.pipeline_layers=[1,3]", *ZB_H1]),
     # DualPipeV (m >= 2·pp): F0 B1 / F1 B0 pairs in its main phase, the later backwards split
     "dualpipev_pp2_m4": (2, TIED, ["parallel.pp=2", *DUALPIPEV]),
     "dualpipev_pp2_m5_full_recompute": (2, M5, ["parallel.pp=2", *FULL, *DUALPIPEV]),
