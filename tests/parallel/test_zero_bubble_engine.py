@@ -86,7 +86,7 @@ def _run(rank, world, m, schedule):
 
 @pytest.mark.parametrize(
     "schedule,pp,m", [("zb-h1", 2, 4), ("zb-h1", 4, 4), ("zb-h1", 4, 7), ("zb-v", 2, 3),
-                      ("zb-v", 4, 8), ("dualpipev", 2, 5), ("dualpipev", 4, 8)],
+                      ("zb-v", 4, 5), ("zb-v", 4, 8), ("dualpipev", 2, 5), ("dualpipev", 4, 9)],
 )  # fmt: skip
 def test_zero_bubble_matches_one_process_and_runs_the_weight_gemms_in_w(schedule, pp, m):
     vpp = 1 if schedule == "zb-h1" else 2
