@@ -27,10 +27,12 @@ parameters have no `main_grad`, and a weight with gradient hooks (`register_hook
 them its gradient: for both g_W is returned as usual.
 
 Deferred wgrad: with a `wgrad_queue` (a caller-owned list) captured at forward, backward does not
-run the wgrad GEMM but appends a closure that does; `run_wgrads(queue)` runs them later. While
-a weight's closure is queued, `weight.wgrad_pending` > 0 tells the gradient buffer not to count
-the weight as ready, so its bucket is reduced in `finish()`: run the closures before that. The
-backward hands autograd the placeholder there too (where the closure will write main_grad).
+run the wgrad GEMM but appends a closure that does; `run_wgrads(queue)` runs them later. The
+weight counts its closures queued (`wgrad_queued`) and run (`wgrad_done`); while some are still
+to run the gradient buffer does not count the weight as ready, and each closure that runs calls
+`weight.after_wgrad()` (set by the buffer) so its bucket launches once complete: run the
+closures before the buffer's `finish()`. The backward hands autograd the placeholder there too
+(where the closure will write main_grad).
 """
 
 from __future__ import annotations
@@ -81,7 +83,6 @@ def _weight_grad(weight: torch.Tensor, g2d: torch.Tensor, x2d: torch.Tensor, fus
 
 
 def _queue_wgrad(queue: list, weight, g2d: torch.Tensor, x2d: torch.Tensor) -> None:
-    weight.wgrad_pending = getattr(weight, "wgrad_pending", 0) + 1
     weight.wgrad_queued = getattr(weight, "wgrad_queued", 0) + 1  # ever (run: wgrad_done)
 
     @torch.no_grad()  # run by the caller, outside backward
@@ -92,7 +93,6 @@ def _queue_wgrad(queue: list, weight, g2d: torch.Tensor, x2d: torch.Tensor) -> N
         else:
             grad = _weight_grad(weight, g2d, x2d, fuse=False)
             weight.grad = grad if weight.grad is None else weight.grad + grad
-        weight.wgrad_pending -= 1
         weight.wgrad_done = getattr(weight, "wgrad_done", 0) + 1
         done = getattr(weight, "after_wgrad", None)  # a gradient buffer counts what is ready
         if done is not None:
@@ -121,7 +121,7 @@ class _ParallelLinear(torch.autograd.Function):
         b = None if bias is None else bias.to(dtype)
         with torch.autocast(x.device.type, enabled=False):
             y = F.linear(total, weight.to(dtype), b)  # [s, b, out/tp]
-        # the local shard, not `total`; the weight as itself: its main_grad / wgrad_pending
+        # the local shard, not `total`; the weight as itself: its main_grad / wgrad_queued
         # attributes are read in backward, and a saved-tensor hook (recompute, the activation
         # meter) would unpack a new tensor without them
         ctx.save_for_backward(x)

@@ -64,7 +64,7 @@ def layer_params(cfg: Config, moe: bool) -> tuple[int, int]:
 
 
 def placement(cfg: Config) -> str:
-    """Where the pipeline schedule puts the virtual stages ("loop", or "v" for zb-v)."""
+    """Where the pipeline schedule puts the virtual stages ("loop", or "v": zb-v, dualpipev)."""
     return schedule_placement(cfg.parallel.pipeline_schedule, cfg.parallel.vpp)
 
 

@@ -14,9 +14,9 @@ Overlap model (what our code overlaps):
 - EP (MoE) all-to-alls are exposed: EP's dispatch and combine, T·u·k·h·A
   each, in forward, backward and a recompute's rerun, on the MoE layers (moe_layer_freq).
 - PP: each send/receive batch costs its p2p time on the schedule's critical path (simulator).
-  zb-h1 and zb-v (parallel.pipeline_schedule) split each backward into B and W, W being the linear
-  layers' weight-gradient GEMMs (a layer's forward GEMM time; the attention core has no
-  weights), with posted batches; B then has no weight-gradient GEMM to hide the TP
+  zb-h1, zb-v and dualpipev (parallel.pipeline_schedule) split each backward into B and W, W
+  being the linear layers' weight-gradient GEMMs (a layer's forward GEMM time; the attention
+  core has no weights), with posted batches; B then has no weight-gradient GEMM to hide the TP
   reduce-scatter of the input gradient behind, so that is exposed.
 - DP: gradient buckets reduce during the last microbatch's backward, all but the last bucket
   hidden (ZeRO-2 reduce-scatters every microbatch: the earlier ones hide behind their backward
@@ -76,7 +76,7 @@ def _pipeline(pp: int, vpp: int, m: int, weights: tuple, fwd: float, bwd: float,
     busy = max(m * sum(weights[s] for s in stages[r]) * (fwd + bwd) for r in range(pp))
     if pp == 1:
         return busy, 0.0, 0.0
-    if not simulate and schedule not in ("zb-v", "dualpipev"):
+    if not simulate and schedule_placement(schedule, vpp) == "loop":  # closed forms: loop
         mean = sum(weights) / len(weights)
         fill = fwd + bwd if schedule != "zb-h1" else max(fwd + bwd - 2 * wgt, 0.0)
         return busy, (pp - 1) * mean * fill, 2 * m * vpp * comm
@@ -234,7 +234,7 @@ def step_time(cfg: Config, world: int, gpu, mfu: float, gpus_per_node: int,
         gathers = 2 * one[0] * (2 if shape.sp else 1) + (tp_f / 2 if gran == "full" else 0)
         scatters = 2 * one[1]
         half = t_fwd  # the backward GEMMs cost 2·t_fwd: half dgrad, half wgrad
-        # zb-h1/zb-v defer the wgrad GEMMs to W: nothing hides the input grad's reduce-scatter
+        # a split backward defers the wgrad GEMMs to W: nothing hides the dgrad reduce-scatter
         hides = 0.0 if split else half
         tp_b = max(0.0, gathers - half) + max(0.0, scatters - hides)
         hidden += (gathers + scatters - tp_b) * m * sum(stage_layers(m_, p)) / p.pp

@@ -76,8 +76,8 @@ class Trainer:
                 for p in c.parameters():
                     if p.requires_grad:
                         p.data = p.data.to(torch.bfloat16)
-        # the last virtual stage (the loss): the last pipeline rank, or under zb-v's V placement
-        # the first
+        # the last virtual stage (the loss): the last pipeline rank, or the first under the V
+        # placement (zb-v, dualpipev)
         self.holds_loss = any(c.post_process for c in self.chunks)
         self.dp = build_data_parallel(self.chunks, mesh, cfg, self.device)  # ZeRO-3: new params
         for c in self.chunks if zero3 else []:  # RoPE tables, vocabulary mask: built on meta

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from megatron_lite.config import Config, ModelConfig, TrainConfig
-from megatron_lite.pipeline.schedules import SCHEDULES, resolve_schedule
+from megatron_lite.pipeline.schedules import SCHEDULES, SPLIT_SCHEDULES, resolve_schedule
 from megatron_lite.resolve import CP_COMM_TYPES, kv_channels
 from megatron_lite.validation.rules import _choice, _rule
 
@@ -27,7 +27,7 @@ def _validate_choices(cfg: Config) -> None:
     _choice("parallel.cp_comm_type", p.cp_comm_type, CP_COMM_TYPES)
     _choice("parallel.pipeline_schedule", p.pipeline_schedule, (None, *ENGINE_SCHEDULES))
     _rule(
-        not (p.pipeline_schedule in ("zb-h1", "zb-v", "dualpipev") and p.zero_stage == 3),
+        not (p.pipeline_schedule in SPLIT_SCHEDULES and p.zero_stage == 3),
         "parallel.pipeline_schedule",
         p.pipeline_schedule,
         f"{p.pipeline_schedule} runs the linear layers' weight gradients after their backward, "

@@ -154,10 +154,10 @@ def _zero_bubble_launches(rank, world, out_dir, stage, schedule):
 
 @pytest.mark.parametrize("stage,schedule", [(1, "zb-h1"), (1, "zb-v"), (2, "dualpipev")])
 def test_zero_bubble_buckets_are_reduced_once_and_launched_from_w(stage, schedule, tmp_path):
-    """Parameters whose weight GEMM waits for W count only after it (`wgrad_pending`,
-    `after_wgrad`): every bucket is reduced exactly once a step (ZeRO-1; ZeRO-2 once per
-    microbatch round, as with 1F1B), and most launch during the step's F/B/W, not at its
-    finish: from the W that completed them."""
+    """Parameters whose weight GEMM waits for W count only after it (`wgrad_queued` /
+    `wgrad_done`, `after_wgrad`): every bucket is reduced exactly once a step (ZeRO-1; ZeRO-2
+    once per microbatch round, as with 1F1B), and most launch during the step's F/B/W, not at
+    its finish: from the W that completed them."""
     for rank, (buckets, launches) in enumerate(
         run_ranks(4, _zero_bubble_launches, str(tmp_path), stage, schedule, timeout=120)
     ):

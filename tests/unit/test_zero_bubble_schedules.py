@@ -95,10 +95,10 @@ def test_zb_v_reaches_the_warm_up_bound(pp):
 def test_zb_v_needs_receives_in_send_order():
     """Link r -> r+1 carries chunk-0 activations and chunk-1 gradients; posted where each
     compute needs them, the receiver would take them in another order than they are sent."""
-    from megatron_lite.pipeline import schedules
+    from megatron_lite.pipeline import zero_bubble
 
     pp, m = 4, 8
-    natural = [with_comm(schedules._zb_v_computes(pp, r, m), pp, r, 2, "v") for r in range(pp)]
+    natural = [with_comm(zero_bubble._zb_v_computes(pp, r, m), pp, r, 2, "v") for r in range(pp)]
     with pytest.raises(ScheduleError, match="is received by"):
         simulate(natural, placement="v", comm="posted")
     simulate(receive_in_send_order(natural, "v"), placement="v", comm="posted")

@@ -58,10 +58,10 @@ element (under bf16 reduction the one in flight
 is its 2-byte copy, the fp32 storage freed at launch). Without overlap (`overlap=False`) a
 bucket is reduce-scattered and waited for as soon as it is ready. A bucket whose parameters
 got no gradient in a microbatch keeps accumulating (beyond the bound) and is reduced by
-`finish()`. A parameter whose wgrad GEMM is deferred (`wgrad_pending`: a zero-bubble
-schedule's B queued it for W) counts a microbatch's gradient once the GEMMs queued up to that
-backward have run (`wgrad_queued` at the hook, `wgrad_done` after each, `after_wgrad`), so its
-bucket launches from the W that completes it.
+`finish()`. A parameter whose wgrad GEMM is deferred (linear_async: a zero-bubble schedule's
+B queued it for W) counts a microbatch's gradient once the GEMMs queued up to that backward
+have run (`wgrad_queued` at the hook, `wgrad_done` after each, `after_wgrad`), so its bucket
+launches from the W that completes it.
 """
 
 from __future__ import annotations
@@ -283,8 +283,9 @@ class GradBuffer:
             if self.sharded_grads:
                 self.ensure(p)
             p.main_grad.add_(grad)  # accumulate in fp32, whatever the parameter dtype
-        if getattr(p, "wgrad_pending", 0):  # queued wgrad GEMMs: counted once they have run
-            self._awaiting.setdefault(id(p), []).append(p.wgrad_queued)
+        queued = getattr(p, "wgrad_queued", 0)
+        if queued > getattr(p, "wgrad_done", 0):  # wgrad GEMMs still queued: counted once run
+            self._awaiting.setdefault(id(p), []).append(queued)
         else:
             self._count(p)
         return (None,)
