@@ -46,8 +46,13 @@ Key = tuple[int, int]  # (microbatch, chunk)
 ForwardStep = Callable[[torch.nn.Module, Any, "torch.Tensor | None"], torch.Tensor]
 # before_backward(chunk, is_last): called before each backward of local chunk `chunk`, outside
 # autograd; is_last: the step's last backward of that chunk (from the schedule table), where a
-# data-parallel wrapper that defers its gradient reduction (FSDP2) reduces
+# data-parallel wrapper that defers its gradient reduction (FSDP2) reduces. Under a split
+# schedule a backward never completes the gradients (is_last is always False); then
+# after_weight(chunk, is_last) follows each W of the chunk, is_last on its last W of the table
 BeforeBackward = Callable[[int, bool], None]
+AfterWeight = Callable[[int, bool], None]
+# weight_phase(): a context manager entered around each W (a memory tracker names the phase)
+WeightPhase = Callable[[], contextlib.AbstractContextManager]
 
 
 @dataclass
@@ -83,7 +88,10 @@ class _Run:
     def __init__(self, chunks, microbatches, forward_step, loss_scale, p2p, pp, dtype, recorder):
         self.chunks, self.microbatches, self.loss_scale = chunks, microbatches, loss_scale
         self.before_backward: BeforeBackward | None = None
+        self.after_weight: AfterWeight | None = None
+        self.weight_phase: WeightPhase = contextlib.nullcontext
         self.last_backward: dict[int, int] = {}  # chunk -> microbatch of its last backward
+        self.last_weight: dict[int, int] = {}  # chunk -> microbatch of its last W (split)
         self.forward_step, self.p2p, self.dtype, self.recorder = forward_step, p2p, dtype, recorder
         self.pp_rank, self.pp_size, device = pp
         self.forward_only = False
@@ -165,8 +173,9 @@ class _Run:
         if nxt is not None:  # the V turn: the next stage's input grad, on this rank
             self.output_grads[key] = self.input_grads.pop((a.microbatch, nxt))
         grad = None if stage == self.last_stage else self.output_grads.pop(key)
-        if self.before_backward is not None:
-            self.before_backward(a.chunk, a.microbatch == self.last_backward[a.chunk])
+        if self.before_backward is not None:  # split: the gradients are final after W
+            last = not self.split and a.microbatch == self.last_backward[a.chunk]
+            self.before_backward(a.chunk, last)
         torch.autograd.backward(out, grad_tensors=grad)
         if stage != 0:
             inp = self.inputs.pop(key)
@@ -180,8 +189,11 @@ class _Run:
         """W: the weight-gradient GEMMs the chunk's backward queued (the linear layers'), into
         main_grad / .grad; the activations they read are released with them."""
         key = (a.microbatch, a.chunk)
-        linear_async.run_wgrads(self.wgrads.pop(key, []))
+        with self.weight_phase():
+            linear_async.run_wgrads(self.wgrads.pop(key, []))
         self.live.discard(key)
+        if self.after_weight is not None:
+            self.after_weight(a.chunk, a.microbatch == self.last_weight[a.chunk])
 
     def communicate(self, batch: tuple[Action, ...]) -> None:
         if self.posted and not self.forward_only:
@@ -295,6 +307,8 @@ def forward_backward(
     forward_only: bool = False,
     stats: PipelineStats | None = None,
     before_backward: BeforeBackward | None = None,
+    after_weight: AfterWeight | None = None,
+    weight_phase: WeightPhase | None = None,
     schedule: str | None = None,
 ) -> torch.Tensor:
     """Forward and backward of every microbatch through this rank's `chunks`; returns the sum of
@@ -311,6 +325,11 @@ def forward_backward(
     what this rank held (`PipelineStats`). `before_backward(chunk, is_last)` runs before each
     backward, outside autograd, with is_last true for each chunk's last backward of the table
     (e.g. `DataParallelWrapper.before_backward`: FSDP2 reduces there, not in every backward).
+    Under a split schedule every backward is announced with is_last false, and
+    `after_weight(chunk, is_last)` runs after each W, is_last true for each chunk's last W
+    (`DataParallelWrapper.after_weight`: FSDP2 reduces there, once every weight GEMM has run).
+    `weight_phase()`, if given, is entered around each W (a memory tracker's phase: W runs
+    outside autograd, and what it allocates is gradients and working memory, not activations).
     `schedule` names the table (schedules.SCHEDULES; None: 1F1B or interleaved by the chunk
     count). The zero-bubble ones split each backward: B runs autograd with the parallel linear
     layers' weight-gradient GEMMs queued (`linear_async.defer_wgrad`), W runs the queue; their
@@ -339,8 +358,10 @@ def forward_backward(
     run.forward_only = forward_only
     run.placement, run.posted = placement, schedule_comm(name, vpp) == "posted" and pp > 1
     run.split = any(a.kind == "weight" for a in actions)
-    run.before_backward = before_backward
+    run.before_backward, run.after_weight = before_backward, after_weight
+    run.weight_phase = weight_phase or contextlib.nullcontext
     run.last_backward = {a.chunk: a.microbatch for a in actions if a.kind == "backward"}
+    run.last_weight = {a.chunk: a.microbatch for a in actions if a.kind == "weight"}
     with torch.no_grad() if forward_only else contextlib.nullcontext():
         for step in comm_batches(actions):
             run.execute(step)

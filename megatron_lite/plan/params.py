@@ -30,18 +30,32 @@ def layer_param_list(cfg: Config, moe: bool) -> list[Param]:
     experts = (m.num_experts, moe_ffn_hidden_size(m), p.ep, shared) if moe else None
     h, n, g = m.hidden_size, m.num_attention_heads, num_query_groups(m)
     d, qk_norm = kv_channels(m), m.qk_layernorm
-    return list(_layer_list(m.arch, h, n, g, m.ffn_hidden_size, p.tp, experts, d, qk_norm))
+    return list(_layer_list(m.arch, h, n, g, m.ffn_hidden_size, p.tp, experts, d, qk_norm)[0])
+
+
+def layer_linear_weights(cfg: Config, moe: bool) -> int:
+    """Elements of one layer's parallel-linear weights (qkv, proj, fc1, fc2 or the shared
+    expert's), those whose gradient GEMM a split backward queues for W (linear_async)."""
+    m, p = cfg.model, cfg.parallel
+    shared = m.moe_shared_expert_ffn_hidden_size or 0
+    experts = (m.num_experts, moe_ffn_hidden_size(m), p.ep, shared) if moe else None
+    h, n, g = m.hidden_size, m.num_attention_heads, num_query_groups(m)
+    d, qk_norm = kv_channels(m), m.qk_layernorm
+    return _layer_list(m.arch, h, n, g, m.ffn_hidden_size, p.tp, experts, d, qk_norm)[1]
 
 
 @functools.lru_cache(maxsize=4096)  # the search asks for the same few shapes many times
 def _layer_list(
     arch: str, h: int, n: int, g: int, f: int, t: int, experts, d: int, qk_norm: bool
 ) -> tuple:
+    """(the layer's parameters, the elements of its parallel-linear weights)."""
     gpt = arch == "gpt"  # d: the head dim (model.kv_channels), qk_norm: model.qk_layernorm
     norm = [(h, False), (h, False)] if gpt else [(h, False)]
     qk_norms = ([(d, False), (d, False)] if gpt else [(d, False)]) * 2 if qk_norm else []
+    weights = []  # the linear weights' elements
 
     def linear(out: int, inp: int, bias: int) -> list[Param]:
+        weights.append(out * inp)
         return [(out * inp, False)] + ([(bias, False)] if gpt else [])
 
     qkv = (n + 2 * g) * d
@@ -53,8 +67,9 @@ def _layer_list(
         out += [(e * h, False), (local * up * f_e * h, True), (local * h * f_e, True)]
         if f_s:  # the shared expert: a dense MLP of width f_s
             out += linear(up * f_s // t, h, up * f_s // t) + linear(h, f_s // t, h)
-        return tuple(out)
-    return tuple(out + linear(up * f // t, h, up * f // t) + linear(h, f // t, h))
+        return tuple(out), sum(weights)
+    out += linear(up * f // t, h, up * f // t) + linear(h, f // t, h)
+    return tuple(out), sum(weights)
 
 
 def layer_params(cfg: Config, moe: bool) -> tuple[int, int]:

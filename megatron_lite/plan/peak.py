@@ -19,7 +19,8 @@ The model states change within a step too:
   chunk's first bucket (in backward order);
 - ZeRO-3 (FSDP2): the sharded gradients exist only from the step's last reduce-scatter to the
   optimizer step (none at these moments); with M > 1 each chunk keeps unsharded gradients (the
-  reduce dtype) from its first backward. Gathered weights (the compute dtype): a forward holds
+  reduce dtype) from its first backward (under a split backward the linear weights' from its
+  first W, which computes them). Gathered weights (the compute dtype): a forward holds
   the chunk root (embedding, final norm, output layer) and the running layer twice (its
   weights and the all-gather buffer kept for the next copy-out); a backward starts by
   gathering the root again (the flat all-gather output beside its copy), then holds the root,
@@ -50,6 +51,7 @@ from megatron_lite.plan.params import (
     chunk_moe,
     fsdp_units,
     head_params,
+    layer_linear_weights,
     placement,
     rank_params,
 )
@@ -86,7 +88,9 @@ class _Chunk:
     cuts: tuple[list, list]  # ZeRO-2: (dense, expert) buckets, (elements, parameters) each
     after: int  # dense parameters after its layers (final norm, output layer)
     deferred: float = 0.0  # a split backward's queued weight GEMMs' bytes, from B to W
+    deferred_weights: int = 0  # the elements of the weights whose gradients W computes
     backwarded: bool = False  # the walk has run a backward of it
+    weighted: bool = False  # the walk has run a W of it
 
 
 def static_states(cfg: Config, pp_rank: int) -> dict[str, float]:
@@ -106,18 +110,21 @@ def static_states(cfg: Config, pp_rank: int) -> dict[str, float]:
     return out
 
 
-def _deferred(cfg: Config, shape, moe: list[bool], loss: bool) -> float:
-    """A split backward's queued weight-GEMM bytes of one chunk and microbatch: its layers'
+def _deferred(cfg: Config, shape, moe: list[bool], loss: bool) -> tuple[float, int]:
+    """A split backward's queued weight GEMMs of one chunk and microbatch: (the bytes they
+    keep from B to W, the elements of the weights whose gradients they compute). Its layers'
     (none of a fully recomputed layer: its rerun in B computes them there) and, on the last
     virtual stage, the output layer's (input [s, b, h] and logits gradient [s, b, V/tp])."""
     gran, _, method, num = recompute_settings(cfg)
     queued = moe if gran != "full" else (moe[min(num, len(moe)) :] if method == "block" else [])
     out = sum(deferred_wgrad_bytes(shape, e) for e in queued)
+    weights = sum(layer_linear_weights(cfg, e) for e in queued)
     if loss:
         m = cfg.model
         v_local = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, shape.tp)
         out += shape.tokens * shape.act_bytes * (shape.h + v_local / shape.tp)
-    return out
+        weights += v_local // shape.tp * shape.h
+    return out, weights
 
 
 def _chunks(cfg: Config, pp_rank: int, shape) -> list[_Chunk]:
@@ -149,8 +156,9 @@ def _chunks(cfg: Config, pp_rank: int, shape) -> list[_Chunk]:
             loss=loss, embedding=stage == 0, root=root,
             layer=max(layers, default=0), params=root + sum(layers), cuts=cuts,
             after=len(head_params(cfg, pp_rank, c)[1]),
-            deferred=_deferred(cfg, shape, moe, loss) if split else 0.0,
         ))  # fmt: skip
+        if split:
+            chunks[-1].deferred, chunks[-1].deferred_weights = _deferred(cfg, shape, moe, loss)
     return chunks
 
 
@@ -227,6 +235,10 @@ def _moments(cfg: Config, pp_rank: int, kernels: str, pending: list[float]):
         root, layer = (A * ch.root, A * ch.layer) if p.zero_stage == 3 else (0.0, 0.0)
         now = grads + 4 * sum(in_flight)
         if kind == "weight":  # W: the queued GEMMs run (into the gradients), then release
+            if p.zero_stage == 3 and m > 1 and not ch.weighted:
+                ch.weighted = True  # the unsharded gradients of the weights W computes
+                grads += reduce_bytes * ch.deferred_weights
+                now = grads + 4 * sum(in_flight)
             state = ("weight", c, round(kept), round(now), round(pending[0]))
             if state not in seen:
                 seen.add(state)
@@ -288,8 +300,8 @@ def _moments(cfg: Config, pp_rank: int, kernels: str, pending: list[float]):
         embedding -= head["embedding"] if ch.embedding else 0.0
         in_flight, last_chunk = [cut[-1][0] if cut else 0 for cut in ch.cuts], c
         if p.zero_stage == 3 and m > 1 and not ch.backwarded:
-            ch.backwarded = True  # its unsharded gradients from now on
-            grads += reduce_bytes * ch.params
+            ch.backwarded = True  # its unsharded gradients from now on (W's from its first W)
+            grads += reduce_bytes * (ch.params - ch.deferred_weights)
         pending[0] += ch.deferred  # B done: its weight GEMMs wait for W
 
 

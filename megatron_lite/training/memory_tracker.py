@@ -167,14 +167,16 @@ class MemoryTracker(TorchDispatchMode):
         what its all-gathers unshard is "gathered", what its post-backward reduce-scatters
         (the flat input and the sharded gradients it leaves) is "grads", and the unsharded
         gradients autograd accumulates across microbatches are "grads" from their first
-        accumulation. FSDP2's param groups are private: this is their one reader."""
+        accumulation; those a zero-bubble schedule's W writes (outside autograd) from the
+        post-backward that follows it. FSDP2's param groups are private: this is their one
+        reader."""
         for m in modules:
             get_state = getattr(m, "_get_fsdp_state", None)
             group = get_state()._fsdp_param_group if get_state is not None else None
             if group is None:
                 continue
             group.unshard = self._as(group.unshard, "gathered")
-            group.post_backward = self._as(group.post_backward, "grads")
+            group.post_backward = self._as(group.post_backward, "grads", group.fsdp_params)
             for fp in group.fsdp_params:
                 # the unsharded weights' storage: created in step 1, resized in and out since
                 self.label(getattr(fp, "all_gather_outputs", []), "gathered")
@@ -185,8 +187,13 @@ class MemoryTracker(TorchDispatchMode):
                     )
                     self._handles.append(hook)
 
-    def _as(self, fn, category: str):
+    def _as(self, fn, category: str, fsdp_params=()):
+        """`fn` with its new storages named `category`; first, the unsharded gradients of
+        `fsdp_params` (FSDP2's) are named "grads"."""
+
         def run(*a, **kw):
+            grads = (getattr(fp, "_unsharded_param", None) for fp in fsdp_params)
+            self.label([q.grad for q in grads if q is not None and q.grad is not None], "grads")
             self._categories.append(category)
             try:
                 return fn(*a, **kw)

@@ -189,6 +189,8 @@ class Trainer:
             recorder=recorder,
             forward_only=forward_only,
             before_backward=self.dp.before_backward,
+            after_weight=self.dp.after_weight,
+            weight_phase=lambda: self._phase("weight", working=True),
             schedule=cfg.parallel.pipeline_schedule,
         )
         if recorder is not None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from megatron_lite.config import Config, ModelConfig, TrainConfig
-from megatron_lite.pipeline.schedules import SCHEDULES, SPLIT_SCHEDULES, resolve_schedule
+from megatron_lite.pipeline.schedules import SCHEDULES, resolve_schedule
 from megatron_lite.resolve import CP_COMM_TYPES, kv_channels
 from megatron_lite.validation.rules import _choice, _rule
 
@@ -26,15 +26,6 @@ def _validate_choices(cfg: Config) -> None:
     _choice("model.linear_backend", m.linear_backend, ("local", "te"))
     _choice("parallel.cp_comm_type", p.cp_comm_type, CP_COMM_TYPES)
     _choice("parallel.pipeline_schedule", p.pipeline_schedule, (None, *ENGINE_SCHEDULES))
-    _rule(
-        not (p.pipeline_schedule in SPLIT_SCHEDULES and p.zero_stage == 3),
-        "parallel.pipeline_schedule",
-        p.pipeline_schedule,
-        f"{p.pipeline_schedule} runs the linear layers' weight gradients after their backward, "
-        "past the point where FSDP2 (parallel.zero_stage=3) reduce-scatters them",
-        f"use parallel.zero_stage=1 or 2 with {p.pipeline_schedule}, or the 1f1b schedule "
-        "with zero_stage=3",
-    )
     if p.pipeline_schedule is not None:
         try:
             resolve_schedule(p.pipeline_schedule, p.vpp)

@@ -48,6 +48,8 @@ M3 = (*UNTIED, "train.micro_batch_size=1", "train.global_batch_size=3")
 ZB_LAYOUTS = {
     "zb_h1_pp2_m4": (2, TIED, ["parallel.pp=2", *ZB_H1]),
     "zb_h1_pp4_m4": (4, TIED, ["parallel.pp=4", *ZB_H1]),
+    "zb_h1_pp4_m8": (4, TIED, ["parallel.pp=4", "train.micro_batch_size=1", *ZB_H1]),
+    "zb_h1_pp4_m5": (4, M5, ["parallel.pp=4", *ZB_H1]),
     "zb_h1_pp2_m3": (2, M3, ["parallel.pp=2", *ZB_H1]),
     "zb_h1_tp2_sp_pp2_dp2": (8, TIED, [*SP_PP2, *ZB_H1]),
     "zb_h1_pp2_dp2_zero1": (4, TIED, ["parallel.pp=2", "parallel.zero_stage=1", *ZB_H1]),
@@ -58,12 +60,18 @@ ZB_LAYOUTS = {
     # copy are both on rank 0 (summed there); m = 2·pp, pp (dp2), odd
     "zb_v_pp2_m4": (2, TIED, ["parallel.pp=2", *ZB_V]),
     "zb_v_pp4_m4": (4, LAYERS8, ["parallel.pp=4", *ZB_V]),
+    "zb_v_pp4_m5": (4, (*M5, "model.num_layers=8"), ["parallel.pp=4", *ZB_V]),
     "zb_v_pp2_m3_full_recompute": (2, M3, ["parallel.pp=2", *FULL, *ZB_V]),
     "zb_v_tp2_sp_pp2_dp2": (8, TIED, [*SP_PP2, *ZB_V]),
     "zb_v_pp2_dp2_zero1": (4, TIED, ["parallel.pp=2", "parallel.zero_stage=1", *ZB_V]),
     "zb_v_pp2_dp2_zero2_selective": (4, TIED, ["parallel.pp=2", "parallel.zero_stage=2",
                                                "model.recompute_granularity=selective", *ZB_V]),
     "zb_v_moe_ep2_pp2": (4, MOE, ["parallel.ep=2", "parallel.pp=2", *ZB_V]),
+    # ZeRO-3: FSDP2 reduce-scatters each chunk after its last W (not in B's post-backward)
+    "zb_v_pp2_dp2_zero3": (4, TIED, ["parallel.pp=2", "parallel.zero_stage=3", *ZB_V]),
+    "zb_h1_pp2_dp2_zero3": (4, TIED, ["parallel.pp=2", "parallel.zero_stage=3", *ZB_H1]),
+    "dualpipev_pp2_dp2_zero3_m4": (4, TIED, ["parallel.pp=2", "parallel.zero_stage=3",
+                                             "train.micro_batch_size=1", *DUALPIPEV]),
     # ring context parallelism inside each chunk; uneven virtual stages
     "zb_v_p2p_cp2_pp2": (4, TIED, ["parallel.pp=2", "parallel.cp=2",
                                    "parallel.cp_comm_type=p2p", *ZB_V]),

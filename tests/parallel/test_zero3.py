@@ -54,6 +54,22 @@ def test_zero3_bf16_tracks_the_bf16_single_rank(tmp_path):
     assert diff < 0.1 * band, f"zero3: {diff:.2e} not 10x tighter than bf16 vs fp32 {band:.2e}"
 
 
+def test_zero3_zero_bubble_bf16_accumulates_like_the_interleaved_schedule(tmp_path):
+    """zb-v's W writes bf16 weight gradients after FSDP2's hook; each joins FSDP2's fp32
+    accumulator as a backward's would (measured: the interleaved schedule's losses exactly;
+    summed in bf16 between Ws instead they drifted 0.2x the bf16-vs-fp32 band)."""
+    fp32 = reference_losses((*LLAMA, *SHORT))
+    bf16 = reference_losses((*LLAMA, *SHORT, "train.precision=bf16"))
+    band = max_rel_diff(bf16, fp32)
+    layout = [*LLAMA, *SHORT, "train.precision=bf16", Z3, "parallel.pp=2", "parallel.vpp=2"]
+    layout += ["train.micro_batch_size=1"]  # m = 4 per rank: Ws follow each other
+    interleaved = train_losses(4, layout, str(tmp_path / "interleaved"))
+    zb_v = train_losses(4, [*layout, "parallel.pipeline_schedule=zb-v"], str(tmp_path / "zb"))
+    diff = max_rel_diff(zb_v, interleaved)
+    print(f"BF16 zero3 zb-v vs interleaved: {diff:.2e} (bf16 vs fp32: {band:.2e})")
+    assert diff < 0.02 * band, f"zb-v: {diff:.2e} off the interleaved schedule (band {band:.2e})"
+
+
 def test_resume_across_stages_and_dp_sizes(tmp_path):
     """Stage 1 dp2 saves at step AT -> stage 3 dp4 resumes, and stage 3 dp4 saves -> stage 1
     dp2 resumes: each continues its straight run within 1e-5 (and the two straight runs, and
@@ -195,3 +211,24 @@ def test_hybrid_zero3_creates_the_same_groups_on_stages_without_experts(tmp_path
                  "parallel.dp_shard=1", "train.global_batch_size=8"]  # fmt: skip
     got = run_ranks(4, _group_after_hybrid_experts, overrides, str(tmp_path), timeout=60)
     assert got == [4.0] * 4
+
+
+@pytest.mark.parametrize(
+    "schedule, units",
+    [
+        # rank 0 of pp2: zb-h1 holds 2 layers + its chunk root; zb-v two chunks of 1 layer + root
+        (["parallel.pipeline_schedule=zb-h1"], 3),
+        (["parallel.pipeline_schedule=zb-v", "parallel.vpp=2"], 4),
+    ],
+)
+def test_zero3_zero_bubble_reduces_each_unit_once_per_step(schedule, units):
+    """Zero-bubble schedules compute the linear weight gradients in W, after FSDP2's
+    post-backward hook: each FSDP unit still reduce-scatters once a step (after its chunk's
+    last W), not once per microbatch (4 here: 4x the count)."""
+    from tests.parallel.parity import train_records
+
+    overrides = [*LLAMA, Z3, "parallel.pp=2", *schedule, "train.steps=2"]
+    overrides += ["train.micro_batch_size=1"]  # m = 4 microbatches per dp rank
+    records = train_records(4, overrides, ["comm_calls/reduce_scatter_fsdp"])
+    got = [r["comm_calls/reduce_scatter_fsdp"] for r in records]
+    assert got == [units, units], f"reduce-scatters per step on rank 0: {got}, not {units}"

@@ -142,6 +142,9 @@ class DataParallel:
     def before_backward(self, chunk: int, is_last: bool) -> None:
         """Nothing: the buckets count their gradients and launch when complete."""
 
+    def after_weight(self, chunk: int, is_last: bool) -> None:
+        """Nothing: a deferred weight gradient reports itself to its bucket (`after_wgrad`)."""
+
     def local_grads(self) -> list[LocalGrad]:
         """This rank's reduced gradient shard, one entry per piece (parameter ∩ shard)."""
         return [LocalGrad(pc.param, pc.grad, pc.buffer.replicas) for pc in self.pieces]

@@ -28,6 +28,16 @@ from the first microbatch's backward to the last's, beside the 4Ψ/N shards: one
 per step instead of M, for that memory (memory.py and the planner count it). Then, as in
 `DataParallel`, sequence-parallel replicas are summed over TP and the tied embedding over the
 first/last pipeline stage, on the local shards (every such rank shards alike).
+
+Zero-bubble schedules (zb-h1, zb-v, dualpipev) split each backward: B computes the input
+gradients and queues the linear layers' weight-gradient GEMMs, W runs them later. FSDP2's
+post-backward hook runs at the end of B, before W has written those gradients, so the engine
+announces every backward as not the last, and after each chunk's last W calls
+`after_weight(chunk, True)`, which reduce-scatters what the chunk accumulated (as torch's own
+pipelining does for FSDP2, fsdp_compat.post_backward_now). W writes each weight's gradient
+into FSDP2's unsharded parameter (`.grad`), where autograd would have, and after every other W
+FSDP2 folds it into its accumulator in the reduce dtype, as after a backward: the same
+accumulation (bf16 gradients summed in fp32), the same single reduce-scatter per step.
 """
 
 from __future__ import annotations
@@ -42,7 +52,7 @@ from megatron_lite.parallel.data_parallel import finalize
 from megatron_lite.parallel.data_parallel.ddp import hybrid_groups
 from megatron_lite.parallel.data_parallel.finalize import LocalGrad, data_replicas, tied_params
 from megatron_lite.parallel.data_parallel.fsdp_comm import count_collectives
-from megatron_lite.parallel.data_parallel.fsdp_compat import check_fsdp2
+from megatron_lite.parallel.data_parallel.fsdp_compat import check_fsdp2, post_backward_now
 from megatron_lite.parallel.data_parallel.fsdp_optimizer import FSDPAdamW
 from megatron_lite.parallel.data_parallel.memory import sharded_state_bytes, sharded_state_tensors
 from megatron_lite.parallel.mesh import ParallelMesh
@@ -229,6 +239,14 @@ class FullyShardedDataParallel:
         self.chunks[chunk].set_requires_gradient_sync(is_last)
         self.chunks[chunk].set_is_last_backward(is_last)
         (self.unsynced.discard if is_last else self.unsynced.add)(chunk)
+
+    def after_weight(self, chunk: int, is_last: bool) -> None:
+        """After each W of chunk `chunk` under a split schedule (the engine calls it): the new
+        weight gradients join FSDP2's accumulated ones; after the step's last W every gradient
+        of the chunk is complete, and they are reduce-scattered."""
+        post_backward_now(self.chunks[chunk], reduce=is_last)
+        if is_last:
+            self.unsynced.discard(chunk)
 
     def local_grads(self) -> list[LocalGrad]:
         """This rank's FSDP2 shard of each gradient (parameters that got one this step)."""

@@ -96,8 +96,37 @@ USES = (
     Use(f"{PRIVATE}._fsdp_param_group", ("FSDPParamGroup.unshard",),
         "training/memory_tracker.py (dry run: labels the all-gathers)"),
     Use(f"{PRIVATE}._fsdp_param_group", ("FSDPParamGroup.post_backward",),
-        "training/memory_tracker.py (dry run: labels the reduce-scatters)"),
+        "training/memory_tracker.py (dry run: labels the reduce-scatters) and "
+        "post_backward_now (zero-bubble schedules)", call=(1, ())),
+    Use(f"{PRIVATE}._fsdp_state", ("FSDPState._root_post_backward_final_callback",),
+        "post_backward_now (zero-bubble schedules)", call=(1, ())),
 )  # fmt: skip
+
+
+def _param_groups(state) -> list:
+    """An FSDP state's parameter groups: a list in torch 2.13, one optional group before."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [] if group is None else [group]
+    return list(groups)
+
+
+def post_backward_now(root, reduce: bool) -> None:
+    """Run FSDP2's post-backward for every unit under `root` (a root `FSDPModule`) outside
+    autograd, then the end of a backward, for gradients written after FSDP2's own hook ran (a
+    zero-bubble schedule's W). `reduce`: reduce-scatter what the units accumulated and wait
+    for it, as the step's last backward does; else only fold the new `.grad` into FSDP2's
+    unsharded accumulator (in the reduce dtype, as each backward does). What torch's own
+    pipelining does for its REDUCE_GRAD action (`_PipelineStageBase.perform_reduce_grad`,
+    torch 2.13): the root's flags, each group's `post_backward`, the root's final callback."""
+    root.set_is_last_backward(reduce)
+    root.set_requires_gradient_sync(reduce)
+    state = root._get_fsdp_state()
+    for each in state._state_ctx.all_states:
+        for group in _param_groups(each):
+            group.post_backward()
+    state._root_post_backward_final_callback()
 
 
 def _resolve(module: str, path: str):

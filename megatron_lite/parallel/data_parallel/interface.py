@@ -6,7 +6,8 @@ One step, on every rank:
 
     dp.start_step(num_microbatches)     # before the first backward
     ...                                 # forward and backward of each microbatch, each
-                                        # backward after dp.before_backward(chunk, is_last)
+                                        # backward after dp.before_backward(chunk, is_last),
+                                        # each W (split schedules) then dp.after_weight(...)
     dp.finish_grad_sync()               # every gradient reduced (and its TP/tied sums)
     sq = dp.grad_square_sum()           # this rank's share of Σg²; all-reduce over the world
     dp.clip(sq.item() ** 0.5, max_norm)
@@ -87,7 +88,13 @@ class DataParallelWrapper(Protocol):
         """Before each backward of local chunk `chunk`, outside autograd (the pipeline engine
         calls it from its schedule table): `is_last` marks the step's last backward of that
         chunk. ZeRO-3 reduces only there; unannounced backwards each reduce (correct, more
-        traffic). Stages 0-2 count their gradients themselves: nothing to do."""
+        traffic). Stages 0-2 count their gradients themselves: nothing to do. Under a split
+        (zero-bubble) schedule is_last is always False: the gradients are final after W."""
+
+    def after_weight(self, chunk: int, is_last: bool) -> None:
+        """After each W (the deferred weight-gradient GEMMs) of local chunk `chunk` under a
+        split schedule, outside autograd: `is_last` marks the chunk's last W of the step,
+        where ZeRO-3 reduces. Stages 0-2: nothing (the GEMMs report to their buckets)."""
 
     def finish_grad_sync(self) -> None:
         """After the step's last backward: every gradient reduced over its data-parallel group,
