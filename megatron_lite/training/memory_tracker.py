@@ -168,8 +168,8 @@ class MemoryTracker(TorchDispatchMode):
         (the flat input and the sharded gradients it leaves) is "grads", and the unsharded
         gradients autograd accumulates across microbatches are "grads" from their first
         accumulation; those a zero-bubble schedule's W writes (outside autograd) from the
-        post-backward that follows it. FSDP2's param groups are private: this is their one
-        reader."""
+        post-backward that follows it. FSDP2's param groups are private: this and
+        fsdp_compat.post_backward_now are their readers."""
         for m in modules:
             get_state = getattr(m, "_get_fsdp_state", None)
             group = get_state()._fsdp_param_group if get_state is not None else None

@@ -213,3 +213,25 @@ def test_zb_v_and_dualpipev_tables_are_pytorchs():
             dual = simulate(get_schedule_table(pp, m, 2, "dualpipev"), 1, 2, weight_cost=1, **how)
             assert dual.peak_in_flight == (2 * pp + 1,) * pp, (pp, m, dual.peak_in_flight)
             assert dual.makespan == 2 * m * 3 + (pp - 1), (pp, m, dual.makespan)
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4, 8])
+def test_dualpipev_idle_against_deepseeks_closed_form(pp):
+    """DeepSeek's DualPipe table gives DualPipeV (PP/2 - 1)(F&B + B - 3W) of bubble, PP being
+    its 2·pp virtual stages; with the pair run in turn (F&B = F + B, as our engine and
+    simulator do) that is (pp - 1)(F + 2B - 3W). The simulated table equals it at F = B = 2W
+    on every rank and m; it never idles less than the warm-up bound (pp - 1)·F that any V
+    placement has (the first input's trip to the last rank), which is all it idles at
+    F = B = W, where the closed form says 0. (Elsewhere they differ either way: the closed form
+    is DeepSeek's accounting, not a bound.)"""
+    for m in (2 * pp, 2 * pp + 1, 4 * pp):
+        for f, b, w in [*COSTS, (2, 2, 1), (4, 4, 2), (1, 3, 1)]:
+            t = get_schedule_table(pp, m, 2, "dualpipev")
+            idle = set(
+                simulate(t, f, b + w, weight_cost=w, **simulate_options("dualpipev", 2)).idle
+            )
+            assert len(idle) == 1 and min(idle) >= (pp - 1) * f, (m, f, b, w, idle)
+            if f == b == 2 * w:
+                assert idle == {(pp - 1) * (f + 2 * b - 3 * w)}, (m, f, b, w, idle)
+            if f == b == w:
+                assert idle == {(pp - 1) * f}, (m, f, b, w, idle)

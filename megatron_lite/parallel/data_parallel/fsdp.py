@@ -32,12 +32,12 @@ first/last pipeline stage, on the local shards (every such rank shards alike).
 Zero-bubble schedules (zb-h1, zb-v, dualpipev) split each backward: B computes the input
 gradients and queues the linear layers' weight-gradient GEMMs, W runs them later. FSDP2's
 post-backward hook runs at the end of B, before W has written those gradients, so the engine
-announces every backward as not the last, and after each chunk's last W calls
-`after_weight(chunk, True)`, which reduce-scatters what the chunk accumulated (as torch's own
-pipelining does for FSDP2, fsdp_compat.post_backward_now). W writes each weight's gradient
-into FSDP2's unsharded parameter (`.grad`), where autograd would have, and after every other W
-FSDP2 folds it into its accumulator in the reduce dtype, as after a backward: the same
-accumulation (bf16 gradients summed in fp32), the same single reduce-scatter per step.
+announces every backward as not the last and calls `after_weight(chunk, is_last)` after each
+W. W writes each weight's gradient into FSDP2's unsharded parameter (`.grad`), where autograd
+would have; after_weight runs FSDP2's post-backward again (fsdp_compat.post_backward_now, as
+torch's own pipelining does for FSDP2), which folds it into the accumulator in the reduce dtype
+as after a backward, and after the chunk's last W reduce-scatters it: the same accumulation
+(bf16 gradients summed in fp32), the same single reduce-scatter per step.
 """
 
 from __future__ import annotations
