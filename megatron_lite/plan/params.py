@@ -25,23 +25,22 @@ def layer_param_list(cfg: Config, moe: bool) -> list[Param]:
     input norm, qkv, (q and k norms with qk_layernorm), proj, pre-MLP norm, then fc1, fc2 (or the
     router and the stacked experts' weight1, weight2, then the shared expert's fc1, fc2 on the
     dense MLP's TP layout)."""
-    m, p = cfg.model, cfg.parallel
-    shared = m.moe_shared_expert_ffn_hidden_size or 0
-    experts = (m.num_experts, moe_ffn_hidden_size(m), p.ep, shared) if moe else None
-    h, n, g = m.hidden_size, m.num_attention_heads, num_query_groups(m)
-    d, qk_norm = kv_channels(m), m.qk_layernorm
-    return list(_layer_list(m.arch, h, n, g, m.ffn_hidden_size, p.tp, experts, d, qk_norm)[0])
+    return list(_layer(cfg, moe)[0])
 
 
 def layer_linear_weights(cfg: Config, moe: bool) -> int:
     """Elements of one layer's parallel-linear weights (qkv, proj, fc1, fc2 or the shared
     expert's), those whose gradient GEMM a split backward queues for W (linear_async)."""
+    return _layer(cfg, moe)[1]
+
+
+def _layer(cfg: Config, moe: bool) -> tuple:
     m, p = cfg.model, cfg.parallel
     shared = m.moe_shared_expert_ffn_hidden_size or 0
     experts = (m.num_experts, moe_ffn_hidden_size(m), p.ep, shared) if moe else None
     h, n, g = m.hidden_size, m.num_attention_heads, num_query_groups(m)
     d, qk_norm = kv_channels(m), m.qk_layernorm
-    return _layer_list(m.arch, h, n, g, m.ffn_hidden_size, p.tp, experts, d, qk_norm)[1]
+    return _layer_list(m.arch, h, n, g, m.ffn_hidden_size, p.tp, experts, d, qk_norm)
 
 
 @functools.lru_cache(maxsize=4096)  # the search asks for the same few shapes many times
