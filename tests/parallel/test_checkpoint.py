@@ -163,12 +163,15 @@ def test_reshard_tp2_to_pp2(llama_tp2, tmp_path):
 
 def test_zb_v_resumes_exactly_and_on_one_rank(tmp_path):
     """ZB-V's V placement holds the tied embedding and its output-layer copy on one rank (both
-    stored once, as the embedding): the same layout resumes bitwise, one rank within 1e-4."""
+    stored once, as the embedding): the same layout resumes bitwise, one rank within 1e-4, and
+    ZeRO-3 on dp2 (both copies FSDP2 shards on rank 0 of each pipeline) within 1e-4."""
     layout = [*LLAMA, "parallel.pp=2", "parallel.vpp=2", "parallel.pipeline_schedule=zb-v"]
     base = tmp_path / "zb_v"
     full = train(2, [*layout, *SAVE], base)[0]
     check_resume((base, full), 2, layout, tmp_path / "same", exact=True)
     check_resume((base, full), 1, LLAMA, tmp_path / "one", exact=False)
+    zero3 = [*layout, "parallel.zero_stage=3"]
+    check_resume((base, full), 4, zero3, tmp_path / "zero3", exact=False)
 
 
 @pytest.mark.skipif(not _has("megatron_lite.context.ulysses"), reason="no context parallel")
