@@ -24,7 +24,7 @@ The model states change within a step too:
   the chunk root (embedding, final norm, output layer) and the running layer twice (its
   weights and the all-gather buffer kept for the next copy-out); a backward starts by
   gathering the root again (the flat all-gather output beside its copy), then holds the root,
-  the running layer and the prefetched next one; the loss backward holds the root and one
+  the running layer and the prefetched next one (none in a chunk of one layer); the loss backward holds the root and one
   layer.
 """
 
@@ -84,6 +84,7 @@ class _Chunk:
     embedding: bool  # virtual stage 0
     root: float  # ZeRO-3: the chunk root's parameters
     layer: float  # ZeRO-3: its largest layer unit's parameters
+    layers: int  # its layer count
     params: float  # its parameters (dense + expert)
     cuts: tuple[list, list]  # ZeRO-2: (dense, expert) buckets, (elements, parameters) each
     after: int  # dense parameters after its layers (final norm, output layer)
@@ -154,7 +155,7 @@ def _chunks(cfg: Config, pp_rank: int, shape) -> list[_Chunk]:
         chunks.append(_Chunk(
             kept=kept, rebuilt=rebuilt, rerun_offset=offset, last_moe=bool(moe and moe[-1]),
             loss=loss, embedding=stage == 0, root=root,
-            layer=max(layers, default=0), params=root + sum(layers), cuts=cuts,
+            layer=max(layers, default=0), layers=len(layers), params=root + sum(layers), cuts=cuts,
             after=len(head_params(cfg, pp_rank, c)[1]),
         ))  # fmt: skip
         if split:
@@ -233,6 +234,7 @@ def _moments(cfg: Config, pp_rank: int, kernels: str, pending: list[float]):
     for kind, c in _compute_actions(p.pp, pp_rank, walk, p.vpp, p.pipeline_schedule):
         ch = chunks[c]
         root, layer = (A * ch.root, A * ch.layer) if p.zero_stage == 3 else (0.0, 0.0)
+        held = min(ch.layers, 2)  # a backward's running layer and the one it prefetches
         now = grads + 4 * sum(in_flight)
         if kind == "weight":  # W: the queued GEMMs run (into the gradients), then release
             if p.zero_stage == 3 and m > 1 and not ch.weighted:
@@ -269,7 +271,7 @@ def _moments(cfg: Config, pp_rank: int, kernels: str, pending: list[float]):
                 g, out_grads = zero2(ch, c, 0, 0, 0), head["embedding_grad"] + head["output_in"]
                 yield "loss backward", (g, kept + head["final_norm"], embedding, 0.0, out_grads)
         else:
-            yield "backward", (now, kept + recv, embedding, 0.0, 2 * root + 2 * layer)
+            yield "backward", (now, kept + recv, embedding, 0.0, 2 * root + held * layer)
         if ch.rebuilt:  # the recomputed group's (or module's) forward again
             rerun = ch.rebuilt + fwd[ch.last_moe] + ch.rerun_offset + root + 2 * layer
             yield "backward", (now, kept + recv * (not ch.loss), embedding, 0.0, rerun)
@@ -288,7 +290,7 @@ def _moments(cfg: Config, pp_rank: int, kernels: str, pending: list[float]):
             w += recv if ch.loss else 0.0
             # a split backward queues its weight GEMMs' tensors as it frees the saved ones
             w += ch.deferred * min(freed, ch.kept) / ch.kept if ch.kept else 0.0
-            yield "backward", (g, act, embedding, 0.0, w + root + 2 * layer)
+            yield "backward", (g, act, embedding, 0.0, w + root + held * layer)
         kept -= ch.kept
         if ch.embedding:  # its weight gradient beside the output's, then into its bucket
             act, total = kept + (0.0 if ch.loss else recv), sum(n for _, n in ch.cuts[0])
