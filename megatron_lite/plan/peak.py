@@ -24,8 +24,8 @@ The model states change within a step too:
   the chunk root (embedding, final norm, output layer) and the running layer twice (its
   weights and the all-gather buffer kept for the next copy-out); a backward starts by
   gathering the root again (the flat all-gather output beside its copy), then holds the root,
-  the running layer and the prefetched next one (none in a chunk of one layer); the loss backward holds the root and one
-  layer.
+  the running layer and the prefetched next one (none in a chunk of one layer); the loss
+  backward holds the root and one layer.
 """
 
 from __future__ import annotations
