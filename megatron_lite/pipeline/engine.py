@@ -359,7 +359,8 @@ def forward_backward(
     run.placement, run.posted = placement, schedule_comm(name, vpp) == "posted" and pp > 1
     run.split = any(a.kind == "weight" for a in actions)
     run.before_backward, run.after_weight = before_backward, after_weight
-    run.weight_phase = weight_phase or contextlib.nullcontext
+    if weight_phase is not None:
+        run.weight_phase = weight_phase
     run.last_backward = {a.chunk: a.microbatch for a in actions if a.kind == "backward"}
     run.last_weight = {a.chunk: a.microbatch for a in actions if a.kind == "weight"}
     with torch.no_grad() if forward_only else contextlib.nullcontext():
