@@ -235,12 +235,11 @@ def _moments(cfg: Config, pp_rank: int, kernels: str, pending: list[float]):
         ch = chunks[c]
         root, layer = (A * ch.root, A * ch.layer) if p.zero_stage == 3 else (0.0, 0.0)
         held = min(ch.layers, 2)  # a backward's running layer and the one it prefetches
+        if kind == "weight" and p.zero_stage == 3 and m > 1 and not ch.weighted:
+            ch.weighted = True  # the unsharded gradients of the weights W computes, from now on
+            grads += reduce_bytes * ch.deferred_weights
         now = grads + 4 * sum(in_flight)
         if kind == "weight":  # W: the queued GEMMs run (into the gradients), then release
-            if p.zero_stage == 3 and m > 1 and not ch.weighted:
-                ch.weighted = True  # the unsharded gradients of the weights W computes
-                grads += reduce_bytes * ch.deferred_weights
-                now = grads + 4 * sum(in_flight)
             state = ("weight", c, round(kept), round(now), round(pending[0]))
             if state not in seen:
                 seen.add(state)
