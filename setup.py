@@ -1,17 +1,35 @@
-"""Packaging for megatron_lite. `kernels/` is installed as `megatron_lite.kernels`."""
+"""Packaging for megatron_lite. The top-level `kernels/` folder holds the modules of
+`megatron_lite.kernels` (whose `__init__.py` sits in megatron_lite/kernels/, so that `kernels/`
+is never an importable top-level package: see that file); a built wheel copies them in."""
+
+import glob
+import os
 
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
 
-packages = find_packages(include=["megatron_lite", "megatron_lite.*"])
-packages.append("megatron_lite.kernels")
+
+class BuildPyWithKernels(build_py):
+    """Copies kernels/*.py into megatron_lite/kernels/ of the build (wheels, non-editable
+    installs); a source tree and an editable install reach them through the package's __path__."""
+
+    def run(self):
+        super().run()
+        if getattr(self, "editable_mode", False):  # the package's __path__ reaches kernels/
+            return
+        dest = os.path.join(self.build_lib, "megatron_lite", "kernels")
+        self.mkpath(dest)
+        for path in sorted(glob.glob(os.path.join("kernels", "*.py"))):
+            self.copy_file(path, os.path.join(dest, os.path.basename(path)))
+
 
 setup(
     name="megatron_lite",
     version="0.1.0",
     description="Megatron-style DP x TP x PP x CP x EP pretraining on PyTorch, tested on CPU",
     python_requires=">=3.10",
-    packages=packages,
-    package_dir={"megatron_lite.kernels": "kernels"},
+    packages=find_packages(include=["megatron_lite", "megatron_lite.*"]),
+    cmdclass={"build_py": BuildPyWithKernels},
     install_requires=[
         # torch is listed without a CUDA/CPU pin: install it first (see README) so pip never
         # replaces an existing build with a multi-GB CUDA wheel.

@@ -6,7 +6,21 @@ on CUDA a kernel is used only once it passed a one-time self-check against its r
 input's shape class, else torch with one warning (selfcheck.py).
 `MEGATRON_LITE_KERNELS=triton|torch` forces one, unchecked (read at call time; on CPU `triton`
 needs `TRITON_INTERPRET=1`).
+
+The kernels' modules live in the repository's top-level `kernels/` folder, which has no
+`__init__.py` on purpose: a top-level folder without one is only a namespace portion, and
+Python's import system prefers any regular package of the same name (PEP 420), so `kernels/`
+can never shadow the Hugging Face `kernels` package that transformers imports, whatever the
+working directory. In a source tree (and an editable install) this package reaches the modules
+through `__path__`; a built wheel copies them in beside this file (setup.py).
 """
+
+# ruff: noqa: E402  (the imports below need __path__ set first)
+import os as _os
+
+if not _os.path.isfile(_os.path.join(__path__[0], "dispatch.py")):  # a source tree
+    _top = _os.path.join(_os.path.dirname(_os.path.dirname(__path__[0])), "kernels")
+    __path__.append(_top)
 
 from megatron_lite.kernels import selfcheck
 from megatron_lite.kernels.cross_entropy import cross_entropy, cross_entropy_reference
