@@ -12,13 +12,10 @@ set -u
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python}
 "$PYTHON" -c "import torch" 2>/dev/null || "$PYTHON" -m pip install -q torch==2.13.0 || exit 1
-# installed from this tree: run from another folder (as ranks and tools may be), `megatron_lite`
-# must resolve to this tree's package, and the test extras must be found (found, not imported)
-(here=$PWD && cd / && "$PYTHON" -c "import importlib.util as u, os, sys
-s = u.find_spec('megatron_lite')
-mine = s is not None and os.path.realpath(s.origin) == os.path.realpath(sys.argv[1])
-sys.exit(not mine or any(u.find_spec(m) is None for m in sys.argv[2:]))" \
-    "$here/megatron_lite/__init__.py" pytest pytest_timeout transformers ruff) 2>/dev/null ||
+# installed (any megatron_lite install, e.g. `pip install -e .`) with what this command needs
+# (found, not imported: an import of torch costs seconds)
+"$PYTHON" -c "import importlib.metadata as m, importlib.util as u, sys; m.version('megatron_lite')
+sys.exit(any(u.find_spec(x) is None for x in sys.argv[1:]))" pytest pytest_timeout transformers ruff 2>/dev/null ||
     "$PYTHON" -m pip install -q -e ".[dev]" || exit 1
 
 checked() {  # pytest's exit code -> ours: 5 (no tests collected) is a failure
