@@ -29,10 +29,9 @@ error naming it.
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
-import shutil
+import signal
 import sys
 import warnings
 
@@ -43,11 +42,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch.distributed.checkpoint as dcp  # noqa: E402
 
+from megatron_lite.atomic import write_atomic  # noqa: E402
 from megatron_lite.checkpoint import files  # noqa: E402
 from megatron_lite.checkpoint.chunks import ShardLoadPlanner, ShardSavePlanner  # noqa: E402
 from megatron_lite.checkpoint.dcp_metadata import SafeFileSystemReader  # noqa: E402
 from megatron_lite.checkpoint.errors import CheckpointError  # noqa: E402
 from megatron_lite.checkpoint.state import Piece  # noqa: E402
+from tools.convert_inputs import check_input_dir, read_hf_config, read_hf_tensors  # noqa: E402
+from tools.convert_output import MARKER, check_output, kill_point, staged_output  # noqa: E402
 from tools.hf_families import (  # noqa: E402
     from_hf_config,
     from_hf_tensors,
@@ -61,11 +63,26 @@ def _full_pieces(tensors: dict[str, torch.Tensor]) -> dict[str, Piece]:
     return {k: Piece(k, tuple(t.shape), (0,) * t.dim()) for k, t in tensors.items()}
 
 
+def resolve_checkpoint(path: str) -> str:
+    """The checkpoint directory `path` names (itself, or its folder's latest), its
+    metadata.json read and checked (fast: no hashing)."""
+    check_input_dir(path, "a checkpoint: a step_<N> directory, or a checkpoint folder")
+    path = files.resolve(path)
+    files.read_metadata(path)
+    return path
+
+
 def read_model(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
     """(metadata.json, {logical name: full tensor}) of a checkpoint's model, checksums checked
     and DCP's `.metadata` read through the allow-list (a crafted one is refused, not run)."""
-    path = files.resolve(path)
+    path = resolve_checkpoint(path)
     meta = files.verify(path)
+    model = meta["config"].get("model")
+    if not isinstance(model, dict):
+        raise CheckpointError(
+            f"{path}/metadata.json has no model config (config.model): not a checkpoint of a "
+            "model. Fix: point at a checkpoint that a run or hf-to-dcp wrote"
+        )
     reader = SafeFileSystemReader(path)
     stored = reader.read_metadata().state_dict_metadata
     buffers = {
@@ -73,74 +90,97 @@ def read_model(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
         for k, md in stored.items()
         if k.startswith("model/")
     }
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
-        warnings.simplefilter("ignore")
-        dcp.load(
-            buffers,
-            storage_reader=reader,
-            planner=ShardLoadPlanner(_full_pieces(buffers)),
-            no_dist=True,
+    if "model/embedding.weight" not in buffers:
+        raise CheckpointError(
+            f"{path} holds no model weights (no model/embedding.weight in its .metadata). "
+            "Fix: point at a checkpoint that a run or hf-to-dcp wrote"
         )
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+            warnings.simplefilter("ignore")
+            dcp.load(
+                buffers,
+                storage_reader=reader,
+                planner=ShardLoadPlanner(_full_pieces(buffers)),
+                no_dist=True,
+            )
+    except (OSError, RuntimeError, ValueError) as e:  # DCP wraps a failed read in its own error
+        raise CheckpointError(
+            f"could not read the tensors of {path}: {str(e)[:300]}. Fix: check the directory "
+            "(permissions, the file system), or use another checkpoint"
+        ) from None
     return meta, {k[len("model/") :]: t for k, t in buffers.items()}
 
 
-def write_model(path: str, tensors: dict[str, torch.Tensor], model_cfg: dict, source: str) -> None:
-    """A model-only checkpoint directory (kind "model", step 0) for train.init_from."""
+def write_model(
+    path: str, tensors: dict[str, torch.Tensor], model_cfg: dict, source: str, overwrite=False
+) -> None:
+    """A model-only checkpoint directory (kind "model", step 0) for train.init_from, written
+    by the rules of tools/convert_output.py (never over anything it did not write)."""
     state = {f"model/{k}": t.detach().float().contiguous() for k, t in tensors.items()}
-    tmp = path.rstrip("/") + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dcp.save(
-            state,
-            storage_writer=dcp.FileSystemWriter(tmp),
-            planner=ShardSavePlanner(_full_pieces(state)),
-            no_dist=True,
-        )
-    meta = {
-        "kind": "model",
-        "step": 0,
-        "layout": {"world_size": 1},
-        "config": {"model": model_cfg},
-        "source": source,
-    }
-    files.commit(tmp, path, meta)
+    with staged_output(path, overwrite, "hf-to-dcp", source, (source,)) as tmp:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.save(
+                state,
+                storage_writer=dcp.FileSystemWriter(tmp),
+                planner=ShardSavePlanner(_full_pieces(state)),
+                no_dist=True,
+            )
+        kill_point("writing")
+        meta = {
+            "format": files.FORMAT,
+            "kind": "model",
+            "step": 0,
+            "layout": {"world_size": 1},
+            "config": {"model": model_cfg},
+            "source": source,
+        }
+        data = [n for n in files.data_files(tmp) if n != MARKER]  # the marker is rewritten
+        meta["files"] = files.file_table(tmp, names=data)  # as files.commit, minus its rename
+        write_atomic(os.path.join(tmp, files.METADATA), json.dumps(meta, indent=1, sort_keys=True))
 
 
 # ------------------------------------------------------------------ conversions
-def dcp_to_hf(ckpt: str, out_dir: str, dtype: torch.dtype = torch.float32) -> None:
+def dcp_to_hf(
+    ckpt: str, out_dir: str, dtype: torch.dtype = torch.float32, overwrite: bool = False
+) -> None:
     from safetensors.torch import save_file
 
+    check_output(out_dir, overwrite, (resolve_checkpoint(ckpt),))  # before the long reading
     meta, tensors = read_model(ckpt)
     m = meta["config"]["model"]
-    hf_config = to_hf_config(m, vocab_size=tensors["embedding.weight"].shape[0])
     try:
         hf = to_hf_tensors(m, tensors)
+        hf_config = to_hf_config(m, vocab_size=tensors["embedding.weight"].shape[0])
     except CheckpointError as e:
         raise CheckpointError(f"{ckpt}: {e}") from None
-    os.makedirs(out_dir, exist_ok=True)
     hf = {k: t.to(dtype).contiguous() for k, t in hf.items()}
-    save_file(hf, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     hf_config["torch_dtype"] = str(dtype).removeprefix("torch.")
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(hf_config, f, indent=2)
+    with staged_output(out_dir, overwrite, "dcp-to-hf", ckpt, (ckpt,)) as tmp:
+        save_file(hf, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        kill_point("writing")
+        write_atomic(os.path.join(tmp, "config.json"), json.dumps(hf_config, indent=2))
 
 
-def hf_to_dcp(hf_dir: str, out: str) -> None:
-    from safetensors.torch import load_file
-
-    with open(os.path.join(hf_dir, "config.json")) as f:
-        m = from_hf_config(json.load(f))
-    hf = {}
-    for file in sorted(glob.glob(os.path.join(hf_dir, "*.safetensors"))):
-        hf.update(load_file(file))
-    if not hf:
-        raise CheckpointError(f"{hf_dir} has no *.safetensors files")
+def hf_to_dcp(hf_dir: str, out: str, overwrite: bool = False) -> None:
+    config, file = read_hf_config(hf_dir)
+    m = from_hf_config(config, file)
+    check_output(out, overwrite, (hf_dir,))  # before the long reading
+    hf, where = read_hf_tensors(hf_dir)
     try:
-        tensors = from_hf_tensors(m, hf)
+        tensors = from_hf_tensors(m, hf, lambda name: f" ({where.get(name, hf_dir)})")
     except CheckpointError as e:
         raise CheckpointError(f"{hf_dir}: {e}") from None
-    write_model(out, tensors, m, source=os.path.abspath(hf_dir))
+    write_model(out, tensors, m, source=os.path.abspath(hf_dir), overwrite=overwrite)
+
+
+OVERWRITE_HELP = (
+    "replace the output directory if this converter wrote it earlier (it holds "
+    ".megatron_lite_convert.json): the new output is written beside it and swapped in "
+    "atomically, the old one removed after. Never replaces anything else, nor writes inside "
+    "a run's checkpoint folder"
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -148,22 +188,26 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     a = sub.add_parser("dcp-to-hf", help="our checkpoint -> HF Llama/Mixtral/Qwen3-MoE directory")
     a.add_argument("checkpoint", help="step_<N> directory (or a folder with `latest`)")
-    a.add_argument("out_dir")
+    a.add_argument("out_dir", help="directory to create (new or empty)")
     a.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    a.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     b = sub.add_parser(
         "hf-to-dcp", help="HF Llama/Mixtral/Qwen3-MoE directory -> model-only checkpoint"
     )
     b.add_argument("hf_dir")
     b.add_argument("out", help="checkpoint directory to create (use with train.init_from)")
+    b.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     args = parser.parse_args(argv)
+    if hasattr(signal, "SIGXFSZ"):  # a file-size limit: EFBIG (named below), not a silent kill
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     try:
         if args.cmd == "dcp-to-hf":
-            dcp_to_hf(args.checkpoint, args.out_dir, getattr(torch, args.dtype))
+            dcp_to_hf(args.checkpoint, args.out_dir, getattr(torch, args.dtype), args.overwrite)
             print(f"wrote {args.out_dir}/model.safetensors and config.json")
         else:
-            hf_to_dcp(args.hf_dir, args.out)
+            hf_to_dcp(args.hf_dir, args.out, args.overwrite)
             print(f"wrote {args.out}; start training from it with train.init_from={args.out}")
-    except (CheckpointError, FileNotFoundError, KeyError) as e:
+    except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

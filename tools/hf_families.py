@@ -25,6 +25,13 @@ import torch
 from megatron_lite import resolve
 from megatron_lite.checkpoint.errors import CheckpointError
 from megatron_lite.config import ModelConfig
+from tools.hf_checks import (
+    check_count,
+    check_expert_count,
+    check_hf_config,
+    check_our_model,
+    check_shapes,
+)
 
 ATTENTION = {  # ours (under layers.<i>.) -> HF (under model.layers.<i>.)
     "input_norm.weight": "input_layernorm.weight",
@@ -155,21 +162,24 @@ def to_hf_config(m: dict, vocab_size: int) -> dict:
     )
 
 
-def _family_of_hf(c: dict) -> str:
+def _family_of_hf(c: dict, file: str) -> str:
     kind = c.get("model_type")
-    if kind not in ARCHITECTURES:
+    if not isinstance(kind, str) or kind not in ARCHITECTURES:
         archs = c.get("architectures")
         raise CheckpointError(
-            f"HF model_type={kind!r} (architectures {archs}): only {sorted(ARCHITECTURES)} "
-            "(LlamaForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM) convert"
+            f"{file}: HF model_type={kind!r} (architectures {archs}): only "
+            f"{sorted(ARCHITECTURES)} (LlamaForCausalLM, MixtralForCausalLM, "
+            "Qwen3MoeForCausalLM) convert. Fix: convert a model of one of these families"
         )
     return kind
 
 
-def from_hf_config(c: dict) -> dict:
-    """A Llama, Mixtral or Qwen3-MoE config.json -> our model.* keys (checked for what we
-    implement: an unsupported field is an error naming it)."""
-    family = _family_of_hf(c)
+def from_hf_config(c: dict, file: str = "config.json") -> dict:
+    """A Llama, Mixtral or Qwen3-MoE config.json -> our model.* keys. Every field read is
+    checked first (tools/hf_checks.py) and an unsupported field is an error naming it."""
+    check_hf_config(c, None, file)  # a JSON object, before anything is read from it
+    family = _family_of_hf(c, file)
+    check_hf_config(c, family, file)
     rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
     theta = c.get("rope_theta", rope.get("rope_theta", 10000.0))
     heads = c["num_attention_heads"]
@@ -187,7 +197,10 @@ def from_hf_config(c: dict) -> dict:
         unsupported["use_sliding_window"] = c.get("use_sliding_window", False)
     bad = [k for k, v in unsupported.items() if v]
     if bad:
-        raise CheckpointError(f"this HF {family} config uses what megatron_lite lacks: {bad}")
+        raise CheckpointError(
+            f"{file}: this HF {family} config uses what megatron_lite lacks: {bad}. Fix: "
+            "convert a model without them"
+        )
     out = {
         "arch": "llama",
         "num_layers": c["num_hidden_layers"],
@@ -259,23 +272,81 @@ def _expert_names(mc: ModelConfig, family: str, i: int) -> tuple[list[str], ...]
     return tuple([prefix + w.format(e=e) for e in range(mc.num_experts)] for w in per_expert)
 
 
+def _one_to_one_shapes(mc: ModelConfig, vocab: int) -> dict[str, tuple[int, ...]]:
+    """Shapes of layer tensors by the suffix of their name (ours), from the config."""
+    h, d = mc.hidden_size, resolve.kv_channels(mc)
+    q, kv = mc.num_attention_heads * d, resolve.num_query_groups(mc) * d
+    f = resolve.ffn_hidden_size(mc)
+    return {
+        "embedding.weight": (vocab, h),
+        "final_norm.weight": (h,),
+        "output_layer.weight": (vocab, h),
+        "input_norm.weight": (h,),
+        "self_attention.linear_qkv.weight/q": (q, h),
+        "self_attention.linear_qkv.weight/k": (kv, h),
+        "self_attention.linear_qkv.weight/v": (kv, h),
+        "self_attention.linear_proj.weight": (h, q),
+        "pre_mlp_norm.weight": (h,),
+        "self_attention.q_layernorm.weight": (d,),
+        "self_attention.k_layernorm.weight": (d,),
+        "mlp.linear_fc1.weight/gate": (f, h),
+        "mlp.linear_fc1.weight/up": (f, h),
+        "mlp.linear_fc2.weight": (h, f),
+        "mlp.router.weight": (mc.num_experts or 0, h),
+    }
+
+
+def our_shapes(mc: ModelConfig, family: str, vocab: int) -> dict[str, tuple[int, ...]]:
+    """Every tensor's full shape by our logical name, as config `mc` and `vocab` give it (the
+    experts stacked: weight1 [E, 2·ffn, h], weight2 [E, h, ffn])."""
+    by_suffix = _one_to_one_shapes(mc, vocab)
+    ours = {
+        k: by_suffix[k.split(".", 2)[-1] if k.startswith("layers.") else k]
+        for k in name_map(mc, family)
+    }
+    h, f, e = mc.hidden_size, resolve.moe_ffn_hidden_size(mc), mc.num_experts
+    for i in range(mc.num_layers):
+        if resolve.is_moe_layer(mc, i):
+            ours[f"layers.{i}.mlp.experts.weight1"] = (e, 2 * f, h)
+            ours[f"layers.{i}.mlp.experts.weight2"] = (e, h, f)
+    return ours
+
+
+def hf_shapes(mc: ModelConfig, family: str, vocab: int) -> dict[str, tuple[int, ...]]:
+    """The same by HF name (one matrix per expert)."""
+    names = name_map(mc, family)
+    ours = our_shapes(mc, family, vocab)
+    out = {names[k]: s for k, s in ours.items() if k in names}
+    h, f = mc.hidden_size, resolve.moe_ffn_hidden_size(mc)
+    for i in range(mc.num_layers):
+        if resolve.is_moe_layer(mc, i):
+            gate, up, down = _expert_names(mc, family, i)
+            out |= {n: (f, h) for n in gate + up} | {n: (h, f) for n in down}
+    return out
+
+
+def _dtypes(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    return {k: str(t.dtype).removeprefix("torch.") for k, t in tensors.items()}
+
+
 def to_hf_tensors(m: dict, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Our full logical tensors -> HF's, named for the model's family (the experts unstacked)."""
     mc = full_model_config(m)
+    check_our_model(mc, "the checkpoint's metadata.json")
     family = family_of(mc)
+    check_count(tensors, mc.num_layers, "the checkpoint", "model.num_layers")
     names = name_map(mc, family)
     moe_layers = [i for i in range(mc.num_layers) if resolve.is_moe_layer(mc, i)]
     stacked = {f"layers.{i}.mlp.experts.weight{j}" for i in moe_layers for j in (1, 2)}
     _check_names(set(names) | stacked, set(tensors), "the checkpoint")
+    vocab = tensors["embedding.weight"].shape[0]
+    shapes = {k: tuple(t.shape) for k, t in tensors.items()}
+    check_shapes(shapes, our_shapes(mc, family, vocab), _dtypes(tensors), "the checkpoint")
     out = {names[k]: t for k, t in tensors.items() if k in names}
     f = resolve.moe_ffn_hidden_size(mc) if moe_layers else 0
     for i in moe_layers:
         w1 = tensors[f"layers.{i}.mlp.experts.weight1"]  # [E, 2·ffn, h]: [gate; up]
         w2 = tensors[f"layers.{i}.mlp.experts.weight2"]  # [E, h, ffn]
-        if w1.shape[1] != 2 * f:
-            raise CheckpointError(
-                f"layer {i} experts weight1 {tuple(w1.shape)}: want 2·ffn={2 * f}"
-            )
         gate, up, down = _expert_names(mc, family, i)
         for e in range(mc.num_experts):  # clones: safetensors refuses views of one storage
             out[gate[e]], out[up[e]] = w1[e, :f].clone(), w1[e, f:].clone()
@@ -283,21 +354,28 @@ def to_hf_tensors(m: dict, tensors: dict[str, torch.Tensor]) -> dict[str, torch.
     return out
 
 
-def from_hf_tensors(m: dict, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def from_hf_tensors(m: dict, hf: dict[str, torch.Tensor], where=lambda name: "") -> dict:
     """HF tensors of the family that config `m` came from -> our logical tensors (experts
-    stacked). Raises CheckpointError naming missing or unexpected tensors."""
+    stacked). Raises CheckpointError naming missing or unexpected tensors, or one whose shape
+    or dtype the config does not give (`where(name)`: the file it came from)."""
     mc = full_model_config(m)
     family = family_of(mc)
     hf = {k: v for k, v in hf.items() if not k.endswith("rotary_emb.inv_freq")}
     if mc.tie_embeddings:
         hf.pop("lm_head.weight", None)  # some exporters write the tied copy
+    check_count(hf, mc.num_layers, "the HF weights", "num_hidden_layers")
+    if mc.num_experts is not None:
+        key = "num_local_experts" if family == "mixtral" else "num_experts"
+        check_expert_count(hf, mc.num_experts, "the HF weights", key)
+    want = hf_shapes(mc, family, m["vocab_size"])
+    _check_names(set(want), set(hf), "the HF weights")
+    shapes = {k: tuple(t.shape) for k, t in hf.items()}
+    check_shapes(shapes, want, _dtypes(hf), "the HF weights", where)
     back = {v: k for k, v in name_map(mc, family).items()}
     stacked = {}
     for i in range(mc.num_layers):
         if resolve.is_moe_layer(mc, i):
             stacked[i] = _expert_names(mc, family, i)
-    expected = set(back) | {n for lists in stacked.values() for names in lists for n in names}
-    _check_names(expected, set(hf), "the HF weights")
     out = {back[k]: t for k, t in hf.items() if k in back}
     for i, (gate, up, down) in stacked.items():
         gates, ups = torch.stack([hf[n] for n in gate]), torch.stack([hf[n] for n in up])
@@ -311,5 +389,6 @@ def _check_names(expected: set[str], present: set[str], what: str) -> None:
     if missing or extra:
         raise CheckpointError(
             f"{what}: tensors missing {missing[:4]}, unexpected {extra[:4]} "
-            f"({len(missing)} missing, {len(extra)} unexpected)"
+            f"({len(missing)} missing, {len(extra)} unexpected). Fix: convert a complete "
+            "model whose config.json belongs to its weights"
         )

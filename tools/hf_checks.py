@@ -1,0 +1,252 @@
+"""What a Hugging Face directory must hold before tools/convert_checkpoint.py converts it:
+every config.json field the converter reads (tools/hf_families.py) checked for presence, type
+and range, and every tensor for its shape and dtype against that config. Errors are
+CheckpointError naming the file, the field, its value, the rule and a fix (exit 2)."""
+
+from __future__ import annotations
+
+import math
+import re
+
+from megatron_lite.checkpoint.errors import CheckpointError
+
+FLOAT_DTYPES = ("float32", "bfloat16", "float16", "float64")  # the weights' dtypes we read
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
+
+
+# kind: (predicate, the rule as a user reads it)
+KINDS = {
+    "count": (lambda v: _is_int(v) and v >= 1, "must be an integer >= 1"),
+    "count?": (lambda v: v is None or (_is_int(v) and v >= 1), "must be an integer >= 1 or null"),
+    "bool": (lambda v: isinstance(v, bool), "must be true or false"),
+    "positive": (lambda v: _is_number(v) and v > 0, "must be a finite number > 0"),
+    "nonneg": (lambda v: _is_number(v) and v >= 0, "must be a finite number >= 0"),
+    "str": (lambda v: isinstance(v, str), "must be a string"),
+    "object?": (lambda v: v is None or isinstance(v, dict), "must be an object or null"),
+    "strs?": (
+        lambda v: v is None or (isinstance(v, list) and all(isinstance(x, str) for x in v)),
+        "must be a list of strings or null",
+    ),
+    "ints?": (
+        lambda v: v is None or (isinstance(v, list) and all(_is_int(x) for x in v)),
+        "must be a list of integers or null",
+    ),
+    "window?": (lambda v: v is None or (_is_int(v) and v >= 0), "must be an integer or null"),
+}
+# field: (kind, required, families it is read for; () = all)
+FIELDS = {
+    "architectures": ("strs?", False, ()),
+    "num_hidden_layers": ("count", True, ()),
+    "hidden_size": ("count", True, ()),
+    "num_attention_heads": ("count", True, ()),
+    "num_key_value_heads": ("count?", False, ()),
+    "head_dim": ("count?", False, ()),
+    "intermediate_size": ("count", True, ()),
+    "vocab_size": ("count", True, ()),
+    "max_position_embeddings": ("count?", False, ()),
+    "tie_word_embeddings": ("bool", False, ()),
+    "rms_norm_eps": ("positive", False, ()),
+    "rope_theta": ("positive", False, ()),
+    "rope_parameters": ("object?", False, ()),
+    "rope_scaling": ("object?", False, ()),
+    "attention_bias": ("bool", False, ()),
+    "mlp_bias": ("bool", False, ()),
+    "hidden_act": ("str", False, ()),
+    "num_experts_per_tok": ("count", False, ("mixtral", "qwen3_moe")),
+    "router_aux_loss_coef": ("nonneg", False, ("mixtral", "qwen3_moe")),
+    "num_local_experts": ("count", False, ("mixtral",)),
+    "sliding_window": ("window?", False, ("mixtral",)),
+    "router_jitter_noise": ("nonneg", False, ("mixtral",)),
+    "num_experts": ("count", False, ("qwen3_moe",)),
+    "moe_intermediate_size": ("count", True, ("qwen3_moe",)),
+    "norm_topk_prob": ("bool", False, ("qwen3_moe",)),
+    "use_sliding_window": ("bool", False, ("qwen3_moe",)),
+    "decoder_sparse_step": ("count", False, ("qwen3_moe",)),
+    "mlp_only_layers": ("ints?", False, ("qwen3_moe",)),
+}
+MAX_LAYERS = 1 << 16  # far beyond any model; bounds the per-layer loops a crafted file drives
+
+
+def bad(file: str, key: str, value, rule: str, fix: str) -> CheckpointError:
+    return CheckpointError(f"{file}: {key}={value!r}: {rule}. Fix: {fix}")
+
+
+def check_hf_config(c, family: str | None, file: str = "config.json") -> None:
+    """Every field the converter reads from a `family` config.json: present when required, of
+    its type and range, and consistent with the others (heads, head dim, experts, layers)."""
+    if not isinstance(c, dict):
+        raise CheckpointError(
+            f"{file} holds a JSON {type(c).__name__}, not an object. Fix: point at a Hugging "
+            "Face model directory whose config.json is the model's config object"
+        )
+    if family is None:
+        return
+    for key, (kind, required, families) in FIELDS.items():
+        if families and family not in families:
+            continue
+        if key not in c:
+            if required:
+                raise CheckpointError(
+                    f"{file} has no {key}: a {family} config.json must give it. Fix: add "
+                    f'"{key}" (see the model card), or use the model\'s original config.json'
+                )
+            continue
+        ok, rule = KINDS[kind]
+        if not ok(c[key]):
+            raise bad(file, key, c[key], rule, f"give {key} as the model's {family} config does")
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = c.get(key) or {}
+        if "rope_theta" in rope and not KINDS["positive"][0](rope["rope_theta"]):
+            raise bad(file, f"{key}.rope_theta", rope["rope_theta"], KINDS["positive"][1], "fix it")
+    _check_consistency(c, family, file)
+
+
+def _check_consistency(c: dict, family: str, file: str) -> None:
+    layers, heads, hidden = c["num_hidden_layers"], c["num_attention_heads"], c["hidden_size"]
+    if layers > MAX_LAYERS:
+        raise bad(file, "num_hidden_layers", layers, f"must be <= {MAX_LAYERS}", "fix it")
+    kv = c.get("num_key_value_heads") or heads
+    if heads % kv:
+        raise bad(
+            file, "num_key_value_heads", kv, f"must divide num_attention_heads={heads}", "fix it"
+        )
+    head_dim = c.get("head_dim")
+    if head_dim is None and hidden % heads:
+        raise bad(
+            file,
+            "hidden_size",
+            hidden,
+            f"must be a multiple of num_attention_heads={heads} when head_dim is not given",
+            "give head_dim",
+        )
+    head_dim = head_dim or hidden // heads
+    if head_dim % 2:
+        raise bad(file, "head_dim", head_dim, "rotary embeddings need an even head dim", "fix it")
+    if family == "llama":
+        return
+    experts = c.get("num_local_experts", 8) if family == "mixtral" else _qwen_experts(c, file)
+    k = c.get("num_experts_per_tok", 2)
+    if k > experts:
+        raise bad(file, "num_experts_per_tok", k, f"must be <= the {experts} experts", "fix it")
+    if family == "qwen3_moe":
+        _check_qwen_layers(c, file)
+
+
+def _qwen_experts(c: dict, file: str) -> int:
+    experts = c.get("num_experts", c.get("num_local_experts"))
+    if not (_is_int(experts) and experts >= 1):
+        raise bad(file, "num_experts", experts, KINDS["count"][1], "give the expert count")
+    return experts
+
+
+def _check_qwen_layers(c: dict, file: str) -> None:
+    layers = c["num_hidden_layers"]
+    dense = c.get("mlp_only_layers") or []
+    outside = [i for i in dense if not 0 <= i < layers]
+    if outside:
+        raise bad(
+            file,
+            "mlp_only_layers",
+            dense,
+            f"layer indices must be in 0..{layers - 1} (num_hidden_layers={layers}); {outside} "
+            "are not",
+            "list existing layers only",
+        )
+    step = c.get("decoder_sparse_step", 1)
+    if not any(i not in dense and (i + 1) % step == 0 for i in range(layers)):
+        raise bad(
+            file,
+            "decoder_sparse_step",
+            step,
+            f"with mlp_only_layers={dense} no layer of {layers} is MoE",
+            "convert a dense model as Llama, or fix decoder_sparse_step / mlp_only_layers",
+        )
+
+
+# ------------------------------------------------------------------ our model config
+OUR_SIZES = {  # model.* keys the export reads: (may be null)
+    "num_layers": False,
+    "hidden_size": False,
+    "num_attention_heads": False,
+    "num_query_groups": True,
+    "kv_channels": True,
+    "ffn_hidden_size": True,
+    "moe_ffn_hidden_size": True,
+    "moe_router_topk": False,
+}
+
+
+def check_our_model(mc, what: str) -> None:
+    """The sizes of our model config (a checkpoint's metadata.json) that the export computes
+    with: integers >= 1 (null where allowed), heads divisible by the query groups."""
+    for key, nullable in OUR_SIZES.items():
+        v = getattr(mc, key)
+        if not ((nullable and v is None) or (_is_int(v) and v >= 1)):
+            rule = "must be an integer >= 1" + " or null" * nullable
+            raise bad(what, f"model.{key}", v, rule, "use a checkpoint that a run saved")
+    if mc.num_layers > MAX_LAYERS:
+        raise bad(what, "model.num_layers", mc.num_layers, f"must be <= {MAX_LAYERS}", "fix it")
+    groups = mc.num_query_groups or mc.num_attention_heads
+    if mc.num_attention_heads % groups:
+        raise bad(
+            what,
+            "model.num_query_groups",
+            groups,
+            f"must divide model.num_attention_heads={mc.num_attention_heads}",
+            "use a checkpoint that a run saved",
+        )
+    if mc.kv_channels is None and mc.hidden_size % mc.num_attention_heads:
+        raise bad(what, "model.hidden_size", mc.hidden_size, "must divide by the heads", "fix it")
+
+
+# ------------------------------------------------------------------ tensors against the config
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_EXPERT = re.compile(r"\.experts\.(\d+)\.")
+
+
+def check_count(names, count: int, what: str, key: str, pattern=_LAYER) -> None:
+    """The weights hold exactly indices 0..count-1 of `pattern` (layers, experts): checked
+    before any loop over them runs, so a config that does not belong to them stops here."""
+    found = {int(m.group(1)) for n in names for m in [pattern.search(n)] if m}
+    if found != set(range(count)):
+        kind = "layers" if pattern is _LAYER else "experts"
+        held = f"{kind} {min(found)}..{max(found)} ({len(found)} indices)" if found else "none"
+        raise CheckpointError(
+            f"{what}: {key}={count} but the weights hold {held}. Fix: use the config that "
+            "belongs to these weights"
+        )
+
+
+def check_expert_count(names, count: int, what: str, key: str) -> None:
+    experts = [n for n in names if _EXPERT.search(n)]
+    check_count(experts, count, what, key, _EXPERT)
+
+
+def check_shapes(
+    shapes: dict[str, tuple[int, ...]],
+    want: dict[str, tuple[int, ...]],
+    dtypes: dict[str, str],
+    what: str,
+    where=lambda name: "",
+) -> None:
+    """Each tensor's shape as the config gives it and a floating dtype; `where(name)` names
+    the file a tensor came from."""
+    for name, shape in want.items():
+        if name in shapes and tuple(shapes[name]) != tuple(shape):
+            raise CheckpointError(
+                f"{what}{where(name)}: tensor {name} has shape {list(shapes[name])}, the config "
+                f"gives {list(shape)}. Fix: use the config.json that belongs to these weights"
+            )
+    for name, dtype in dtypes.items():
+        if dtype not in FLOAT_DTYPES:
+            raise CheckpointError(
+                f"{what}{where(name)}: tensor {name} has dtype {dtype}; weights must be one of "
+                f"{', '.join(FLOAT_DTYPES)}. Fix: export the model's weights in floating point"
+            )
