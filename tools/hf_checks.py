@@ -71,6 +71,8 @@ FIELDS = {
     "decoder_sparse_step": ("count", False, ("qwen3_moe",)),
     "mlp_only_layers": ("ints?", False, ("qwen3_moe",)),
 }
+ORIGINAL = "use the config.json the model was published with"
+SAVED = "use a checkpoint that a run (or hf-to-dcp) saved, with its metadata.json as written"
 MAX_LAYERS = 1 << 16  # far beyond any model; bounds the per-layer loops a crafted file drives
 
 
@@ -104,18 +106,18 @@ def check_hf_config(c, family: str | None, file: str = "config.json") -> None:
     for key in ("rope_parameters", "rope_scaling"):
         rope = c.get(key) or {}
         if "rope_theta" in rope and not KINDS["positive"][0](rope["rope_theta"]):
-            raise bad(file, f"{key}.rope_theta", rope["rope_theta"], KINDS["positive"][1], "fix it")
+            raise bad(file, f"{key}.rope_theta", rope["rope_theta"], KINDS["positive"][1], ORIGINAL)
     _check_consistency(c, family, file)
 
 
 def _check_consistency(c: dict, family: str, file: str) -> None:
     layers, heads, hidden = c["num_hidden_layers"], c["num_attention_heads"], c["hidden_size"]
     if layers > MAX_LAYERS:
-        raise bad(file, "num_hidden_layers", layers, f"must be <= {MAX_LAYERS}", "fix it")
+        raise bad(file, "num_hidden_layers", layers, f"must be <= {MAX_LAYERS}", ORIGINAL)
     kv = c.get("num_key_value_heads") or heads
     if heads % kv:
         raise bad(
-            file, "num_key_value_heads", kv, f"must divide num_attention_heads={heads}", "fix it"
+            file, "num_key_value_heads", kv, f"must divide num_attention_heads={heads}", ORIGINAL
         )
     head_dim = c.get("head_dim")
     if head_dim is None and hidden % heads:
@@ -128,13 +130,13 @@ def _check_consistency(c: dict, family: str, file: str) -> None:
         )
     head_dim = head_dim or hidden // heads
     if head_dim % 2:
-        raise bad(file, "head_dim", head_dim, "rotary embeddings need an even head dim", "fix it")
+        raise bad(file, "head_dim", head_dim, "rotary embeddings need an even head dim", ORIGINAL)
     if family == "llama":
         return
     experts = c.get("num_local_experts", 8) if family == "mixtral" else _qwen_experts(c, file)
     k = c.get("num_experts_per_tok", 2)
     if k > experts:
-        raise bad(file, "num_experts_per_tok", k, f"must be <= the {experts} experts", "fix it")
+        raise bad(file, "num_experts_per_tok", k, f"must be <= the {experts} experts", ORIGINAL)
     if family == "qwen3_moe":
         _check_qwen_layers(c, file)
 
@@ -190,9 +192,9 @@ def check_our_model(mc, what: str) -> None:
         v = getattr(mc, key)
         if not ((nullable and v is None) or (_is_int(v) and v >= 1)):
             rule = "must be an integer >= 1" + " or null" * nullable
-            raise bad(what, f"model.{key}", v, rule, "use a checkpoint that a run saved")
+            raise bad(what, f"model.{key}", v, rule, SAVED)
     if mc.num_layers > MAX_LAYERS:
-        raise bad(what, "model.num_layers", mc.num_layers, f"must be <= {MAX_LAYERS}", "fix it")
+        raise bad(what, "model.num_layers", mc.num_layers, f"must be <= {MAX_LAYERS}", SAVED)
     groups = mc.num_query_groups or mc.num_attention_heads
     if mc.num_attention_heads % groups:
         raise bad(
@@ -200,10 +202,10 @@ def check_our_model(mc, what: str) -> None:
             "model.num_query_groups",
             groups,
             f"must divide model.num_attention_heads={mc.num_attention_heads}",
-            "use a checkpoint that a run saved",
+            SAVED,
         )
     if mc.kv_channels is None and mc.hidden_size % mc.num_attention_heads:
-        raise bad(what, "model.hidden_size", mc.hidden_size, "must divide by the heads", "fix it")
+        raise bad(what, "model.hidden_size", mc.hidden_size, "must divide by the heads", SAVED)
 
 
 # ------------------------------------------------------------------ tensors against the config
@@ -242,7 +244,7 @@ def check_shapes(
         if name in shapes and tuple(shapes[name]) != tuple(shape):
             raise CheckpointError(
                 f"{what}{where(name)}: tensor {name} has shape {list(shapes[name])}, the config "
-                f"gives {list(shape)}. Fix: use the config.json that belongs to these weights"
+                f"gives {list(shape)}. Fix: convert weights with the config they were saved with"
             )
     for name, dtype in dtypes.items():
         if dtype not in FLOAT_DTYPES:
