@@ -9,6 +9,7 @@ import torch
 from megatron_lite.config import Config, TrainConfig
 from megatron_lite.parallel import data_parallel
 from megatron_lite.parallel.data_parallel import DataParallelWrapper
+from megatron_lite.parallel.data_parallel.rules import REDUCE_DTYPES
 
 
 def build_data_parallel(chunks, mesh, cfg: Config, device=None) -> DataParallelWrapper:
@@ -29,7 +30,7 @@ def build_data_parallel(chunks, mesh, cfg: Config, device=None) -> DataParallelW
         bucket_size=p.ddp_bucket_size,
         overlap_grad_reduce=p.overlap_grad_reduce,
         overlap_param_gather=p.overlap_param_gather,
-        grad_reduce_dtype=torch.bfloat16 if p.grad_reduce_dtype == "bf16" else torch.float32,
+        grad_reduce_dtype=REDUCE_DTYPES[p.grad_reduce_dtype],
         offload=t.optimizer_offload == "cpu",
         reshard_after_forward=p.reshard_after_forward,
         tie_embeddings=cfg.model.tie_embeddings,

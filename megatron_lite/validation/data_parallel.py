@@ -1,58 +1,81 @@
-"""Data-parallel rules: ZeRO stage, hybrid sharding degree, buckets, reduce dtype, offload."""
+"""Data-parallel rules: ZeRO stage, AdamW's numbers, hybrid sharding degree, buckets, reduce
+dtype, offload. The rules are those of the Python API (parallel/data_parallel/rules.py, which
+`build_data_parallel` checks its arguments with); here they are mapped onto the config's keys,
+so each message names the key and a fix in the config's terms."""
 
 from __future__ import annotations
 
-from megatron_lite.config import Config, ConfigError
+from megatron_lite.config import Config, ConfigError, TrainConfig
+from megatron_lite.parallel.data_parallel import rules
 from megatron_lite.validation.rules import _choice, _rule
+
+
+def _check(problem: str | None, key: str, value, fix: str) -> None:
+    """`problem` (a rules.py function's answer for `value`) as a ConfigError naming `key`."""
+    _rule(problem is None, key, value, problem or "", fix)
 
 
 def _validate_data_parallel(cfg: Config) -> None:
     """On the resolved config (parallel.dp filled in)."""
     p, t = cfg.parallel, cfg.train
-    _rule(
-        p.zero_stage in (0, 1, 2, 3),
-        "parallel.zero_stage",
-        p.zero_stage,
-        "must be 0 (replicated optimizer), 1 (distributed optimizer), 2 (and sharded "
-        "gradients) or 3 (and sharded parameters, torch FSDP2)",
-        "use one of 0, 1, 2, 3",
-    )
+    _check(rules.zero_stage(p.zero_stage), "parallel.zero_stage", p.zero_stage, "use 0, 1, 2 or 3")
+    _choice("parallel.grad_reduce_dtype", p.grad_reduce_dtype, tuple(rules.REDUCE_DTYPES))
+    _choice("train.optimizer_offload", t.optimizer_offload, ("none", "cpu"))
     if p.zero_stage == 3:
         _validate_zero3(cfg)
-    _choice("parallel.grad_reduce_dtype", p.grad_reduce_dtype, ("fp32", "bf16"))
-    _choice("train.optimizer_offload", t.optimizer_offload, ("none", "cpu"))
-    _rule(
-        p.ddp_bucket_size >= 1,
+    _check(
+        rules.bucket_size(p.ddp_bucket_size),
         "parallel.ddp_bucket_size",
         p.ddp_bucket_size,
-        "must be >= 1 (parameters per gradient bucket)",
         "use e.g. 40000000 (Megatron's default)",
     )
+    _validate_adamw(t)
+    _validate_dp_shard(cfg)
+
+
+def _validate_adamw(t: TrainConfig) -> None:
+    """AdamW's numbers, in fp32 as the optimizer holds them (train.lr is the schedule's peak)."""
+    for key, example in (("lr", "3e-4"), ("adam_eps", "1e-8")):
+        value = getattr(t, key)
+        _check(rules.positive_fp32(value), f"train.{key}", value, f"use e.g. {example}")
+    for key, example in (("adam_beta1", "0.9"), ("adam_beta2", "0.95")):
+        value = getattr(t, key)
+        _check(rules.beta(value), f"train.{key}", value, f"use e.g. {example}")
+    _check(
+        rules.weight_decay(t.weight_decay, t.lr),
+        "train.weight_decay",
+        t.weight_decay,
+        "use e.g. 0.1 (0 for none), with train.lr·train.weight_decay < 1",
+    )
+
+
+def _validate_dp_shard(cfg: Config) -> None:
+    """Hybrid sharding: a positive degree, a sharding stage, a divisor of each group it
+    shards (dense: dp·cp; experts: dp·cp/ep)."""
+    p = cfg.parallel
     if p.dp_shard is None:
         return
-    group = p.dp * p.cp
-    _rule(
-        p.zero_stage >= 1,
-        "parallel.dp_shard",
+    key, group = "parallel.dp_shard", p.dp * p.cp
+    _check(rules.dp_shard_value(p.dp_shard), key, p.dp_shard, f"use a divisor of {group}")
+    _check(
+        rules.dp_shard_stage(p.dp_shard, p.zero_stage),
+        key,
         p.dp_shard,
-        "hybrid sharding shards the optimizer, which parallel.zero_stage=0 replicates",
         "set parallel.zero_stage=1, 2 or 3, or parallel.dp_shard=null",
     )
-    _rule(
-        p.dp_shard >= 1 and group % p.dp_shard == 0,
-        "parallel.dp_shard",
+    dense = {f"the gradient's reduction group dp·cp = {p.dp}·{p.cp}": group}
+    _check(
+        rules.dp_shard_divides(p.dp_shard, dense),
+        key,
         p.dp_shard,
-        f"must divide the gradient's reduction group dp·cp = {p.dp}·{p.cp} = {group}",
         f"use a divisor of {group}, or null for the whole group",
     )
-    edp = group // p.ep
-    _rule(
-        edp % p.dp_shard == 0 or cfg.model.num_experts is None,
-        "parallel.dp_shard",
-        p.dp_shard,
-        f"must divide the experts' reduction group dp·cp/ep = {edp}",
-        f"use a divisor of {edp}",
-    )
+    if cfg.model.num_experts is not None:
+        edp = group // p.ep
+        experts = {f"the experts' reduction group dp·cp/ep = {group}/{p.ep}": edp}
+        _check(
+            rules.dp_shard_divides(p.dp_shard, experts), key, p.dp_shard, f"use a divisor of {edp}"
+        )
 
 
 def _validate_zero3(cfg: Config) -> None:
@@ -65,12 +88,10 @@ def _validate_zero3(cfg: Config) -> None:
     except FSDP2APIError as e:
         raise ConfigError(str(e)) from e
     t, m = cfg.train, cfg.model
-    _rule(
-        t.optimizer_offload == "none",
+    _check(
+        rules.offload(t.optimizer_offload != "none", 3),
         "train.optimizer_offload",
         t.optimizer_offload,
-        "optimizer offload is for parallel.zero_stage 0-2; stage 3 shards the optimizer "
-        "states over the data-parallel ranks instead",
         "set train.optimizer_offload=none, or parallel.zero_stage=1 or 2",
     )
     _rule(

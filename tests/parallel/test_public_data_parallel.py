@@ -61,3 +61,67 @@ def test_encoder_trains_through_the_public_wrapper(single_rank, zero_stage):
     assert _rel(norm1, ref_norm1) < STEP1_TOL, f"step 1 grad norm {norm1} vs {ref_norm1}"
     assert later_loss < LATER_LOSS_TOL, f"ZeRO-{zero_stage} losses diverge: {got} vs {ref}"
     assert later_norm < LATER_NORM_TOL, f"ZeRO-{zero_stage} grad norms diverge: {got} vs {ref}"
+
+
+def _stage(first: bool, copies: int = 1, embedding: str = "embedding"):
+    """A pipeline stage of a tied model: the first holds the input embedding (its parameter
+    named `<embedding>.weight`), the last `copies` output weights marked as its tied copy."""
+    import torch
+
+    from megatron_lite.parallel.params import set_meta
+
+    stage = torch.nn.Module()
+    if first:
+        stage.add_module(embedding, torch.nn.Embedding(8, 4))
+    for i in range(0 if first else copies):
+        head = torch.nn.Linear(4, 8, bias=False)
+        set_meta(head.weight, full_shape=(8, 4), tied_copy=True)
+        stage.add_module(f"head{i}", head)
+    stage.add_module("norm", torch.nn.LayerNorm(4))
+    return stage
+
+
+def _refusals_on_a_mesh(rank: int, world: int) -> dict[str, str]:
+    """The rules that read the mesh, on pp=2 (one data-parallel rank): each case's message on
+    this rank, or "built" where the wrapper was built."""
+    from megatron_lite.parallel.data_parallel import DataParallelArgumentError, build_data_parallel
+    from megatron_lite.parallel.mesh import ParallelMesh, RankLayout
+
+    mesh = ParallelMesh(RankLayout(world, pp=2))
+    first = mesh.pp.rank == 0
+    cases = {
+        "tied": ([_stage(first)], dict(tie_embeddings=True)),
+        "tied-unusual-values": (
+            [_stage(first)],
+            dict(tie_embeddings=True, zero_stage=1, betas=[0.9, 0.95], lr=1, bucket_size=7),
+        ),
+        "no-embedding": ([_stage(first, embedding="wte")], dict(tie_embeddings=True)),
+        "copy-untied": ([_stage(first)], dict(tie_embeddings=False)),
+        "two-copies": ([_stage(first, copies=2)], dict(tie_embeddings=True)),
+        "shard-divides": ([_stage(first)], dict(zero_stage=1, dp_shard=2)),
+    }
+    out = {}
+    for case, (chunks, kwargs) in cases.items():
+        try:
+            build_data_parallel(chunks, mesh, **kwargs)
+            out[case] = "built"
+        except DataParallelArgumentError as e:
+            out[case] = str(e)
+    return out
+
+
+def test_rules_that_read_the_mesh():
+    """Tied embeddings over pp=2 and hybrid sharding's divisor, checked against the mesh on
+    each rank; valid layouts (with unusual but valid values) still build."""
+    first, last = run_ranks(2, _refusals_on_a_mesh, timeout=120)
+    assert first["tied"] == last["tied"] == "built", (first, last)
+    assert first["tied-unusual-values"] == last["tied-unusual-values"] == "built"
+    assert "tie_embeddings=True: with pp=2 the first stage's chunk needs" in first["no-embedding"]
+    assert last["no-embedding"] == "built", "the last stage holds no input embedding"
+    assert first["copy-untied"] == "built", "the first stage holds no copy"
+    assert (
+        "tie_embeddings=False: parameter 'head0.weight' is marked tied_copy" in last["copy-untied"]
+    )
+    assert "holds 0 'embedding.weight' and 2 tied_copy parameters" in last["two-copies"]
+    for got in (first, last):
+        assert "dp_shard=2: must divide the dp_cp group (1 ranks)" in got["shard-divides"], got

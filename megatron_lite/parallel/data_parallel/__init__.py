@@ -3,8 +3,11 @@ zero_stage=..., ...)` returns a `DataParallelWrapper` (interface.py; builder.py 
 arguments): gradient buffers with overlapped bucketed reduction and the distributed optimizer
 (ZeRO-1/2, hybrid sharding, optimizer offload, see ddp.py), or ZeRO-3 through FSDP2 (fsdp.py).
 For a plain torch optimizer, `finalize_grads`, `local_grad_square_sum` and `clip_grads`
-(finalize.py, which owns the gradient finalization of every path)."""
+(finalize.py, which owns the gradient finalization of every path). Bad arguments raise
+`DataParallelArgumentError` (arguments.py) before any group is used; the rules are rules.py's,
+which the config path shares."""
 
+from megatron_lite.parallel.data_parallel.arguments import DataParallelArgumentError
 from megatron_lite.parallel.data_parallel.buffers import Bucket, GradBuffer
 from megatron_lite.parallel.data_parallel.builder import build_data_parallel
 from megatron_lite.parallel.data_parallel.ddp import DataParallel
@@ -24,6 +27,7 @@ from megatron_lite.parallel.data_parallel.optimizer import ShardedAdamW
 __all__ = [
     "Bucket",
     "DataParallel",
+    "DataParallelArgumentError",
     "DataParallelOptimizer",
     "DataParallelWrapper",
     "FullyShardedDataParallel",

@@ -8,46 +8,11 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
+from megatron_lite.parallel.data_parallel import arguments
 from megatron_lite.parallel.data_parallel.ddp import DataParallel
 from megatron_lite.parallel.data_parallel.fsdp import FullyShardedDataParallel
 from megatron_lite.parallel.data_parallel.interface import DataParallelWrapper
 from megatron_lite.parallel.mesh import ParallelMesh
-from megatron_lite.parallel.params import meta_of
-
-
-def _param_dtype(chunks: Sequence[torch.nn.Module]) -> torch.dtype:
-    """The one dtype of every parameter: what the weights compute in (fp32 masters apart)."""
-    dtypes = {p.dtype for c in chunks for p in c.parameters() if p.requires_grad}
-    if len(dtypes) != 1:
-        raise ValueError(
-            "build_data_parallel: the chunks' trainable parameters must share one dtype (the "
-            "weights' compute dtype; the optimizer keeps fp32 masters), got "
-            f"{sorted(map(str, dtypes))}. Fix: cast the model first, e.g. model.to(torch.bfloat16)"
-        )
-    return dtypes.pop()
-
-
-def _check(chunks, mesh: ParallelMesh, zero_stage: int, dp_shard: int | None, offload: bool):
-    """The argument rules (the trainer's config validation checks the same on its keys)."""
-    experts = any(meta_of(p).is_expert for c in chunks for p in c.parameters())
-    problems = []
-    if zero_stage != 3 and any(p.is_meta for c in chunks for p in c.parameters()):
-        problems.append(
-            f"zero_stage={zero_stage} with chunks on the meta device: only stage 3 shards them "
-            "before giving them storage; give them storage first (params.materialize)"
-        )
-    if zero_stage not in (0, 1, 2, 3):
-        problems.append(f"zero_stage={zero_stage}: must be 0, 1, 2 or 3")
-    if offload and zero_stage == 3:
-        problems.append("offload=True: optimizer offload is for zero_stage 0-2; use one of them")
-    if dp_shard is not None and zero_stage == 0:
-        problems.append(f"dp_shard={dp_shard}: hybrid sharding needs zero_stage 1, 2 or 3")
-    for name in ("dp_cp", "edp") if experts else ("dp_cp",):
-        size = getattr(mesh, name).size
-        if dp_shard is not None and (dp_shard < 1 or size % dp_shard):
-            problems.append(f"dp_shard={dp_shard}: must divide the {name} group's {size} ranks")
-    if problems:
-        raise ValueError("build_data_parallel: " + "; ".join(problems))
 
 
 def build_data_parallel(
@@ -85,8 +50,9 @@ def build_data_parallel(
     bucket_size: elements per gradient bucket (stages 0-2); overlap_grad_reduce: reduce a
         bucket as soon as its gradients are final, during the backward; overlap_param_gather:
         the weight all-gather after the step overlaps the next forward (stages 1-2).
-    grad_reduce_dtype: the dtype gradients travel in (torch.bfloat16 halves the bytes; they
-        accumulate and the optimizer steps in fp32 either way).
+    grad_reduce_dtype: the dtype gradients travel in, torch.float32 or torch.bfloat16
+        (bf16 halves the bytes; they accumulate and the optimizer steps in fp32 either way).
+        The config's strings "fp32"/"bf16" are not accepted here: pass the torch.dtype.
     offload: AdamW states and fp32 masters on the host, stepped there (stages 0-2).
     reshard_after_forward: stage 3: free each layer's gathered weights after its forward.
     tie_embeddings: with pp > 1, sum the input embedding (the parameter named
@@ -98,35 +64,46 @@ def build_data_parallel(
         shards get uninitialized storage on `device` (fill them with
         `params.init_parameters` or a load; recompute buffers that were on meta).
 
-    The weights compute in the dtype the parameters have (cast the model to bf16 first for
-    bf16 weights); the optimizer keeps fp32 masters. Returns a `DataParallelWrapper`: call
-    `start_step`, `finish_grad_sync`, `grad_square_sum`, `clip`, `step` around each step's
-    forward and backward (interface.py). Under stage 3 the chunks' parameters are replaced
-    by sharded ones: read them from the chunks after this call.
+    The weights compute in the dtype the parameters have, fp32 or bf16 (cast the model to
+    bf16 first for bf16 weights; fp16 is refused: it needs loss scaling, which nothing here
+    does); the optimizer keeps fp32 masters. Every argument is checked first, before any
+    group or mesh is used, by the rules the config path shares (rules.py, arguments.py): a bad
+    one raises `DataParallelArgumentError` (a ValueError) naming it, its value, the rule and a
+    fix. lr, betas, eps and weight_decay are checked in fp32, the dtype AdamW holds them in
+    (lr=1e39 is inf there), and lr·weight_decay must stay below 1.
+
+    Returns a `DataParallelWrapper`: call `start_step`, `finish_grad_sync`, `grad_square_sum`,
+    `clip`, `step` around each step's forward and backward (interface.py). Under stage 3 the
+    chunks' parameters are replaced by sharded ones: read them from the chunks after this call.
     """
-    _check(chunks, mesh, zero_stage, dp_shard, offload)
-    dtype = _param_dtype(chunks)
-    adamw = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-    common = dict(dp_shard=dp_shard, tie_embeddings=tie_embeddings, **adamw)
+    args = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    common = dict(dp_shard=dp_shard, tie_embeddings=tie_embeddings, **args)
+    dp_args = dict(bucket_size=bucket_size, overlap_grad_reduce=overlap_grad_reduce,
+                   overlap_param_gather=overlap_param_gather, offload=offload)  # fmt: skip
+    fsdp_args = dict(reshard_after_forward=reshard_after_forward, layers_of=layers_of)
+    arguments.check_arguments(
+        "build_data_parallel",
+        chunks,
+        mesh,
+        dict(zero_stage=zero_stage, grad_reduce_dtype=grad_reduce_dtype, device=device,
+             **common, **dp_args, **fsdp_args),
+    )  # fmt: skip
+    dtype = arguments.weights_dtype(chunks)
     if zero_stage == 3:
         return FullyShardedDataParallel(
             list(chunks),
             mesh,
-            reshard_after_forward=reshard_after_forward,
             param_dtype=dtype,
             reduce_dtype=grad_reduce_dtype,
-            layers_of=layers_of,
             device=device,
             **common,
+            **fsdp_args,
         )
     return DataParallel(
         list(chunks),
         mesh,
         zero_stage=zero_stage,
-        bucket_size=bucket_size,
-        overlap_grad_reduce=overlap_grad_reduce,
-        overlap_param_gather=overlap_param_gather,
         grad_reduce_dtype=grad_reduce_dtype,
-        offload=offload,
         **common,
+        **dp_args,
     )

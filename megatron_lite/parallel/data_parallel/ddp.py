@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_lite.parallel.data_parallel import finalize
+from megatron_lite.parallel.data_parallel import arguments, finalize, rules
 from megatron_lite.parallel.data_parallel.buffers import GradBuffer
 from megatron_lite.parallel.data_parallel.finalize import LocalGrad, tied_params
 from megatron_lite.parallel.data_parallel.memory import buffer_state_bytes, buffer_state_tensors
@@ -72,6 +72,17 @@ class DataParallel:
         weight_decay: float = 0.0,
         offload: bool = False,
     ):
+        args = dict(zero_stage=zero_stage, dp_shard=dp_shard, bucket_size=bucket_size,
+                    overlap_grad_reduce=overlap_grad_reduce,
+                    overlap_param_gather=overlap_param_gather, grad_reduce_dtype=grad_reduce_dtype,
+                    tie_embeddings=tie_embeddings, lr=lr, betas=betas, eps=eps,
+                    weight_decay=weight_decay, offload=offload)  # fmt: skip
+        if zero_stage == 3 and rules.is_int(zero_stage):
+            raise arguments.DataParallelArgumentError(
+                "DataParallel", "zero_stage", zero_stage, "DataParallel runs stages 0-2",
+                "use FullyShardedDataParallel, or build_data_parallel(..., zero_stage=3)",
+            )  # fmt: skip
+        arguments.check_arguments("DataParallel", chunks, mesh, args)
         self.mesh, self.zero_stage, self.overlap_param_gather = (
             mesh,
             zero_stage,

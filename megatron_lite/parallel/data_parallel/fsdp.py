@@ -48,7 +48,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from megatron_lite.parallel import fake
-from megatron_lite.parallel.data_parallel import finalize
+from megatron_lite.parallel.data_parallel import arguments, finalize
 from megatron_lite.parallel.data_parallel.ddp import hybrid_groups
 from megatron_lite.parallel.data_parallel.finalize import LocalGrad, data_replicas, tied_params
 from megatron_lite.parallel.data_parallel.fsdp_comm import count_collectives
@@ -196,6 +196,11 @@ class FullyShardedDataParallel:
                 f"this is torch {torch.__version__}. Fix: upgrade torch or use zero_stage 1 or 2"
             )
         check_fsdp2()  # what we use of FSDP2 is still there, before any mesh or sharding
+        args = dict(dp_shard=dp_shard, reshard_after_forward=reshard_after_forward,
+                    param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                    tie_embeddings=tie_embeddings, lr=lr, betas=betas, eps=eps,
+                    weight_decay=weight_decay, layers_of=layers_of, device=device)  # fmt: skip
+        arguments.check_arguments("FullyShardedDataParallel", chunks, mesh, args)
         self.mesh, self.chunks, self.reduce_dtype = mesh, chunks, reduce_dtype
         layers_of = layers_of or chunk_layers
         # chunks on the meta device are sharded there first: the whole model never has storage
