@@ -63,18 +63,15 @@ def build_dataset(cfg) -> tuple[object, int]:
     if d.mock:
         return MockDataset(cfg.model.vocab_size, seq, seed), cfg.model.vocab_size
     tokenizer_path, paths = d.tokenizer_model, list(d.paths)
-    if d.corpus is not None:
-        if paths:
-            raise DataFileError(
-                f"data.corpus={d.corpus!r} and data.paths={paths} are both "
-                f"set. Fix: use one of them"
-            )
+    if d.corpus is not None:  # (validation: not with data.paths)
         prefix, tokenizer_path = prepare_corpus(d.corpus, d.cache_dir, d.tokenizer_vocab_size)
         paths = [prefix]
     if not paths:
         raise DataFileError("no training data: set data.paths, data.corpus or data.mock=true")
-    indexed = _open(paths, "data.corpus" if d.corpus is not None else "data.paths")
+    key = "data.corpus" if d.corpus is not None else "data.paths"
+    indexed = _open(paths, key)
     vocab_size = _check_vocab(indexed, tokenizer_path, cfg.model.vocab_size, "data.paths")
+    _check_documents(indexed, d, vocab_size, key)
     check_split(indexed, d.split, seq, evaluating=cfg.train.eval_interval > 0)
     return _gpt_datasets(indexed, d, seq, seed, part=0), vocab_size
 
@@ -91,7 +88,8 @@ def build_valid_dataset(cfg):
         tokenizer = d.tokenizer_model
         if d.corpus is not None:
             tokenizer = prepare_corpus(d.corpus, d.cache_dir, d.tokenizer_vocab_size)[1]
-        _check_vocab(indexed, tokenizer, cfg.model.vocab_size, "data.valid_paths")
+        vocab = _check_vocab(indexed, tokenizer, cfg.model.vocab_size, "data.valid_paths")
+        _check_documents(indexed, d, vocab, "data.valid_paths")
         return _gpt_datasets(indexed, replace(d, split=None, weights=None), seq, seed, part=0)
     if d.split is None:
         return None
@@ -123,6 +121,34 @@ def _open(prefixes: list[str], key: str) -> list[IndexedDataset]:
                 f"or leave it out of {key}"
             )
     return out
+
+
+def _check_documents(indexed: list[IndexedDataset], d, vocab: int, key: str) -> None:
+    """The token-id keys against the data's vocabulary (known only now when no tokenizer or
+    model.vocab_size gave it), and under document masking an end-of-document id that each
+    dataset of `key` holds: without one every window is one document, and the masking the
+    config asks for would silently do nothing. Checked here, on the host, before any process
+    group (the scan stops at the first EOD)."""
+    from megatron_lite.resolve import eod_token_id
+    from megatron_lite.validation.inputs import check_token_ids  # the one rule (imports torch)
+
+    check_token_ids(d, vocab, f"the vocabulary of {key}")
+    eod = eod_token_id(d)
+    if eod is None:
+        return
+    flag = next(f for f in ("reset_attention_mask", "reset_position_ids", "eod_mask_loss")
+                if getattr(d, f))  # fmt: skip
+    for ds in indexed:
+        if not ds.contains(eod):
+            raise DataFileError(
+                f"{key}: {ds.bin_path} holds no end-of-document token {eod} ("
+                f"{'data.eod_token_id' if d.eod_token_id is not None else 'the tokenizer eos'}"
+                f"), so "
+                f"data.{flag}=true would do nothing (each window would be one document). Fix: "
+                f"preprocess the data with an EOS after each document (tools/preprocess_data.py "
+                f"without --no-eos), set data.eod_token_id to the id that ends its documents, "
+                f"or turn document masking off"
+            )
 
 
 def _gpt_datasets(indexed, d, seq: int, seed: int, part: int):

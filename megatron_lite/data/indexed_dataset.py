@@ -200,6 +200,19 @@ class IndexedDataset:
     def __len__(self) -> int:
         return len(self.sizes)
 
+    def contains(self, token: int) -> bool:
+        """Whether the `.bin` holds `token` anywhere: O(1) above the largest id, else a scan
+        in growing chunks that stops at the first hit (one small read where every document
+        ends with it; the whole `.bin` once where it is absent)."""
+        if not 0 <= token <= self.max_token_id:
+            return False
+        start, chunk = 0, 1 << 16
+        while start < self._tokens.size:
+            if (self._tokens[start : start + chunk] == token).any():
+                return True
+            start, chunk = start + chunk, min(chunk * 4, 1 << 26)
+        return False
+
     def tokens_between(self, first: int, last: int) -> int:
         """Tokens of documents [first, last), from two index entries (O(1))."""
         if last <= first:

@@ -360,6 +360,13 @@ class TopKRouter(nn.Module):
         else:
             bias.to_local().add_(delta[rows[0] : rows[1]])
 
+    def step_updated_state(self) -> list[tuple[str, torch.Tensor, str]]:
+        """State the step changes outside the optimizer, for the non-finite guard
+        (training/nonfinite.py): the expert bias, with the key that drives its update."""
+        if self.expert_bias is None:
+            return []
+        return [("expert_bias", self.expert_bias, "model.moe_router_bias_update_rate")]
+
     def nominal_stats(self, num_tokens: int, capacity: int | None) -> list[float]:
         """`stats` of a microbatch of `num_tokens` under a dry run's routing: balanced counts,
         and uniform probabilities (aux loss 1, global or per sequence; zero logits, so every

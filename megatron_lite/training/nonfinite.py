@@ -7,6 +7,14 @@ NaN/Inf (only then: it costs one pass over the gradients) and the names are gath
 message says which parameter on which rank. Under `train.skip_nonfinite_steps: N` a
 non-finite step is skipped (no optimizer update) and the run stops after N in a row, as
 Megatron does for its loss-scaler skips.
+
+Tensors the step changes outside the optimizer (the MoE router's expert bias, moved by the
+token counts) get no gradient, so the two numbers above never see them. A module declares
+such state with a method `step_updated_state()` returning (name, tensor, the config key that
+drives the update); `StateGuard` finds every declaring module of the model and checks their
+tensors after each step, so new state of that kind is covered without changing the guard. A
+non-finite one always stops the run (a skip cannot undo an update the optimizer did not make),
+before the step's checkpoint could store it.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.distributed as dist
 
+from megatron_lite.parallel import host, mappings
 from megatron_lite.parallel.mappings import guarded
 
 
@@ -94,3 +103,59 @@ class NonFiniteGuard:
         else:
             fix += "; train.skip_nonfinite_steps=N skips up to N such steps in a row"
         raise NonFiniteError(f"{what}. Training stopped. Fix: {fix}.")
+
+
+def step_updated_state(modules) -> list[tuple[str, torch.Tensor, str]]:
+    """(name in its model chunk, tensor, config key) of every tensor that `modules` (the model
+    chunks) declare through a `step_updated_state()` method: state the step updates outside
+    the optimizer."""
+    out = []
+    for module in modules:
+        for prefix, m in module.named_modules():
+            declare = getattr(m, "step_updated_state", None)
+            if callable(declare):
+                for name, tensor, key in declare():
+                    out.append((f"{prefix}.{name}" if prefix else name, tensor, key))
+    return out
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's values of `t` (a ZeRO-3 DTensor's shard)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class StateGuard:
+    """Checks the state the model declares as step-updated (module docstring) after each step:
+    NonFiniteError on every rank when any rank's holds NaN/Inf. Construct and `check` on every
+    rank; one all-reduce at construction says whether any rank declares state, then one
+    all-reduce of one number per step where some does (none otherwise)."""
+
+    def __init__(self, modules, device: torch.device):
+        self.modules, self.device = list(modules), device
+        here = float(len(step_updated_state(self.modules)))
+        count = torch.tensor([here], dtype=torch.float64, device=device)
+        mappings.all_reduce(count, dist.group.WORLD, op=dist.ReduceOp.MAX, kind="all_reduce_state")
+        self.active = host.read(count, [here])[0] > 0
+
+    def check(self, step: int) -> None:
+        """After the step's updates; `step` 1-based, as the progress line counts."""
+        if not self.active:
+            return
+        state = step_updated_state(self.modules)
+        bad = torch.zeros(1, dtype=torch.float64, device=self.device)
+        for _, tensor, _ in state:
+            bad += (~torch.isfinite(_local(tensor.detach()))).any().to(bad.dtype)
+        mappings.all_reduce(bad, dist.group.WORLD, kind="all_reduce_state")
+        if host.read(bad, [0.0])[0] == 0:
+            return
+        mine = [(n, k) for n, t, k in state if not bool(torch.isfinite(_local(t.detach())).all())]
+        everyone = [None] * dist.get_world_size()
+        guarded("all_gather_object", None, lambda: dist.all_gather_object(everyone, mine))
+        found = [f"{n} on rank {r}" for r, names in enumerate(everyone) for n, _ in names]
+        keys = sorted({k for names in everyone for _, k in names})
+        raise NonFiniteError(
+            f"step {step}: non-finite state updated outside the optimizer in "
+            f"{'; '.join(found[:6])} (driven by {', '.join(keys)}). Training stopped (a "
+            f"skipped step cannot undo it, so train.skip_nonfinite_steps does not apply). Fix: "
+            f"lower {', '.join(keys)}, or resume from an earlier checkpoint."
+        )

@@ -32,7 +32,7 @@ from megatron_lite.training.flops import model_flops_per_token, peak_tflops
 from megatron_lite.training.lm_step import lm_forward_step
 from megatron_lite.training.logging import MetricsLogger, reports_at
 from megatron_lite.training.memory_tracker import CATEGORIES, MemoryTracker
-from megatron_lite.training.nonfinite import NonFiniteGuard
+from megatron_lite.training.nonfinite import NonFiniteGuard, StateGuard
 from megatron_lite.training.optimizer import build_data_parallel, lr_at, set_lr
 from megatron_lite.training.profiling import StepProfiler
 from megatron_lite.training.signals import StopSignals
@@ -83,6 +83,7 @@ class Trainer:
         for c in self.chunks if zero3 else []:  # RoPE tables, vocabulary mask: built on meta
             c.init_buffers(self.device)
         self.named_params = [(n, p) for c in self.chunks for n, p in c.named_parameters()]
+        self.state_guard = StateGuard(self.chunks, self.device)  # the expert bias, and the like
         self.params = [p for _, p in self.named_params]
         self.optimizer = self.dp.optimizer
         self.logger = MetricsLogger(cfg, active=dist.get_rank() == 0)
@@ -307,6 +308,7 @@ class Trainer:
         elif dist.get_rank() == 0:
             print(skipped, flush=True)
         moe = self._moe_metrics(update_bias=skipped is None)
+        self.state_guard.check(self.step + 1)  # before the step's checkpoint could store it
         if self.device.type == "cuda":  # the step's time includes its optimizer kernels
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0

@@ -14,6 +14,7 @@ from megatron_lite.validation.fields import (
     _validate_positive_sizes,
     _validate_train_ranges,
 )
+from megatron_lite.validation.inactive import config_warnings
 from megatron_lite.validation.inputs import (
     _validate_checkpointing,
     _validate_data,
@@ -33,15 +34,19 @@ from megatron_lite.validation.parallel import (
 from megatron_lite.validation.paths import _validate_output_paths
 from megatron_lite.validation.profiling import _validate_profiling
 from megatron_lite.validation.recompute import _validate_recompute
+from megatron_lite.validation.rules import show_warnings
+from megatron_lite.validation.stored import _validate_model_dtypes
 
-__all__ = ["check_hardware", "validate"]
+__all__ = ["check_hardware", "config_warnings", "validate"]
 
 
-def validate(cfg: Config, world_size: int) -> Config:
+def validate(cfg: Config, world_size: int, warn: bool = True) -> Config:
     """Check every rule before any process group exists; raises ConfigError naming key, value,
     rule and fix. Checks only: `cfg` is not changed. Returns `resolve(cfg, world_size)`, the
     copy with the derived fields (parallel.dp, model.ffn_hidden_size, model.num_query_groups)
-    filled in."""
+    filled in. `warn`: a valid config's keys that have no effect in this run are printed as
+    one `warning:` line each, once per run (`config_warnings`; a search over many candidate
+    layouts passes False)."""
     # the order decides which error a config breaking several rules reports first
     _validate_choices(cfg)
     _validate_positive_sizes(cfg)
@@ -59,6 +64,7 @@ def validate(cfg: Config, world_size: int) -> Config:
     _validate_dropout_and_schedule(r.model, r.train)
     _validate_checkpointing(r.train)
     _validate_model_ranges(r.model)
+    _validate_model_dtypes(r)
     _validate_train_ranges(r)
     _validate_fp8(r)
     _validate_data(r)
@@ -66,4 +72,6 @@ def validate(cfg: Config, world_size: int) -> Config:
     _validate_eval(r)
     _validate_output_paths(r)
     _validate_profiling(r)
+    if warn:
+        show_warnings(config_warnings(r))
     return r

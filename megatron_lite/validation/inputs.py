@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import os
 
-from megatron_lite.config import Config, TrainConfig
-from megatron_lite.resolve import eod_token_id, split_weights, uses_documents, vocab_size
-from megatron_lite.validation.rules import _choice, _rule
+from megatron_lite.config import Config, DataConfig, TrainConfig
+from megatron_lite.resolve import eod_token_id, split_weights, tokenizer_vocab_size, uses_documents
+from megatron_lite.validation.rules import _choice, _rule, _timeout
 
 
 def _validate_checkpointing(t: TrainConfig) -> None:
@@ -54,10 +54,12 @@ def _validate_checkpointing(t: TrainConfig) -> None:
             "is a Hugging Face model directory, not a checkpoint",
             "convert it: python tools/convert_checkpoint.py hf-to-dcp <hf_dir> <ckpt_dir>",
         )
+    _timeout("train.async_save_timeout_s", t.async_save_timeout_s, "use e.g. 3600 (an hour)")
 
 
 def _validate_data(cfg: Config) -> None:
-    """A data source exists: mock tokens, a built-in corpus, or indexed files on disk."""
+    """A data source exists: mock tokens, a built-in corpus, or indexed files on disk. Files
+    named are checked even where mock data leaves them unused (config_warnings says so)."""
     m, d = cfg.model, cfg.data
     if d.mock:
         _rule(
@@ -67,14 +69,21 @@ def _validate_data(cfg: Config) -> None:
             "mock data needs an explicit vocabulary size",
             "set model.vocab_size, e.g. 512",
         )
-        return
-    _rule(
-        bool(d.paths) or d.corpus is not None,
-        "data.paths",
-        d.paths,
-        "no training data: give indexed dataset prefixes, a built-in corpus or mock data",
-        "set data.paths=[prefix], data.corpus=shakespeare or data.mock=true",
-    )
+    else:
+        _rule(
+            bool(d.paths) or d.corpus is not None,
+            "data.paths",
+            d.paths,
+            "no training data: give indexed dataset prefixes, a built-in corpus or mock data",
+            "set data.paths=[prefix], data.corpus=shakespeare or data.mock=true",
+        )
+        _rule(
+            not (d.paths and d.corpus is not None),
+            "data.corpus",
+            d.corpus,
+            f"is set together with data.paths={d.paths}: one source of training data",
+            "use one of them (data.corpus=null to train on data.paths)",
+        )
     if d.corpus is not None:
         _choice("data.corpus", d.corpus, ("shakespeare",))
     if d.weights is not None:
@@ -87,22 +96,26 @@ def _validate_data(cfg: Config) -> None:
         )
     for prefix in d.paths:
         _validate_prefix(prefix)
-    if d.paths and d.tokenizer_model is not None:
-        _rule(
-            os.path.isfile(d.tokenizer_model),
-            "data.tokenizer_model",
-            d.tokenizer_model,
-            "file does not exist" if not os.path.isdir(d.tokenizer_model) else "is a directory",
-            "train one with tools/train_tokenizer.py, or give the path of its sentencepiece "
-            ".model or Hugging Face tokenizer.json file",
-        )
-        _rule(
-            os.access(d.tokenizer_model, os.R_OK),
-            "data.tokenizer_model",
-            d.tokenizer_model,
-            "is not readable by this user",
-            "fix its permissions",
-        )
+    if d.tokenizer_model is not None:
+        _validate_tokenizer_file(d.tokenizer_model)
+
+
+def _validate_tokenizer_file(path: str) -> None:
+    _rule(
+        os.path.isfile(path),
+        "data.tokenizer_model",
+        path,
+        "file does not exist" if not os.path.isdir(path) else "is a directory",
+        "train one with tools/train_tokenizer.py, or give the path of its sentencepiece "
+        ".model or Hugging Face tokenizer.json file",
+    )
+    _rule(
+        os.access(path, os.R_OK),
+        "data.tokenizer_model",
+        path,
+        "is not readable by this user",
+        "fix its permissions",
+    )
 
 
 def _validate_prefix(prefix: str, key: str = "data.paths") -> None:
@@ -181,19 +194,31 @@ def _validate_eval(cfg: Config) -> None:
         )
 
 
+def check_token_ids(d: DataConfig, vocab: int | None, source: str) -> None:
+    """Every token-id key (data.eod_token_id) inside the vocabulary `vocab` of `source` (the
+    model's, the tokenizer's or the data's; None: not known yet, build_dataset checks it again
+    with the data's): an id the data never holds would make document masking do nothing."""
+    if d.eod_token_id is None:
+        return
+    _rule(
+        d.eod_token_id >= 0 and (vocab is None or d.eod_token_id < vocab),
+        "data.eod_token_id",
+        d.eod_token_id,
+        f"must be a token id in [0, {vocab if vocab is not None else 'vocab_size'})"
+        + (f" ({source})" if vocab is not None else ""),
+        "set it to the tokenizer's end-of-document id (or null to use its eos)",
+    )
+
+
 def _validate_documents(cfg: Config) -> None:
     """Document masking (data.reset_attention_mask, reset_position_ids, eod_mask_loss) needs an
     end-of-document id inside the vocabulary, and an attention backend that takes a mask."""
     d, m = cfg.data, cfg.model
-    vocab = vocab_size(cfg)  # None: only the data can tell (checked when it is read)
-    if d.eod_token_id is not None:
-        _rule(
-            d.eod_token_id >= 0 and (vocab is None or d.eod_token_id < vocab),
-            "data.eod_token_id",
-            d.eod_token_id,
-            f"must be a token id in [0, {vocab if vocab is not None else 'vocab_size'})",
-            "set it to the tokenizer's end-of-document id (or null to use its eos)",
-        )
+    tokenizer = tokenizer_vocab_size(d)  # None: only the data can tell (build_dataset)
+    if tokenizer is not None and (m.vocab_size is None or tokenizer < m.vocab_size):
+        check_token_ids(d, tokenizer, "the tokenizer's vocabulary")
+    else:
+        check_token_ids(d, m.vocab_size, "model.vocab_size")
     if not uses_documents(d):
         return
     flags = [k for k in ("reset_attention_mask", "reset_position_ids", "eod_mask_loss")
