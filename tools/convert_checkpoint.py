@@ -49,7 +49,13 @@ from megatron_lite.checkpoint.dcp_metadata import SafeFileSystemReader  # noqa: 
 from megatron_lite.checkpoint.errors import CheckpointError  # noqa: E402
 from megatron_lite.checkpoint.state import Piece  # noqa: E402
 from tools.convert_inputs import check_input_dir, read_hf_config, read_hf_tensors  # noqa: E402
-from tools.convert_output import MARKER, check_output, kill_point, staged_output  # noqa: E402
+from tools.convert_output import (  # noqa: E402
+    MARKER,
+    check_output,
+    kill_point,
+    staged_output,
+    writing,
+)
 from tools.hf_families import (  # noqa: E402
     from_hf_config,
     from_hf_tensors,
@@ -158,7 +164,9 @@ def dcp_to_hf(
     hf = {k: t.to(dtype).contiguous() for k, t in hf.items()}
     hf_config["torch_dtype"] = str(dtype).removeprefix("torch.")
     with staged_output(out_dir, overwrite, "dcp-to-hf", ckpt, (ckpt,)) as tmp:
-        save_file(hf, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        weights = os.path.join(tmp, "model.safetensors")
+        with writing(weights):
+            save_file(hf, weights, metadata={"format": "pt"})
         kill_point("writing")
         write_atomic(os.path.join(tmp, "config.json"), json.dumps(hf_config, indent=2))
 

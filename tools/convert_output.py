@@ -40,6 +40,7 @@ MARKER = ".megatron_lite_convert.json"
 WRITTEN_BY = "megatron_lite tools/convert_checkpoint.py"
 KILL_AT_ENV = "MEGATRON_LITE_CONVERT_KILL_AT"  # test hook: SIGKILL ourselves at a named point
 _TMP_PART = ".convert-"
+_OLD = "old-"  # the old output, moved aside where no atomic exchange exists
 
 
 def kill_point(name: str) -> None:
@@ -162,36 +163,47 @@ def _leftovers(out: str) -> list[str]:
         names = os.listdir(parent)
     except OSError:
         return []
-    pattern = re.compile(re.escape(prefix) + r"[A-Za-z0-9_]{8}$")
+    pattern = re.compile(re.escape(prefix) + r"(old-)?[A-Za-z0-9_]{8}$")
     return sorted(os.path.join(parent, n) for n in names if pattern.match(n))
 
 
 def clean_leftovers(out: str) -> list[str]:
-    """Remove temporaries of earlier conversions to `out` that were killed (ours: named so,
-    holding our marker, written on this host by a process that is gone) while `out` exists or
-    the temporary holds no replaced output; returns warnings about the ones kept."""
+    """Remove leftovers of earlier conversions to `out` that were killed: temporaries named so
+    and holding our marker, either complete (a staged output never placed, or an old output
+    swapped out but not yet removed) while `out` exists, or unfinished and written on this
+    host by a process that is gone. Returns warnings about the ones kept."""
     notes = []
     for path in _leftovers(out):
         marker = read_marker(path)
-        writer = (marker or {}).get("writer")
-        try:
-            holder = Holder(**writer)
-            dead = holder.host == Holder.me().host and not alive(holder.pid, holder.start_ticks)
-        except (TypeError, ValueError):
-            dead = False
-        if marker is None or not dead:
+        if marker is None:
             notes.append(
-                f"kept {path}: it looks like a temporary of a conversion to {out}, "
-                "but it is not provably one that died on this host; remove it if so"
+                f"kept {path}: it is named like a temporary of a conversion to {out} but holds "
+                f"no {MARKER}; remove it if nothing of yours is in it"
             )
-        elif not os.path.isdir(out) and marker.get("complete"):
+        elif _is_old(path, out) and not os.path.isdir(out):
             notes.append(
-                f"{out} is missing and {path} holds a complete converted model (a "
-                f"replacement was interrupted): restore it with mv {path} {out}"
+                f"{out} is missing and {path} holds its earlier content (a replacement was "
+                f"interrupted): restore it with mv {path} {out}"
             )
-        else:
+        elif _is_old(path, out) or marker.get("complete") is True:
             remove_ours(path)
+        elif _writer_gone(marker):
+            remove_ours(path)
+        else:
+            notes.append(f"kept {path}: a conversion to {out} may still be writing it")
     return notes
+
+
+def _is_old(path: str, out: str) -> bool:
+    return os.path.basename(path).startswith(_tmp_prefix(out) + _OLD)
+
+
+def _writer_gone(marker: dict) -> bool:
+    try:
+        holder = Holder(**marker.get("writer"))
+    except TypeError:
+        return False
+    return holder.host == Holder.me().host and not alive(holder.pid, holder.start_ticks)
 
 
 def remove_ours(path: str) -> None:
@@ -256,7 +268,9 @@ def place(tmp: str, out: str, state: str) -> None:
         kill_point("placed")
         remove_ours(tmp)
         return
-    old = tempfile.mkdtemp(prefix=_tmp_prefix(out), dir=os.path.dirname(os.path.abspath(out)))
+    old = tempfile.mkdtemp(
+        prefix=_tmp_prefix(out) + _OLD, dir=os.path.dirname(os.path.abspath(out))
+    )
     os.rename(out, old)  # no atomic exchange here (e.g. NFS): a short window without `out`
     kill_point("placed")
     os.rename(tmp, out)
@@ -288,7 +302,7 @@ def staged_output(out: str, overwrite: bool, command: str, source: str, inputs=(
         kill_point("complete")
         place(tmp, out, state)
     except BaseException as e:
-        failure = write_failure(e, tmp)  # before the removal: it may look at the files
+        failure = write_failure(e, tmp, out)  # before the removal: it may look at the files
         with contextlib.suppress(OSError):
             if os.path.isdir(tmp):
                 remove_ours(tmp)
@@ -300,8 +314,23 @@ def staged_output(out: str, overwrite: bool, command: str, source: str, inputs=(
 _OS_ERROR_TEXT = re.compile(r"\(os error (\d+)\)")
 
 
-def write_failure(e: BaseException, tmp: str) -> CheckpointWriteError | None:
-    """The user-facing error of a failed write into `tmp`, naming the file; None when `e` is
+@contextlib.contextmanager
+def writing(file: str):
+    """Name `file` in the OSError of a failed write whose library did not (safetensors
+    reports "(os error N)" text and removes the file)."""
+    try:
+        yield
+    except Exception as e:
+        found = _errno_of(e)
+        if found is None or isinstance(found, OSError) and found.filename:
+            raise
+        code = found if isinstance(found, int) else found.errno
+        raise OSError(code, os.strerror(code), file) from e
+
+
+def write_failure(e: BaseException, tmp: str, out: str) -> CheckpointWriteError | None:
+    """The user-facing error of a failed write into `tmp` (staging `out`), naming the file
+    (in `tmp`, which the caller removes); None when `e` is
     not an I/O failure (a bug: it propagates). torch's DCP writer reports a failed write as
     "[enforce fail ...] unexpected pos" with no errno, and safetensors as "(os error N)" text."""
     if isinstance(e, CheckpointError):
@@ -322,8 +351,9 @@ def write_failure(e: BaseException, tmp: str) -> CheckpointWriteError | None:
     file = file or big or tmp
     return CheckpointWriteError(
         f"could not write {file}: {os.strerror(code)} (errno {errno.errorcode.get(code, code)})"
-        ". Nothing was placed: the output is as it was before this conversion. Fix: free space "
-        "or raise the file-size limit (ulimit -f), or write to another file system"
+        f". Output {out} was not written (it is as it was before; the temporary directory is "
+        "removed). Fix: free space or raise the file-size limit (ulimit -f), or choose an "
+        "output on another file system"
     )
 
 
