@@ -71,6 +71,10 @@ def _validate_fp8(cfg: Config) -> None:
     }
     if not all(moe_layer_pattern(m)):  # dense MLPs (experts use local GEMMs)
         widths["model.ffn_hidden_size / tp"] = m.ffn_hidden_size // tp
+    if any(moe_layer_pattern(m)) and m.moe_shared_expert_ffn_hidden_size:  # a dense MLP too
+        widths["model.moe_shared_expert_ffn_hidden_size / tp"] = (
+            m.moe_shared_expert_ffn_hidden_size // tp
+        )
     for what, width in widths.items():
         _rule(
             width % align == 0,

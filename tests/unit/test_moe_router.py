@@ -314,6 +314,16 @@ def test_expert_bias_update_is_sign_of_mean_minus_load():
     )
 
 
+def test_router_declares_its_expert_bias_as_step_updated_state():
+    """The non-finite guard finds the bias through this hook (training/nonfinite.py); a router
+    without a bias declares nothing."""
+    on = TopKRouter(8, 4, 2, options=RouterOptions(enable_expert_bias=True))
+    ((name, tensor, key),) = on.step_updated_state()
+    assert name == "expert_bias" and tensor is on.expert_bias
+    assert key == "model.moe_router_bias_update_rate"
+    assert TopKRouter(8, 4, 2).step_updated_state() == []
+
+
 def test_group_limited_mask_keeps_best_groups():
     """Hand-made scores: group scores are the sums of each group's top k/M = 2."""
     select = torch.tensor([[0.9, 0.1, 0.0, 0.5, 0.4, 0.45, 0.3, 0.2]])  # 4 groups of 2
