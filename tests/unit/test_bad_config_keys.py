@@ -186,7 +186,7 @@ def tok_file(tmp) -> str:
 
 @pytest.mark.parametrize("case, overrides, needle", WARNINGS, ids=[c[0] for c in WARNINGS])
 def test_key_without_effect_warns_once(tmp, tok_file, monkeypatch, capsys, case, overrides, needle):
-    monkeypatch.delenv(WARNED_ENV, raising=False)
+    monkeypatch.setenv(WARNED_ENV, "")  # restored after the test (validate sets it)
     monkeypatch.delenv("RANK", raising=False)
     cfg = _cfg(overrides, tmp)
     messages = config_warnings(validate(cfg, 1, warn=False))
@@ -206,7 +206,7 @@ def test_warnings_show_on_rank_zero_only_and_once_per_run(monkeypatch, capsys):
     show_warnings([message])
     assert capsys.readouterr().err == ""
     monkeypatch.setenv("RANK", "0")
-    monkeypatch.delenv(WARNED_ENV, raising=False)
+    monkeypatch.setenv(WARNED_ENV, "")
     show_warnings([message])
     show_warnings([message])  # a process this one starts inherits the variable
     assert capsys.readouterr().err == f"warning: {message}\n"
