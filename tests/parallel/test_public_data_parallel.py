@@ -84,7 +84,9 @@ def _stage(first: bool, copies: int = 1, embedding: str = "embedding"):
 def _refusals_on_a_mesh(rank: int, world: int) -> dict[str, str]:
     """The rules that read the mesh, on pp=2 (one data-parallel rank): each case's message on
     this rank, or "built" where the wrapper was built."""
-    from megatron_lite.parallel.data_parallel import DataParallelArgumentError, build_data_parallel
+    import torch
+
+    from megatron_lite.parallel.data_parallel import build_data_parallel
     from megatron_lite.parallel.mesh import ParallelMesh, RankLayout
 
     mesh = ParallelMesh(RankLayout(world, pp=2))
@@ -100,13 +102,24 @@ def _refusals_on_a_mesh(rank: int, world: int) -> dict[str, str]:
         "two-copies": ([_stage(first, copies=2)], dict(tie_embeddings=True)),
         "shard-divides": ([_stage(first)], dict(zero_stage=1, dp_shard=2)),
     }
+    # ZeRO-3's units, from layers_of (checked before any DeviceMesh is built)
+    for case, layers_of in {
+        "layers-ok": lambda c: [c.norm],
+        "layers-not-iterable": lambda c: 5,
+        "layers-strings": lambda c: {"norm": c.norm},
+        "layers-foreign": lambda c: [torch.nn.Linear(2, 2)],
+        "layers-chunk-itself": lambda c: [c],
+        "layers-twice": lambda c: [c.norm, c.norm],
+        "layers-default": None,  # chunk.layers.values(), which these chunks lack
+    }.items():
+        cases[case] = ([_stage(first, copies=0)], dict(zero_stage=3, layers_of=layers_of))
     out = {}
     for case, (chunks, kwargs) in cases.items():
         try:
             build_data_parallel(chunks, mesh, **kwargs)
             out[case] = "built"
-        except DataParallelArgumentError as e:
-            out[case] = str(e)
+        except ValueError as e:  # DataParallelArgumentError, or the default layers_of's
+            out[case] = f"{type(e).__name__}: {e}"
     return out
 
 
@@ -123,5 +136,17 @@ def test_rules_that_read_the_mesh():
         "tie_embeddings=False: parameter 'head0.weight' is marked tied_copy" in last["copy-untied"]
     )
     assert "holds 0 'embedding.weight' and 2 tied_copy parameters" in last["two-copies"]
+    layers = {
+        "layers-not-iterable": "layers_of(chunks[0])=5: must return an iterable of modules",
+        "layers-strings": "layers_of(chunks[0])=['norm']: element 0 is of type str, not a Module",
+        "layers-foreign": "layers_of(chunks[0])=[<Linear>]: element 0 (Linear) is not a submodule",
+        "layers-chunk-itself": "layers_of(chunks[0])=[<Module>]: element 0 is the chunk itself",
+        "layers-twice": "layers_of(chunks[0])=[<LayerNorm>, <LayerNorm>]: element 1 is listed",
+        "layers-default": "ValueError: ZeRO-3 shards each transformer layer as one FSDP2 unit",
+    }
     for got in (first, last):
-        assert "dp_shard=2: must divide the dp_cp group (1 ranks)" in got["shard-divides"], got
+        assert "DataParallelArgumentError: build_data_parallel: dp_shard=2: must divide the dp_cp "
+        "group (1 ranks)" in got["shard-divides"], got
+        assert got["layers-ok"] == "built", got
+        for case, needle in layers.items():
+            assert needle in got[case], (case, got[case])

@@ -6,7 +6,7 @@ and a fix."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -172,6 +172,36 @@ def check_chunks(where: str, chunks) -> None:
         rules.weight_dtype(dtype),
         "cast the model to bf16 (model.to(torch.bfloat16)) or fp32 (model.float())",
     )
+
+
+def check_layers(where: str, chunks, layers_of) -> list[list[torch.nn.Module]]:
+    """Stage 3's units: `layers_of(chunk)` for each chunk, which must list distinct submodules
+    of that chunk (not the chunk itself)."""
+    fix = "make layers_of(chunk) return the chunk's transformer layers, e.g. chunk.blocks"
+    out = []
+    for i, chunk in enumerate(chunks):
+        got = layers_of(chunk)
+        arg = f"layers_of(chunks[{i}])"
+        iterable = isinstance(got, Iterable) and not isinstance(got, str)  # ModuleList: yes
+        _require(where, arg, got, None if iterable else "must return an iterable of modules", fix)
+        layers, inside = list(got), {id(m) for m in chunk.modules() if m is not chunk}
+        for j, layer in enumerate(layers):
+            problem = _layer_problem(layer, chunk, inside, layers[:j])
+            _require(where, arg, layers, problem and f"element {j} {problem}", fix)
+        out.append(layers)
+    return out
+
+
+def _layer_problem(layer, chunk, inside: set[int], earlier: list) -> str | None:
+    if not isinstance(layer, torch.nn.Module):
+        return f"is of type {type(layer).__name__}, not a Module"
+    if layer is chunk:
+        return "is the chunk itself (its own unit anyway)"
+    if id(layer) not in inside:
+        return f"({type(layer).__name__}) is not a submodule of the chunk"
+    if any(layer is other for other in earlier):
+        return "is listed twice"
+    return None
 
 
 def check_meta(where: str, chunks, stage) -> None:

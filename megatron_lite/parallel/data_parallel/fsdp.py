@@ -202,7 +202,8 @@ class FullyShardedDataParallel:
                     weight_decay=weight_decay, layers_of=layers_of, device=device)  # fmt: skip
         arguments.check_arguments("FullyShardedDataParallel", chunks, mesh, args)
         self.mesh, self.chunks, self.reduce_dtype = mesh, chunks, reduce_dtype
-        layers_of = layers_of or chunk_layers
+        # each chunk's FSDP2 units, checked before any mesh is built
+        units = arguments.check_layers(type(self).__name__, chunks, layers_of or chunk_layers)
         # chunks on the meta device are sharded there first: the whole model never has storage
         storage_on = _storage_device(chunks, device)
         device = storage_on or next(chunks[0].parameters()).device
@@ -224,8 +225,8 @@ class FullyShardedDataParallel:
             param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False
         )
         kw = dict(reshard_after_forward=reshard_after_forward, mp_policy=policy)
-        for chunk in chunks:
-            _shard_chunk(chunk, list(layers_of(chunk)), dense, experts, kw, storage_on)
+        for chunk, layers in zip(chunks, units, strict=True):
+            _shard_chunk(chunk, layers, dense, experts, kw, storage_on)
         self.params = [p for c in chunks for p in c.parameters() if p.requires_grad]
         self.tied = tied_params(chunks) if mesh.pp.size > 1 and tie_embeddings else []
         self.optimizer = FSDPAdamW(self.params, lr, betas, eps, weight_decay, param_dtype)
