@@ -16,11 +16,20 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 
 from megatron_lite import supervise
 from megatron_lite.config import ConfigError, load_config
-from megatron_lite.train import parse_args, prepare, user_error
+from megatron_lite.train import (
+    Once,
+    OneLineParser,
+    arg_parser,
+    parse_args,
+    prepare,
+    train_argv,
+    user_error,
+)
 from megatron_lite.validation import check_hardware, validate
 
 
@@ -41,18 +50,22 @@ def world_size_from_config(argv) -> int:
     return p.tp * p.pp * p.cp * p.dp
 
 
-def split_launcher_args(argv) -> tuple[argparse.Namespace, list[str]]:
-    """The launcher's own flags, and the rest (the arguments of megatron_lite.train)."""
-    p = argparse.ArgumentParser(
+# a count of restarts: ASCII digits only (int() also takes "١", " 1", "1_0"), at most 9 of them
+_COUNT = re.compile(r"[0-9]{1,9}")
+
+
+def launcher_parser() -> argparse.ArgumentParser:
+    """The train CLI's arguments (--config, overrides) and the launcher's own flags."""
+    p = OneLineParser(
         prog="python -m megatron_lite.launch",
+        parents=[arg_parser(add_help=False)],
         allow_abbrev=False,
         description="Validate the config, prepare the data, then run torchrun on this machine "
         "with tp·pp·cp·dp ranks (parallel.dp must be set) of python -m megatron_lite.train.",
     )
     p.add_argument(
         "--max-restarts",
-        type=int,
-        default=0,
+        action=Once,
         metavar="N",
         help="let torchrun restart the whole group up to N times after a rank fails; with "
         "train.resume=auto (the default) it continues from the latest checkpoint",
@@ -63,18 +76,22 @@ def split_launcher_args(argv) -> tuple[argparse.Namespace, list[str]]:
         help="validate the config for its ranks (and the GPU backends on this machine), print "
         "the torchrun command and exit: no data is prepared, nothing is started",
     )
-    p.add_argument("--config", help="YAML config file (e.g. configs/quickstart.yaml)")
-    p.add_argument(
-        "overrides", nargs="*", metavar="section.key=value", help="config overrides, YAML-typed"
-    )
-    launcher, _ = p.parse_known_args(argv)  # exits here on --help
-    if launcher.max_restarts < 0:
-        p.error(f"--max-restarts={launcher.max_restarts}: must be >= 0 (0 = no restarts)")
-    rest = [a for a in argv if not a.startswith("--max-restarts") and a != "--check"]
-    if "--max-restarts" in argv:  # the value was a separate argument
-        i = argv.index("--max-restarts")
-        rest = argv[:i] + argv[i + 2 :]
-    return launcher, rest
+    return p
+
+
+def split_launcher_args(argv) -> tuple[argparse.Namespace, list[str]]:
+    """The launcher's own flags (max_restarts as an int), and the arguments of
+    megatron_lite.train; a bad or unknown flag exits 2 with one line naming it."""
+    p = launcher_parser()
+    args = p.parse_intermixed_args(argv)  # exits here on --help
+    text = "0" if args.max_restarts is None else args.max_restarts
+    if not _COUNT.fullmatch(text):
+        p.error(
+            f"--max-restarts={text!r}: must be a whole number >= 0 (digits only, at most 9). "
+            "Fix: e.g. --max-restarts 1 (0 = no restarts)"
+        )
+    args.max_restarts = int(text)
+    return args, train_argv(args)
 
 
 def check(argv, world: int) -> None:
@@ -105,11 +122,8 @@ def main(argv=None) -> None:
     cmd = [sys.executable, "-m", "megatron_lite.torchrun", *args]
     print(f"[launch] {ranks}: {' '.join(args)}", flush=True)
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    if launcher.max_restarts > 0:
-        # torchrun shares its rendezvous TCPStore with the ranks and reuses it, stale keys
-        # included, across restarts: restarted ranks then connect to dead peers' addresses
-        # (pytorch/pytorch#135712, still so in 2.13). A per-attempt store avoids that.
-        env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    # torchrun's agent holds the ranks' store port for the whole run (no rank binds one), and
+    # each restart works under keys of its own (megatron_lite/torchrun.py: group_store)
     # SIGTERM / SIGINT / SIGUSR1 here: the ranks checkpoint and stop, exit 0 (supervise.py);
     # otherwise the ranks' exit code (2 a user error, 3 a non-finite step; README)
     sys.exit(supervise.run(cmd, env))

@@ -25,24 +25,61 @@ from megatron_lite.atomic import write_atomic
 from megatron_lite.config import Config, ConfigError, load_config, save_config
 from megatron_lite.parallel.nccl_env import set_nccl_env_defaults
 from megatron_lite.resolve import rank_layout
+from megatron_lite.torchrun import StartupError, group_store
 from megatron_lite.validation import check_hardware, validate
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's own errors (an unknown flag, a missing value) as one line naming the flag,
+    exit 2, like every other user error of the CLIs."""
+
+    def error(self, message: str) -> NoReturn:
+        fix = "" if ". Fix: " in message else f". Fix: see {self.prog} --help"
+        print(f"error: {message}{fix}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+class Once(argparse.Action):
+    """A flag that takes a value and may be given twice only with the same value."""
+
+    def __call__(self, parser, namespace, value, option_string=None) -> None:
+        old = getattr(namespace, self.dest)
+        if old is not None and old != value:
+            parser.error(
+                f"{option_string} given twice ({old!r}, then {value!r}): the run would take "
+                f"only the last. Fix: give {option_string} once"
+            )
+        setattr(namespace, self.dest, value)
+
+
+def arg_parser(add_help: bool = True) -> argparse.ArgumentParser:
+    """The train CLI's arguments; the launcher's parser extends it (megatron_lite.launch)."""
+    p = OneLineParser(
         prog="python -m megatron_lite.train",
+        add_help=add_help,
+        allow_abbrev=False,
         description="Train a decoder-only transformer with DP x TP x PP x CP x EP parallelism. "
         "Run under torchrun for several ranks; the world size must equal "
         "tp·pp·cp·dp from the config.",
     )
-    p.add_argument("--config", default=None, help="YAML config file (e.g. configs/quickstart.yaml)")
+    p.add_argument("--config", action=Once, help="YAML config file (e.g. configs/quickstart.yaml)")
     p.add_argument(
         "overrides",
         nargs="*",
         metavar="section.key=value",
         help="config overrides, YAML-typed, e.g. train.steps=100 parallel.tp=2",
     )
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """--config and overrides in any order (`a=1 --config F b=2` too)."""
+    return arg_parser().parse_intermixed_args(argv)
+
+
+def train_argv(args: argparse.Namespace) -> list[str]:
+    """The arguments of megatron_lite.train that give `args` (its --config and overrides)."""
+    return (["--config", args.config] if args.config is not None else []) + args.overrides
 
 
 def prepare(argv=None, world_size: int | None = None, hardware: bool = True):
@@ -94,6 +131,7 @@ def cap_eval_iters(cfg: Config, valid) -> None:
 
 
 EXIT_NONFINITE = 3  # training stopped on a NaN/Inf loss or gradient (README: exit codes)
+EXIT_STARTUP = 1  # a rank could not join its process group (its message names what failed)
 
 
 # Under torchrun every rank finds a config error, and the first rank to exit makes the agent
@@ -155,11 +193,45 @@ def init_distributed(cfg: Config) -> None:
         set_nccl_env_defaults(os.environ, dump_prefix)
     else:
         backend = "gloo"
-    if "RANK" in os.environ:
-        dist.init_process_group(backend, timeout=timeout)
-    else:  # plain `python -m`: a world of one
+    if "RANK" not in os.environ:  # plain `python -m`: a world of one
         store = dist.HashStore()
         dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+        return
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    try:  # torchrun's store under a prefix of this attempt (megatron_lite/torchrun.py)
+        store = group_store(rank, world, timeout)
+        if store is None:  # env://: rank 0 hosts a store at MASTER_PORT
+            dist.init_process_group(backend, timeout=timeout)
+        else:
+            dist.init_process_group(
+                backend, store=store, rank=rank, world_size=world, timeout=timeout
+            )
+    except RuntimeError as e:  # StartupError, DistNetworkError, gloo/NCCL's connect errors
+        raise StartupError(startup_message(e, rank, timeout)) from None
+
+
+def startup_message(e: RuntimeError, rank: int, timeout: datetime.timedelta) -> str:
+    """One paragraph for a rank that could not join its process group."""
+    if isinstance(e, StartupError):
+        return str(e)
+    text = " ".join(str(e).split())
+    where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    if "EADDRINUSE" in text or "address already in use" in text.lower():
+        return (
+            f"rank {rank}: could not host the process group's store at {where} (MASTER_ADDR:"
+            "MASTER_PORT): another process holds that port (torchrun chose a free port, "
+            "released it, and something took it before this rank bound it; torchrun does so "
+            "when TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1). Fix: unset "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE, so torchrun's agent holds the port for the "
+            "ranks (megatron_lite keeps its restarts apart), or give torchrun a free "
+            "--master-port"
+        )
+    return (
+        f"rank {rank}: joining the process group through {where} failed: {type(e).__name__}: "
+        f"{text[:400]}. Fix: see the other ranks' messages (a rank that failed first ends the "
+        f"others' start-up); a peer that starts late needs parallel.timeout_s above its delay "
+        f"(now {timeout.total_seconds():g} s)"
+    )
 
 
 def _restore_signal_defaults() -> None:
@@ -207,6 +279,9 @@ def _main(argv) -> None:
         init_distributed(cfg)
     except ConfigError as e:  # more ranks than GPUs: before any process group exists
         user_error(e)
+    except StartupError as e:  # no process group: this rank's own line, not a traceback
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_STARTUP)
     from megatron_lite.checkpoint.run_dir import RunDirError, claim_run_dir
     from megatron_lite.parallel.mesh import ParallelMesh
 

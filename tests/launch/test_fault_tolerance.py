@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from tests.dist_harness import run_ranks
+from tests.launch.test_port_theft import thief_env
 from tests.parallel.parity import TINY
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -29,11 +30,13 @@ LOCAL_SH = os.path.join(ROOT, "launch", "local.sh")
 
 
 # ---------------------------------------------------------------- helpers
-def launch(args: list[str], log) -> subprocess.Popen:
+def launch(args: list[str], log, env: dict | None = None) -> subprocess.Popen:
     """`launch/local.sh ARGS`, output to the file `log`. local.sh execs the python launcher,
     which execs torchrun: the pid is torchrun's and the ranks are its children."""
     with open(log, "w") as f:
-        return subprocess.Popen([LOCAL_SH, *args], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
+        return subprocess.Popen(
+            [LOCAL_SH, *args], cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT
+        )
 
 
 def finish(proc: subprocess.Popen, log, timeout: float) -> str:
@@ -291,7 +294,12 @@ def test_stalled_rank_cli_reports_hang_files(tmp_path):
 # ---------------------------------------------------------------- restart after a killed rank
 def test_killed_rank_restarts_group_and_resumes_with_same_losses(tmp_path):
     """torchrun --max-restarts=1: SIGKILL rank 1 after a checkpoint and past it; the group
-    restarts, resumes from `latest`, and every step's loss equals an uninterrupted run."""
+    restarts, resumes from `latest`, and every step's loss equals an uninterrupted run.
+
+    Under the port thief (tests/launch/test_port_theft.py): every port a process of the launch
+    binds and releases is taken at once, and rank 0 starts 3 s late at the restart. The start-up
+    loses no port (the first attempt trains: the one restart is left for the kill) and the
+    restarted ranks read none of the first attempt's keys."""
     steps, save = 16, 4  # two ranks (tp2): each of the two runs at once has a core
     common = ["--config", SMOKE, "parallel.tp=2", "parallel.dp=1", f"train.steps={steps}"]
     common += [f"train.save_interval={save}", "train.resume=auto", "log.progress=false"]
@@ -299,7 +307,8 @@ def test_killed_rank_restarts_group_and_resumes_with_same_losses(tmp_path):
     ref_log, log = tmp_path / "reference.log", tmp_path / "killed.log"
     # both runs at once: their start-ups (most of the time here) overlap
     ref = launch([*common, f"train.out_dir={ref_out}"], ref_log)
-    proc = launch(["--max-restarts", "1", *common, f"train.out_dir={out}"], log)
+    env = thief_env(tmp_path)
+    proc = launch(["--max-restarts", "1", *common, f"train.out_dir={out}"], log, env)
     pids = {}
     try:
         # past the first checkpoint, so the restart must both load it and redo some steps
@@ -315,6 +324,7 @@ def test_killed_rank_restarts_group_and_resumes_with_same_losses(tmp_path):
     assert ref.returncode == 0, ref_output[-3000:]
     assert proc.returncode == 0, output[-3000:]
     assert "--standalone --nproc-per-node=2 --max-restarts=1" in output, output[:2000]
+    assert "Traceback" not in output, output[-3000:]
     assert killed_at < steps - 1, f"the run finished (step {killed_at}) before the kill"
     assert f"resumed from {out / 'checkpoints'}" in output, output[-3000:]
     logged = [r["step"] for r in metric_records(out)]
