@@ -89,7 +89,8 @@ def build_valid_dataset(cfg):
         if d.corpus is not None:
             tokenizer = prepare_corpus(d.corpus, d.cache_dir, d.tokenizer_vocab_size)[1]
         vocab = _check_vocab(indexed, tokenizer, cfg.model.vocab_size, "data.valid_paths")
-        _check_documents(indexed, d, vocab, "data.valid_paths")
+        # token ids against the training vocabulary (this data may use fewer ids)
+        _check_documents(indexed, d, cfg.model.vocab_size or vocab, "data.valid_paths")
         return _gpt_datasets(indexed, replace(d, split=None, weights=None), seq, seed, part=0)
     if d.split is None:
         return None
