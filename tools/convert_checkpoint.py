@@ -24,6 +24,14 @@ which HF stores one matrix per expert. Rotary embeddings use the same half-rotat
 (pairs i and i + d/2, HF's rotate_half), so q/k need no permutation. Only arch=llama converts;
 a field we do not implement (rope scaling, biases, sliding windows, sigmoid routing, ...) is an
 error naming it.
+
+Inputs are checked before anything is written (tools/hf_checks.py, tools/convert_inputs.py):
+every config.json field read for presence, type and range, every tensor for its shape and
+dtype against the config. The output is written by the rules of tools/convert_output.py: a new
+or empty directory only (or, with --overwrite, one this converter wrote), never inside a run's
+checkpoint folder, staged in a temporary sibling and renamed into place, so a kill at any
+moment leaves the old output or the complete new one. Errors exit 2 with a message naming the
+file and the fix.
 """
 
 from __future__ import annotations
@@ -206,7 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("out", help="checkpoint directory to create (use with train.init_from)")
     b.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     args = parser.parse_args(argv)
-    if hasattr(signal, "SIGXFSZ"):  # a file-size limit: EFBIG (named below), not a silent kill
+    # a file-size limit: EFBIG (named below), not a kill (CPython ignores it at start-up; an
+    # embedding interpreter may not)
+    if hasattr(signal, "SIGXFSZ"):
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     try:
         if args.cmd == "dcp-to-hf":

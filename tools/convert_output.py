@@ -210,11 +210,13 @@ def remove_ours(path: str) -> None:
     """Remove a directory this converter wrote, its marker last (so a kill midway leaves it
     recognizably ours)."""
     for name in os.listdir(path):
-        if name != MARKER:
-            full = os.path.join(path, name)
-            shutil.rmtree(full) if os.path.isdir(full) and not os.path.islink(full) else os.remove(
-                full
-            )
+        full = os.path.join(path, name)
+        if name == MARKER:
+            continue
+        if os.path.isdir(full) and not os.path.islink(full):
+            shutil.rmtree(full)
+        else:
+            os.remove(full)
         kill_point("removing")
     with contextlib.suppress(FileNotFoundError):
         os.remove(os.path.join(path, MARKER))
