@@ -134,3 +134,88 @@ def test_more_ranks_than_gpus_is_an_error_naming_the_fix():
 
     with pytest.raises(ConfigError, match="local rank 4 sees 4 GPUs.*Fix: start one rank per GPU"):
         local_device(4, 4)
+
+
+# ---------------------------------------------------------------- the launcher's own flags
+QUICKSTART = os.path.join(ROOT, "configs", "quickstart.yaml")
+
+
+@pytest.mark.parametrize(
+    "argv, check, restarts, train_argv",
+    [
+        (["--check", "--max-restarts", "1", "--config", "Q"], True, 1, ["--config", "Q"]),
+        (["--max-restarts=1", "--config", "Q"], False, 1, ["--config", "Q"]),
+        (["--config", "Q", "--max-restarts", "2", "a=1"], False, 2, ["--config", "Q", "a=1"]),
+        (["--check", "--check", "--config", "Q"], True, 0, ["--config", "Q"]),
+        (["a=1", "--config", "Q", "--check", "b=2"], True, 0, ["--config", "Q", "a=1", "b=2"]),
+        (["--max-restarts", "1", "--max-restarts", "1"], False, 1, []),
+        (["--max-restarts", "0", "--config", "Q"], False, 0, ["--config", "Q"]),
+    ],
+)
+def test_launcher_flags_anywhere_leave_the_train_arguments(argv, check, restarts, train_argv):
+    from megatron_lite.launch import split_launcher_args
+
+    launcher, rest = split_launcher_args(argv)
+    assert (launcher.check, launcher.max_restarts, rest) == (check, restarts, train_argv)
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["--max-restarts", "-1"], "--max-restarts='-1'"),
+        (["--max-restarts=-1"], "--max-restarts='-1'"),
+        (["--max-restarts", "1.5"], "--max-restarts='1.5'"),
+        (["--max-restarts", "abc"], "--max-restarts='abc'"),
+        (["--max-restarts", ""], "--max-restarts=''"),
+        (["--max-restarts", "\u0661"], "--max-restarts='\u0661'"),  # an Arabic-Indic 1
+        (["--max-restarts", "\u00b2"], "--max-restarts='\u00b2'"),  # superscript 2
+        (["--max-restarts", " 1"], "--max-restarts=' 1'"),
+        (["--max-restarts", "1_0"], "--max-restarts='1_0'"),
+        (["--max-restarts", "1234567890"], "--max-restarts='1234567890'"),
+        (["--config", "Q", "--max-restarts"], "--max-restarts: expected one argument"),
+        (["--max-restarts", "--check"], "--max-restarts: expected one argument"),
+        (["--max-restarts", "1", "--max-restarts", "2"], "--max-restarts given twice"),
+        (["--config", "Q", "--foo"], "unrecognized arguments: --foo"),
+        (["--max", "1"], "unrecognized arguments: --max"),
+        (["--chec"], "unrecognized arguments: --chec"),
+        (["--check=yes"], "--check: ignored explicit argument 'yes'"),
+        (["--config", "a.yaml", "--config", "b.yaml"], "--config given twice"),
+        (["--config"], "--config: expected one argument"),
+        (["-x", "--config", "Q"], "unrecognized arguments: -x"),
+    ],
+)
+def test_bad_launcher_flag_is_one_line_naming_it(argv, flag, capsys):
+    from megatron_lite.launch import split_launcher_args
+
+    with pytest.raises(SystemExit) as e:
+        split_launcher_args(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2, err
+    assert err.startswith("error: ") and flag in err and "Fix: " in err, err
+    assert err.strip().count("\n") == 0, f"more than one line:\n{err}"
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["--config", "a.yaml", "--config", "b.yaml"], "--config given twice"),
+        (["--config", "Q", "--max-restarts", "1"], "unrecognized arguments: --max-restarts"),
+        (["--conf", "Q"], "unrecognized arguments: --conf"),
+    ],
+)
+def test_bad_train_flag_is_one_line_naming_it(argv, flag, capsys):
+    """The train CLI (torchrun -m megatron_lite.train) has no launcher flags."""
+    from megatron_lite.train import parse_args
+
+    with pytest.raises(SystemExit) as e:
+        parse_args(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and flag in err and err.count("\n") == 1, err
+
+
+def test_check_with_max_restarts_prints_the_torchrun_command():
+    """The form that failed with 'megatron_lite.train: unrecognized arguments: --check'."""
+    r = _run(["megatron_lite.launch", "--check", "--max-restarts", "1", "--config", QUICKSTART])
+    assert r.returncode == 0, r.stdout + r.stderr
+    want = "would run: torchrun --standalone --nproc-per-node=8 --max-restarts=1 -m "
+    assert want + f"megatron_lite.train --config {QUICKSTART}\n" in r.stdout, r.stdout
