@@ -118,6 +118,8 @@ def read_model(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
                 planner=ShardLoadPlanner(_full_pieces(buffers)),
                 no_dist=True,
             )
+    except CheckpointError:  # refused by our reader (e.g. a crafted .metadata): as it is
+        raise
     except (OSError, RuntimeError, ValueError) as e:  # DCP wraps a failed read in its own error
         raise CheckpointError(
             f"could not read the tensors of {path}: {str(e)[:300]}. Fix: check the directory "

@@ -270,7 +270,20 @@ def test_bad_checkpoint_paths(tmp_path, capsys):
     _refused(capsys, ["dcp-to-hf", hf, out], hf, "not a complete megatron_lite", out=out)
 
 
+@pytest.mark.parametrize("name, how", [("__0_0.distcp", "truncate"), (".metadata", "remove")])
+def test_damaged_checkpoint_files_are_named(ckpt, tmp_path, capsys, name, how):
+    path = str(tmp_path / "ckpt")
+    shutil.copytree(ckpt, path)
+    file = os.path.join(path, name)
+    if how == "truncate":
+        os.truncate(file, os.path.getsize(file) // 2)
+    else:
+        os.remove(file)
+    out = str(tmp_path / "hf")
+    _refused(capsys, ["dcp-to-hf", path, out], file, out=out)
+
+
 def test_case_count():
     """The issue's count: distinct bad inputs this file exercises."""
-    n = len(CONFIG_CASES) + len(WEIGHT_CASES) + len(DCP_MODEL_CASES) + 4 + 4
+    n = len(CONFIG_CASES) + len(WEIGHT_CASES) + len(DCP_MODEL_CASES) + 4 + 4 + 2
     assert n >= 45, n
