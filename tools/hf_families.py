@@ -19,13 +19,20 @@ Training-only settings with no HF field (z-loss, capacity factor, dropout) are n
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 
 import torch
 
-from megatron_lite import resolve
-from megatron_lite.checkpoint.errors import CheckpointError
-from megatron_lite.config import ModelConfig
-from tools.hf_checks import (
+# Run as a script from a checkout (`python tools/hf_families.py`): make `tools` importable.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.append(_ROOT)
+
+from megatron_lite import resolve  # noqa: E402
+from megatron_lite.checkpoint.errors import CheckpointError  # noqa: E402
+from megatron_lite.config import ModelConfig  # noqa: E402
+from tools.hf_checks import (  # noqa: E402
     check_count,
     check_expert_count,
     check_hf_config,
