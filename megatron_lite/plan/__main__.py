@@ -74,6 +74,8 @@ def main(argv=None) -> int:
         if not args.search:
             r = validate(cfg, world)  # reports a missing tokenizer file or mock data's vocab
         require_vocab(cfg if args.search else r)
+        if not args.search:
+            flags.check_run(args, r, world)
         print(
             f"{gpu.name}: {gpu.peak_tflops:g} TFLOP/s bf16 dense at mfu {args.mfu:g}, "
             f"NVLink {gpu.nvlink_gbps:g} GB/s, IB {gpu.ib_gbps:g} GB/s per GPU, "
@@ -85,18 +87,23 @@ def main(argv=None) -> int:
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    try:
+        return _plan(args, r, world, gpu, budget)
+    except ConfigError as e:  # an output file that could not be written (a full disk)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _plan(args, r, world: int, gpu, budget: float) -> int:
     ranks = plan_memory(r, world, args.kernels)
     print(f"layout on {world} GPUs: " + _layout(r))
     print(layer_table(ranks[0].per_layer))
     print(memory_table(ranks, budget))
     print(time_table(step_time(r, world, gpu, args.mfu, args.gpus_per_node), world))
     if args.chart:
-        from megatron_lite.plan.chart import memory_chart
-
-        memory_chart([(_layout(r, short=True), ranks)], budget, args.chart)
-        print(f"chart: {args.chart}")
+        _chart([(_layout(r, short=True), ranks)], budget, args.chart)
     if args.dry_run:
-        from megatron_lite.plan.dry_run import dry_run_report
+        from megatron_lite.plan.report import dry_run_report
 
         print(dry_run_report(r, world, args.ranks, args.microbatches, args.json, args.kernels))
     if args.measure:
@@ -104,6 +111,14 @@ def main(argv=None) -> int:
 
         print(measure_report(r, world))
     return 0
+
+
+def _chart(layouts, budget: float, path: str) -> None:
+    """--chart: the PNG, written whole or not at all (plan/flags.py write_output)."""
+    from megatron_lite.plan.chart import memory_chart
+
+    flags.write_output("--chart", path, lambda tmp: memory_chart(layouts, budget, tmp))
+    print(f"chart: {path}")
 
 
 def _verify(cfg, world: int, budget: float, kernels: str) -> str:
@@ -146,11 +161,8 @@ def _search(args, cfg, world, gpu, budget) -> int:
         if args.verify:
             print("   " + _verify(c.cfg, world, budget, args.kernels), flush=True)
     if args.chart and best:
-        from megatron_lite.plan.chart import memory_chart
-
         layouts = [(_layout(c.cfg, short=True), plan_memory(c.cfg, world)) for c in best]
-        memory_chart(layouts, budget, args.chart)
-        print(f"chart: {args.chart}")
+        _chart(layouts, budget, args.chart)
     return 0 if best else 1
 
 

@@ -29,16 +29,27 @@ from __future__ import annotations
 import copy
 import multiprocessing
 import os
+import re
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
 from megatron_lite.config import Config
+from megatron_lite.plan.flags import flag_error
 from megatron_lite.plan.memory import RankMemory, rank_memory
 from megatron_lite.resolve import num_microbatches, rank_layout
 
 KERNELS_ENV = "MEGATRON_LITE_KERNELS"  # kernels/dispatch.py's switch
+# The most microbatches per step a dry run runs: each runs the stage's real ops in Python
+# (~0.1-1 s for a full-size stage), and the peak is reached by 2·pp (steady_microbatches), so
+# more only adds time. 1024 is above the M of published recipes (Llama 3 405B, DeepSeek-V3:
+# tens to hundreds) and still finishes; a count like 10^7 would run for weeks.
+MAX_DRY_RUN_MICROBATCHES = 1024
+# The most ranks one dry run takes: each is a dry run of its own (seconds to minutes for a
+# full-size stage); ranks of one pipeline stage hold the same shapes, so one per stage (the
+# default) is the useful set.
+MAX_DRY_RUN_RANKS = 64
 
 # the dry run's categories (training/memory_tracker.py) against the planner's terms
 PLANNER_TERMS = {
@@ -171,12 +182,18 @@ def tracked_steps(cfg: Config, mesh, dataset, vocab: int) -> dict:
 
 def _fewest_microbatches(cfg: Config) -> int:
     """The fewest microbatches the pipeline schedule accepts (pipeline/schedules.py)."""
+    return _next_valid_count(cfg, 1)
+
+
+def _next_valid_count(cfg: Config, start: int) -> int:
+    """The smallest count >= `start` the pipeline schedule runs (microbatches_problem, the rule
+    validation checks train.global_batch_size with); one is at most 2·pp·vpp + 1 away."""
     from megatron_lite.pipeline.schedules import microbatches_problem
 
     p = cfg.parallel
     return next(
         m
-        for m in range(1, 2 * p.pp * p.vpp + 2)
+        for m in range(start, start + 2 * p.pp * p.vpp + 2)
         if not microbatches_problem(p.pp, m, p.vpp, p.pipeline_schedule)
     )
 
@@ -275,11 +292,72 @@ def real_run(cfg: Config, world: int, ranks: list[int] | None = None,
 
 
 def _count(cfg: Config, microbatches: int | str) -> int | None:
+    count = dry_run_microbatches(cfg, microbatches)
+    return None if count == num_microbatches(cfg.train, cfg.parallel.dp) else count
+
+
+def dry_run_microbatches(cfg: Config, microbatches: int | str) -> int:
+    """The microbatches per step a dry run of `cfg` (validated) runs: "steady"
+    (steady_microbatches), "all" (the config's M) or a count (an int, or its ASCII digits).
+    ConfigError naming --microbatches when the count is not one, when the pipeline schedule
+    cannot run it (pipeline/schedules.py microbatches_problem), when it is above the config's M
+    (the dry run measures the config's step), or when it is above MAX_DRY_RUN_MICROBATCHES."""
+    p = cfg.parallel
+    m = num_microbatches(cfg.train, p.dp)
     if microbatches == "steady":
-        return steady_microbatches(cfg)
-    if microbatches == "all":
-        return None
-    return int(microbatches)
+        count = steady_microbatches(cfg)
+    elif microbatches == "all":
+        count = m
+    else:
+        count = _count_of(microbatches)
+        _microbatch_rule(cfg, count, m)
+    if count > MAX_DRY_RUN_MICROBATCHES:
+        flag_error(
+            "--microbatches",
+            microbatches,
+            f"runs {count} microbatches per step, above the dry run's {MAX_DRY_RUN_MICROBATCHES} "
+            f"(each one runs the stage's real ops in Python; the peak is reached by 2·pp = "
+            f"{2 * p.pp})",
+            f"--microbatches steady, or a count <= {MAX_DRY_RUN_MICROBATCHES}",
+        )
+    return count
+
+
+def _count_of(microbatches: int | str) -> int:
+    """A count: an int >= 1 or its ASCII digits ("²" and "١" are digits to str.isdigit, not
+    here)."""
+    if isinstance(microbatches, int) and not isinstance(microbatches, bool):
+        count = microbatches
+    elif isinstance(microbatches, str) and re.fullmatch(r"[0-9]{1,18}", microbatches):
+        count = int(microbatches)
+    else:
+        count = 0
+    if count < 1:
+        rule = "must be steady, all or a count >= 1 (ASCII digits)"
+        flag_error("--microbatches", microbatches, rule, "e.g. --microbatches 8")
+    return count
+
+
+def _microbatch_rule(cfg: Config, count: int, m: int) -> None:
+    """A count the schedule runs (the rule train.global_batch_size is validated with) and at
+    most the config's M."""
+    from megatron_lite.pipeline.schedules import microbatches_problem
+
+    p, t = cfg.parallel, cfg.train
+    if count > m:
+        flag_error(
+            "--microbatches",
+            count,
+            f"is more than the config's {m} microbatches per step (train.global_batch_size="
+            f"{t.global_batch_size} / micro_batch_size·dp = {t.micro_batch_size}·{p.dp}); the "
+            "dry run measures the config's step",
+            f"--microbatches all (= {m}), or raise train.global_batch_size",
+        )
+    problem = microbatches_problem(p.pp, count, p.vpp, p.pipeline_schedule)
+    if problem is not None:
+        near = _next_valid_count(cfg, count)
+        fix = f"--microbatches {near}" if near <= m else "--microbatches all"
+        flag_error("--microbatches", count, problem, f"{fix}, or steady")
 
 
 def dry_run(cfg: Config, world: int, ranks: list[int] | None = None,
@@ -303,64 +381,29 @@ def dry_run(cfg: Config, world: int, ranks: list[int] | None = None,
             return list(pool.map(run_rank, [run_cfg] * n, [world] * n, ranks, [kernels] * n))
 
 
-def _unit(results: list[RankResult]) -> tuple[str, float]:
-    return ("GiB", 2**30) if max(r.peak for r in results) >= 2**30 else ("MiB", 2**20)
-
-
-def report(results: list[RankResult]) -> str:
-    """Per rank: the peak by category beside the planner's terms, with ratios."""
-    lines = []
-    unit, scale = _unit(results)
-    for res in results:
-        where = " ".join(f"{k}{v}" for k, v in res.coords.items() if k != "edp")
-        lines.append(
-            f"rank {res.rank} ({where}): {res.microbatches} microbatches, "
-            f"dry run {res.wall_s:.1f} s; peak in {res.phase}"
-        )
-        lines.append(f"  {unit:24s} {'dry run':>9s} {'planner':>9s}  ratio")
-        pred = res.predicted.terms if res.predicted else {}
-        rows = res.grouped()
-        for name, terms in PLANNER_TERMS.items():
-            want = sum(pred.get(t, 0.0) for t in terms)
-            got = rows[name]
-            ratio = f"{got / want:6.3f}" if want else ("  —" if got else "  =")
-            lines.append(f"  {name:24s} {got / scale:9.2f} {want / scale:9.2f}  {ratio}")
-        total = sum(pred.values())
-        lines.append(
-            f"  {'peak':24s} {res.peak / scale:9.2f} {total / scale:9.2f}  "
-            + (f"{res.peak / total:6.3f}" if total else "")
-        )
-        lines.append(f"  {'initialization peak':24s} {res.init_peak / scale:9.2f}")
-        lines.append(f"  {'checkpoint save extra':24s} {res.save_extra / scale:9.2f}")
-        comm = _comm_line(res.comm)
-        if comm:
-            lines.append(f"  collectives of the step (bytes per rank, calls): {comm}")
-    return "\n".join(lines)
-
-
-def _comm_line(comm: dict[str, float]) -> str:
-    """comm_stats' summary as "kind 1.23 GiB ×n" per kind (the kind names the group: all_gather
-    and reduce_scatter TP/SP, *_dp data parallel, p2p_* pipeline, all_to_all* CP/EP)."""
-    kinds = sorted(k[len("comm_bytes/") :] for k in comm if k.startswith("comm_bytes/"))
-    parts = []
-    for k in kinds:
-        n, calls = comm[f"comm_bytes/{k}"], int(comm.get(f"comm_calls/{k}", 0))
-        size = f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
-        parts.append(f"{k} {size} ×{calls}")
-    return ", ".join(parts)
-
-
 def parse_ranks(text: str | None, world: int) -> list[int] | None:
-    """--ranks "0,8,16" -> [0, 8, 16] (each in [0, world)); None -> None (the default)."""
+    """--ranks "0,8,16" -> [0, 8, 16]; None -> None (the default: default_ranks). ConfigError
+    naming --ranks unless each is ASCII digits, in [0, world), none twice, at most
+    MAX_DRY_RUN_RANKS of them."""
     if text is None:
         return None
-    try:
-        ranks = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        ranks = []
-    if not ranks or any(not 0 <= r < world for r in ranks):
-        raise ValueError(
-            f"--ranks={text!r}: give comma-separated ranks in [0, {world}), e.g. --ranks 0,8"
+    words = [w.strip() for w in text.split(",")]
+    ranks = [int(w) for w in words if re.fullmatch(r"[0-9]{1,18}", w)]
+    example = "e.g. --ranks 0" + (f",{world - 1}" if world > 1 else "")
+    if len(ranks) != len(words) or any(r >= world for r in ranks):
+        rule = f"must be comma-separated ranks (ASCII digits) in [0, {world})"
+        flag_error("--ranks", text, rule, example)
+    if len(set(ranks)) != len(ranks):
+        twice = sorted({r for r in ranks if ranks.count(r) > 1})
+        flag_error("--ranks", text, f"names rank {twice[0]} twice", "give each rank once")
+    if len(ranks) > MAX_DRY_RUN_RANKS:
+        flag_error(
+            "--ranks",
+            text,
+            f"names {len(ranks)} ranks; the dry run takes at most {MAX_DRY_RUN_RANKS} (each "
+            "rank is a dry run of its own, and the ranks of one pipeline stage hold the same "
+            "shapes)",
+            "leave --ranks out (one rank per pipeline stage), or name fewer",
         )
     return ranks
 
@@ -379,17 +422,3 @@ def to_json(results: list[RankResult]) -> list[dict]:
             "category_peaks": r.category_peaks,
         })  # fmt: skip
     return out
-
-
-def dry_run_report(cfg: Config, world: int, ranks: str | None, microbatches: str,
-                   json_path: str | None = None, kernels: str = "fused") -> str:  # fmt: skip
-    """plan --dry-run: run, print the table (and write the figures to `json_path`)."""
-    import json
-
-    chosen = parse_ranks(ranks, world)
-    results = dry_run(cfg, world, chosen, microbatches, kernels=kernels)
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(to_json(results), f, indent=1)
-    head = f"dry run on {world} ranks (fake process group, fake tensors, kernels={kernels}):"
-    return head + "\n" + report(results)

@@ -10,7 +10,11 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
+import stat
 import sys
+import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from megatron_lite.config import ConfigError
@@ -22,6 +26,7 @@ from megatron_lite.validation.paths import output_dir_problem
 MAX_WORLD = 1 << 20
 MAX_GBPS = 10_000.0  # GB/s per GPU per direction: 10x NVLink 5; larger is a unit slip
 MEASURE_MAX_WORLD = 64  # --measure forks one process per rank on this machine
+MAX_VERIFY = 16  # --search --verify dry-runs each printed layout: --top at most this many
 
 
 @dataclass(frozen=True)
@@ -138,22 +143,29 @@ def _shown(text: str) -> str:
     return text if text and text.strip() == text else repr(text)
 
 
-def _fail(flag: str, text, rule: str, fix: str):
+def flag_error(flag: str, text, rule: str, fix: str):
     """ConfigError "flag=value: rule. Fix: fix" (a switch, value None: "flag: rule. ...")."""
     shown = "" if text is None else f"={_shown(str(text))}"
     raise ConfigError(f"{flag}{shown}: {rule}. Fix: {fix}")
 
 
+# ASCII only: int() and float() also take "１２", "١٢", "1_000" and surrounding spaces
+_INT = re.compile(r"[+-]?[0-9]{1,18}")
+_FLOAT = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
+
+
 def _number(flag: str, text: str, b: Bound):
-    try:
-        v = b.kind(text)
-    except (ValueError, OverflowError):
-        v = None
+    v = None
+    if (_INT if b.kind is int else _FLOAT).fullmatch(text):
+        try:
+            v = b.kind(text)
+        except (ValueError, OverflowError):
+            v = None
     if v is None or not b.holds(v):
         fix = b.fix
         if b.fraction and v is not None and 1 < v <= 100:
             fix += f" ({v:g}% is {v / 100:g})"
-        _fail(flag, text, b.text(), fix)
+        flag_error(flag, text, b.text(), fix)
     return v
 
 
@@ -163,17 +175,73 @@ def _given(args: argparse.Namespace, flag: str) -> bool:
 
 
 def _output_file(flag: str, path: str, example: str) -> None:
-    """`path` can be written: not a directory, in an existing directory this user can write
-    (the planner creates no directories)."""
+    """`path` can be written, which plan/flags.py finds out before any work: not a directory,
+    a broken link or a device, and its directory (existing: the planner creates none) takes a
+    new file (a probe file is created and removed: os.access says yes to root on /proc)."""
     fix = f"give a file in an existing writable directory, e.g. {flag} {example}"
-    if path == "" or os.path.isdir(path) or path.endswith(os.sep):
-        _fail(flag, path, "is a directory, not a file" if path else "is empty", fix)
-    parent = os.path.dirname(os.path.abspath(path))
-    problem = output_dir_problem(parent, os.path.basename(path))
+    problem = output_file_problem(path)
+    if problem is not None:
+        flag_error(flag, path, problem, fix)
+
+
+def output_file_problem(path: str) -> str | None:
+    """Why the file `path` cannot be written, or None."""
+    if path == "" or path.endswith(os.sep) or os.path.isdir(path):
+        return "is a directory, not a file" if path else "is empty"
+    if os.path.islink(path) and not os.path.exists(path):
+        return f"is a broken symbolic link (to {os.readlink(path)})"
+    target = os.path.realpath(path)
+    if os.path.exists(target):
+        mode = os.stat(target).st_mode
+        if not stat.S_ISREG(mode):
+            return "is not a regular file (a device, pipe or socket)"
+        if not os.access(target, os.W_OK):
+            return "exists and is not writable by this user"
+    parent = os.path.dirname(target)
+    problem = output_dir_problem(parent, os.path.basename(target))
     if problem is None and not os.path.isdir(parent):
         problem = "does not exist"
-    if problem is not None:
-        _fail(flag, path, f"its directory {parent} {problem}", fix)
+    if problem is None:
+        try:
+            fd, probe = tempfile.mkstemp(dir=parent, prefix=f".{os.path.basename(target)}.")
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as e:
+            problem = f"does not take a new file ({e.strerror})"
+    return None if problem is None else f"its directory {parent} {problem}"
+
+
+def write_output(flag: str, path: str, write: Callable[[str], None]) -> None:
+    """`write(tmp)` writes the whole output into a temporary sibling of `path`, which then
+    replaces `path` at once (a link: its target): a full disk leaves the old file as it was
+    and is one line naming `flag` (ConfigError), not a traceback after the work."""
+    target = os.path.realpath(path)
+    name, ext = os.path.basename(target), os.path.splitext(target)[1]
+    mode = os.stat(target).st_mode & 0o777 if os.path.exists(target) else 0o666 & ~_umask()
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), prefix=f".{name}.", suffix=ext)
+        os.close(fd)
+        write(tmp)
+        os.chmod(tmp, mode)
+        os.replace(tmp, target)
+        tmp = None
+    except OSError as e:
+        flag_error(
+            flag,
+            path,
+            f"could not be written ({e.strerror or e})",
+            "free space on its file system, or give another file",
+        )
+    finally:
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def check(args: argparse.Namespace) -> argparse.Namespace:
@@ -187,27 +255,45 @@ def check(args: argparse.Namespace) -> argparse.Namespace:
     for flag, needed in NEEDS:
         if _given(args, flag) and not _given(args, needed):
             value = getattr(args, flag[2:])
-            _fail(flag, None if value is True else value, f"only applies with {needed}",
-                  f"add {needed}, or drop {flag}")  # fmt: skip
+            flag_error(
+                flag,
+                None if value is True else value,
+                f"only applies with {needed}",
+                f"add {needed}, or drop {flag}",
+            )
     for a, b, fix in EXCLUSIVE:
         if _given(args, a) and _given(args, b):
-            _fail(f"{a} with {b}", None, "the search stops after its ranking", fix)
+            flag_error(f"{a} with {b}", None, "the search stops after its ranking", fix)
     if args.nodes is not None and args.nodes * args.gpus_per_node > MAX_WORLD:
-        _fail("--nodes", args.nodes, f"× --gpus-per-node {args.gpus_per_node} is above "
-              f"{MAX_WORLD} GPUs", f"plan {MAX_WORLD} GPUs or fewer")  # fmt: skip
+        flag_error(
+            "--nodes",
+            args.nodes,
+            f"× --gpus-per-node {args.gpus_per_node} is above {MAX_WORLD} GPUs",
+            f"plan {MAX_WORLD} GPUs or fewer",
+        )
     if args.world is not None and args.nodes is not None:
         if args.world != args.nodes * args.gpus_per_node:
-            _fail("--world", args.world, f"disagrees with --nodes {args.nodes} × "
-                  f"--gpus-per-node {args.gpus_per_node} = {args.nodes * args.gpus_per_node}",
-                  "give --world or --nodes, not both")  # fmt: skip
-    mb = args.microbatches
-    if mb is not None and mb not in ("steady", "all") and not (mb.isdigit() and int(mb) >= 1):
-        _fail("--microbatches", mb, "must be steady, all or a count >= 1", "e.g. --microbatches 8")
-    args.microbatches = mb or "steady"
+            flag_error(
+                "--world",
+                args.world,
+                f"disagrees with --nodes {args.nodes} × "
+                f"--gpus-per-node {args.gpus_per_node} = {args.nodes * args.gpus_per_node}",
+                "give --world or --nodes, not both",
+            )
+    if args.microbatches is None:  # a given one is checked against the layout: check_run
+        args.microbatches = "steady"
+    if args.verify and args.top is not None and args.top > MAX_VERIFY:
+        flag_error(
+            "--top",
+            args.top,
+            f"with --verify dry-runs each printed layout (one rank per "
+            f"pipeline stage, minutes for a full-size model), at most {MAX_VERIFY}",
+            f"--top {MAX_VERIFY} or fewer",
+        )
     args.top = 5 if args.top is None else args.top
     if args.chart is not None:
         if not args.chart.lower().endswith(".png"):
-            _fail("--chart", args.chart, "must name a .png file", "e.g. --chart memory.png")
+            flag_error("--chart", args.chart, "must name a .png file", "e.g. --chart memory.png")
         _output_file("--chart", args.chart, "memory.png")
     if args.json is not None:
         _output_file("--json", args.json, "dry_run.json")
@@ -216,17 +302,67 @@ def check(args: argparse.Namespace) -> argparse.Namespace:
 
 def check_world(args: argparse.Namespace, world: int) -> None:
     """The rules that need the world size, which may be the config's tp·pp·cp·dp: --measure's
-    process count and --ranks (comma-separated, each in [0, world), none twice)."""
+    process count and --ranks (plan/dry_run.py parse_ranks)."""
     if args.ranks is not None:
-        words = args.ranks.split(",")
-        ranks = [int(w) for w in words if w.strip().isdigit()]
-        if len(ranks) != len(words) or len(set(ranks)) != len(ranks) or max(ranks) >= world:
-            _fail("--ranks", args.ranks, f"must be distinct comma-separated ranks in [0, {world})",
-                  "e.g. --ranks 0" + (f",{world - 1}" if world > 1 else ""))  # fmt: skip
+        from megatron_lite.plan.dry_run import parse_ranks
+
+        parse_ranks(args.ranks, world)
     if world > MAX_WORLD:  # --world and --nodes were checked: the config's layout
-        _fail("parallel.dp", world, f"gives tp·pp·cp·dp = {world} GPUs, above the planner's "
-              f"{MAX_WORLD}", "plan a smaller layout, or give --world")  # fmt: skip
+        flag_error(
+            "parallel.dp",
+            world,
+            f"gives tp·pp·cp·dp = {world} GPUs, above the planner's {MAX_WORLD}",
+            "plan a smaller layout, or give --world",
+        )
     if args.measure and world > MEASURE_MAX_WORLD:
-        _fail("--measure", f"{world} ranks", f"forks one process per rank on this machine, at "
-              f"most {MEASURE_MAX_WORLD}", "use --dry-run, which runs chosen ranks of any "
-              "world size")  # fmt: skip
+        flag_error(
+            "--measure",
+            f"{world} ranks",
+            f"forks one process per rank on this machine, at most {MEASURE_MAX_WORLD}",
+            "use --dry-run, which runs chosen ranks of any world size",
+        )
+
+
+def check_run(args: argparse.Namespace, cfg, world: int) -> None:
+    """The flags checked against the run they drive (`cfg`: the validated, resolved config),
+    before any of it: --microbatches against the pipeline schedule and the config's M
+    (plan/dry_run.py dry_run_microbatches) and --measure's real memory against this machine's."""
+    if args.dry_run:
+        from megatron_lite.plan.dry_run import dry_run_microbatches
+
+        dry_run_microbatches(cfg, args.microbatches)
+    if args.measure:
+        need, have = _measure_bytes(cfg, world), _host_available_bytes()
+        if have is not None and need > have:
+            flag_error(
+                "--measure",
+                None,
+                f"allocates the layout's real memory here: the planner "
+                f"predicts {need / 2**30:.1f} GiB over {world} ranks for its one-microbatch "
+                f"step, and this machine has {have / 2**30:.1f} GiB available",
+                "use --dry-run (fake tensors, no memory), or a smaller model",
+            )
+
+
+def _measure_bytes(cfg, world: int) -> float:
+    """The planner's bytes of --measure's step (plan/measure.py one_step_config) over all
+    ranks: each stage's prediction times the ranks per stage."""
+    from megatron_lite.plan.measure import one_step_config
+    from megatron_lite.plan.memory import rank_memory
+
+    run_cfg = one_step_config(cfg, "")
+    pp = run_cfg.parallel.pp
+    per_stage = world // pp
+    return sum(rank_memory(run_cfg, world, k, "torch").total for k in range(pp)) * per_stage
+
+
+def _host_available_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo (Linux), else None (not checked)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None

@@ -1,7 +1,11 @@
-"""Text report of a plan: per-rank memory by term, per-layer activations, step-time split."""
+"""Text report of a plan: per-rank memory by term, per-layer activations, step-time split, and
+the dry run's figures beside the planner's (printed, and written to --json)."""
 
 from __future__ import annotations
 
+from megatron_lite.config import Config
+from megatron_lite.plan.dry_run import PLANNER_TERMS, RankResult, dry_run, parse_ranks, to_json
+from megatron_lite.plan.flags import write_output
 from megatron_lite.plan.memory import RankMemory
 from megatron_lite.plan.step_time import StepTime
 
@@ -43,3 +47,68 @@ def time_table(t: StepTime, world: int) -> str:
         f"bubble {t.bubble_fraction:.2%}; {t.tokens_per_s:,.0f} tokens/s, "
         f"{t.tokens_per_s / world:,.0f} per GPU, MFU {t.mfu:.1%}"
     )
+
+
+def _unit(results: list[RankResult]) -> tuple[str, float]:
+    return ("GiB", 2**30) if max(r.peak for r in results) >= 2**30 else ("MiB", 2**20)
+
+
+def dry_run_table(results: list[RankResult]) -> str:
+    """Per rank: the peak by category beside the planner's terms, with ratios."""
+    lines = []
+    unit, scale = _unit(results)
+    for res in results:
+        where = " ".join(f"{k}{v}" for k, v in res.coords.items() if k != "edp")
+        lines.append(
+            f"rank {res.rank} ({where}): {res.microbatches} microbatches, "
+            f"dry run {res.wall_s:.1f} s; peak in {res.phase}"
+        )
+        lines.append(f"  {unit:24s} {'dry run':>9s} {'planner':>9s}  ratio")
+        pred = res.predicted.terms if res.predicted else {}
+        rows = res.grouped()
+        for name, terms in PLANNER_TERMS.items():
+            want = sum(pred.get(t, 0.0) for t in terms)
+            got = rows[name]
+            ratio = f"{got / want:6.3f}" if want else ("  —" if got else "  =")
+            lines.append(f"  {name:24s} {got / scale:9.2f} {want / scale:9.2f}  {ratio}")
+        total = sum(pred.values())
+        lines.append(
+            f"  {'peak':24s} {res.peak / scale:9.2f} {total / scale:9.2f}  "
+            + (f"{res.peak / total:6.3f}" if total else "")
+        )
+        lines.append(f"  {'initialization peak':24s} {res.init_peak / scale:9.2f}")
+        lines.append(f"  {'checkpoint save extra':24s} {res.save_extra / scale:9.2f}")
+        comm = _comm_line(res.comm)
+        if comm:
+            lines.append(f"  collectives of the step (bytes per rank, calls): {comm}")
+    return "\n".join(lines)
+
+
+def _comm_line(comm: dict[str, float]) -> str:
+    """comm_stats' summary as "kind 1.23 GiB ×n" per kind (the kind names the group: all_gather
+    and reduce_scatter TP/SP, *_dp data parallel, p2p_* pipeline, all_to_all* CP/EP)."""
+    kinds = sorted(k[len("comm_bytes/") :] for k in comm if k.startswith("comm_bytes/"))
+    parts = []
+    for k in kinds:
+        n, calls = comm[f"comm_bytes/{k}"], int(comm.get(f"comm_calls/{k}", 0))
+        size = f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+        parts.append(f"{k} {size} ×{calls}")
+    return ", ".join(parts)
+
+
+def dry_run_report(cfg: Config, world: int, ranks: str | None, microbatches: str,
+                   json_path: str | None = None, kernels: str = "fused") -> str:  # fmt: skip
+    """plan --dry-run: run, print the table (and write the figures to `json_path`)."""
+    import json
+
+    chosen = parse_ranks(ranks, world)
+    results = dry_run(cfg, world, chosen, microbatches, kernels=kernels)
+    if json_path:  # checked before the run (plan/flags.py); written whole or not at all
+
+        def write(path: str) -> None:
+            with open(path, "w") as f:
+                json.dump(to_json(results), f, indent=1)
+
+        write_output("--json", json_path, write)
+    head = f"dry run on {world} ranks (fake process group, fake tensors, kernels={kernels}):"
+    return head + "\n" + dry_run_table(results)
