@@ -168,7 +168,7 @@ def search(cfg: Config, world: int, gpu, mfu: float, gpus_per_node: int, top: in
     for o in layouts(cfg, world, gpus_per_node):
         counts.tried += 1
         try:
-            r = validate(apply(cfg, o), world)
+            r = validate(apply(cfg, o), world, warn=False)
         except ConfigError as e:
             counts.reject(o, e)
             continue
@@ -207,7 +207,7 @@ def nearest_valid_world(cfg: Config, world: int, gpus_per_node: int, span: int =
             if tried > budget:
                 return None
             try:
-                validate(apply(cfg, o), w)
+                validate(apply(cfg, o), w, warn=False)
             except ConfigError:
                 continue
             return w
