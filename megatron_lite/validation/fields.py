@@ -47,6 +47,13 @@ def _validate_positive_sizes(cfg: Config) -> None:
             "must be >= 1",
             f"set parallel.{key}=1 or more",
         )
+    _rule(  # the world-size rule divides by it, and "launch 0 ranks" is no fix
+        p.dp is None or p.dp >= 1,
+        "parallel.dp",
+        p.dp,
+        "must be >= 1, or null (world size / tp·pp·cp)",
+        "set parallel.dp=null, or the data-parallel replicas",
+    )
     for key in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
         _rule(
             getattr(m, key) >= 1,

@@ -1,5 +1,13 @@
 """Parallel-layout rules: world size and degrees, rank order, attention heads and query groups
-over tp/cp, layers over pipeline stages, batch sizes, and the FFN width over tp."""
+over tp/cp, layers over pipeline stages, batch sizes, and the FFN width over tp; and the
+one-line warnings of parallel keys whose feature is off (`parallel_warnings`).
+
+A parallel key's rule holds whether or not its feature is on (an invalid value is an error at
+cp=1, pp=1 or tp=1 too); a valid value other than the default of a feature that is off warns
+that it has no effect (cp_comm_type at cp=1, pipeline_schedule and pipeline_layers at
+pp·vpp=1, sequence_parallel at tp=1, order with at most one degree above 1). Keys that cannot
+mean anything without their feature stay errors: vpp > 1 at pp=1, the first/last stage's
+layers at pp·vpp=1, cp_a2a_size without a2a+p2p."""
 
 from __future__ import annotations
 
@@ -9,7 +17,7 @@ from megatron_lite.config import Config, ParallelConfig
 from megatron_lite.parallel.mesh import order_problem
 from megatron_lite.pipeline.schedules import microbatches_problem
 from megatron_lite.resolve import cp_a2a_size, num_microbatches
-from megatron_lite.validation.rules import _rule
+from megatron_lite.validation.rules import _no_effect, _rule
 
 
 def _validate_world_size(p: ParallelConfig, world_size: int) -> None:
@@ -189,12 +197,14 @@ def _validate_pipeline_layers(cfg: Config) -> None:
         _validate_layer_list(p.pipeline_layers, stages, m.num_layers)
     elif ends != [None, None]:
         given = [n for n in ends if n is not None]
-        _rule(
+        key = "first" if ends[0] is not None else "last"
+        _rule(  # named by the key the user set, whatever its value (pp·vpp = 1 has no stages)
             stages >= 2,
-            "parallel.pp",
-            p.pp,
-            "the first/last stage's layers need at least two stages (pp·vpp >= 2)",
-            "set parallel.pp >= 2, or leave decoder_first/last_pipeline_num_layers unset",
+            f"parallel.decoder_{key}_pipeline_num_layers",
+            ends[0] if key == "first" else ends[1],
+            f"the first/last stage's layers need at least two stages (pp·vpp >= 2; here "
+            f"pp·vpp = {p.pp}·{p.vpp})",
+            f"set parallel.pp >= 2, or remove parallel.decoder_{key}_pipeline_num_layers",
         )
         for key, n in zip(("first", "last"), ends, strict=True):
             _rule(
@@ -305,3 +315,33 @@ def _validate_ffn_hidden_size(cfg: Config) -> None:
         f"must be divisible by parallel.tp={p.tp}",
         f"use a multiple of {p.tp}",
     )
+
+
+def parallel_warnings(cfg: Config) -> list[str]:
+    """The one-line warnings of the resolved (and validated) config's parallel keys whose
+    feature this run does not use (see the module docstring), in field order."""
+    p = cfg.parallel
+    default = ParallelConfig()
+    out = []
+    if p.pipeline_schedule != default.pipeline_schedule and p.pp == 1:
+        why = "parallel.pp=1 runs no pipeline (each microbatch's forward, then its backward)"
+        fix = "remove it, or set parallel.pp >= 2"
+        out.append(_no_effect("parallel.pipeline_schedule", p.pipeline_schedule, why, fix))
+    if p.pipeline_layers != default.pipeline_layers and p.pp * p.vpp == 1:
+        why = "pp·vpp = 1 stage holds every layer"
+        fix = "remove it, or set parallel.pp >= 2"
+        out.append(_no_effect("parallel.pipeline_layers", p.pipeline_layers, why, fix))
+    if p.sequence_parallel != default.sequence_parallel and p.tp == 1:
+        why = "parallel.tp=1 has no tensor-parallel ranks to split the sequence over"
+        fix = "remove it, or set parallel.tp >= 2"
+        out.append(_no_effect("parallel.sequence_parallel", p.sequence_parallel, why, fix))
+    degrees = [p.tp, p.cp, p.ep, p.dp, p.pp]
+    if p.order != default.order and sum(d > 1 for d in degrees) <= 1:
+        why = "at most one of tp, cp, ep, dp, pp is above 1, so every order lays out the same"
+        fix = "remove it (it matters once two degrees are above 1)"
+        out.append(_no_effect("parallel.order", p.order, why, fix))
+    if p.cp_comm_type != default.cp_comm_type and p.cp == 1:
+        why = "parallel.cp=1 splits no sequence"
+        fix = "remove it, or set parallel.cp >= 2"
+        out.append(_no_effect("parallel.cp_comm_type", p.cp_comm_type, why, fix))
+    return out
