@@ -164,10 +164,11 @@ def test_misshapen_metadata_is_damage_named_or_passed_over(ckpt, capsys, case, h
     assert "skipping damaged checkpoint" in notes[0] and meta_file in notes[0], notes
     assert os.path.isfile(meta_file), "the damaged checkpoint was removed"
     # tools/convert_checkpoint.py: exit 2 with the same message, no traceback
-    assert convert.main(["dcp-to-hf", newest, os.path.join(ckpt, "hf")]) == 2
+    out = os.path.join(os.path.dirname(ckpt), "hf")  # outside the run's checkpoints/
+    assert convert.main(["dcp-to-hf", newest, out]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and meta_file in err and needle in err, err
-    assert not os.path.exists(os.path.join(ckpt, "hf")), "convert wrote output"
+    assert not os.path.exists(out), "convert wrote output"
 
 
 LATEST_CASES = [
