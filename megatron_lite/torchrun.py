@@ -74,7 +74,7 @@ def exit_code(failures: dict[int, tuple[int, float]]) -> tuple[int, str | None]:
 
 def main(argv: list[str] | None = None) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous.api import RendezvousError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousTimeoutError
     from torch.distributed.run import parse_args, run
 
     args = parse_args(sys.argv[1:] if argv is None else argv)  # exits 2 on a bad argument
@@ -87,6 +87,9 @@ def main(argv: list[str] | None = None) -> None:
         if line is not None:
             print(line, file=sys.stderr, flush=True)
         sys.exit(code)
+    except RendezvousTimeoutError:  # the other nodes never came
+        print(join_timeout_message(args), file=sys.stderr, flush=True)
+        sys.exit(1)
     except RendezvousError as e:  # another node's agent, which hosts the store, ended first
         cause = e.__cause__ or e
         print(
@@ -97,6 +100,20 @@ def main(argv: list[str] | None = None) -> None:
             flush=True,
         )
         sys.exit(1)
+
+
+def join_timeout_message(args) -> str:
+    """The line for an agent whose rendezvous timed out: what it waited for, where, the fix."""
+    conf = dict(kv.split("=", 1) for kv in (args.rdzv_conf or "").split(",") if "=" in kv)
+    waited = conf.get("join_timeout", "600")  # torch's default
+    return (
+        f"[launch] this node waited {waited} s (--rdzv-conf join_timeout) at the rendezvous "
+        f"{args.rdzv_endpoint} (--rdzv-endpoint, id {args.rdzv_id}) for --nnodes={args.nnodes}, "
+        "and the other nodes did not all join: this node exits 1. Fix: start torchrun on "
+        "every node with the same --rdzv-endpoint, --rdzv-id and --nnodes (under Slurm, see "
+        "the other nodes' logs: a node that failed to start ends the job), or raise "
+        "join_timeout when nodes start far apart"
+    )
 
 
 # ---------------------------------------------------------------- the ranks' side

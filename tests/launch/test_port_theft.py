@@ -202,3 +202,45 @@ def test_without_the_agent_store_env_rendezvous_is_torchs(monkeypatch):
     assert group_store(0, 2, datetime.timedelta(seconds=1)) is None
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE")
     assert group_store(0, 2, datetime.timedelta(seconds=1)) is None
+
+
+def test_rank0_that_cannot_bind_its_port_says_so(monkeypatch):
+    """Where torchrun lets rank 0 host the store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) and the
+    port is taken: one line naming the rank, MASTER_ADDR:MASTER_PORT and the fix."""
+    from megatron_lite.config import Config
+    from megatron_lite.train import init_distributed
+
+    cfg = Config()
+    cfg.parallel.timeout_s = 5
+    with socket.socket() as thief:
+        thief.bind(("127.0.0.1", 0))
+        thief.listen()
+        port = thief.getsockname()[1]
+        for key, value in dict(RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1").items():
+            monkeypatch.setenv(key, value)
+        monkeypatch.setenv("MASTER_PORT", str(port))
+        monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
+        try:
+            with pytest.raises(StartupError) as e:
+                init_distributed(cfg)
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+    message = str(e.value)
+    want = f"rank 0: could not host the process group's store at 127.0.0.1:{port}"
+    assert message.startswith(want), message
+    assert "Fix: unset TORCH_DISABLE_SHARE_RDZV_TCP_STORE" in message, message
+
+
+@pytest.mark.timeout(120)
+def test_nodes_that_never_join_end_in_one_line_naming_the_rendezvous():
+    """torchrun's agent waiting for the other nodes (a node that never started): one line
+    saying what it waited for, where and how long, exit 1; no traceback."""
+    cmd = [sys.executable, "-m", "megatron_lite.torchrun", "--nnodes=2", "--nproc-per-node=1"]
+    cmd += ["--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0", "--rdzv-id=lonely"]
+    cmd += ["--rdzv-conf", "join_timeout=2", "-m", "megatron_lite.train"]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=100)
+    out = r.stdout + r.stderr
+    assert r.returncode == 1, out[-3000:]
+    assert "[launch] this node waited 2 s (--rdzv-conf join_timeout)" in out, out[-3000:]
+    assert "for --nnodes=2" in out and "Traceback" not in out, out[-3000:]
