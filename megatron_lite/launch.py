@@ -10,6 +10,11 @@ command, and stops there: no data is prepared and nothing is started.
 
 Validation and data preparation happen here, in one process, so a bad config or data file ends
 with one clear message instead of one per rank (and no torchrun failure report).
+
+The ranks' store is torchrun's own: its agent binds the port before starting the ranks and holds
+it to the end, so no other process can take it between a choice and a bind, and each restart
+works under keys no earlier attempt wrote (megatron_lite/torchrun.py: group_store). A rank that
+cannot join its group prints one line naming itself, what it waited for and the fix.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shlex
 import sys
 
 from megatron_lite import supervise
@@ -50,6 +56,12 @@ def world_size_from_config(argv) -> int:
     return p.tp * p.pp * p.cp * p.dp
 
 
+SHARED_STORE_OFF = (
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: torchrun then picks MASTER_PORT by binding a free "
+    "port and releasing it, and rank 0 binds it seconds later; another process can take it "
+    "first (the start-up fails, and spends a restart). Fix: unset it; megatron_lite keeps "
+    "restarts apart on torchrun's shared store"
+)
 # a count of restarts: ASCII digits only (int() also takes "١", " 1", "1_0"), at most 9 of them
 _COUNT = re.compile(r"[0-9]{1,9}")
 
@@ -116,14 +128,16 @@ def main(argv=None) -> None:
     args += ["-m", "megatron_lite.train", *argv]
     ranks = f"{world} rank" + ("s" if world != 1 else "")
     if launcher.check:
-        print(f"[launch] config valid for {ranks}; would run: torchrun {' '.join(args)}")
+        print(f"[launch] config valid for {ranks}; would run: torchrun {shlex.join(args)}")
         return
     # torchrun's agent, exiting with the ranks' code instead of 1 (megatron_lite/torchrun.py)
     cmd = [sys.executable, "-m", "megatron_lite.torchrun", *args]
-    print(f"[launch] {ranks}: {' '.join(args)}", flush=True)
+    print(f"[launch] {ranks}: {shlex.join(args)}", flush=True)
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     # torchrun's agent holds the ranks' store port for the whole run (no rank binds one), and
     # each restart works under keys of its own (megatron_lite/torchrun.py: group_store)
+    if env.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") == "1":
+        print(f"[launch] warning: {SHARED_STORE_OFF}", file=sys.stderr, flush=True)
     # SIGTERM / SIGINT / SIGUSR1 here: the ranks checkpoint and stop, exit 0 (supervise.py);
     # otherwise the ranks' exit code (2 a user error, 3 a non-finite step; README)
     sys.exit(supervise.run(cmd, env))

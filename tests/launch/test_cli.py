@@ -219,3 +219,18 @@ def test_check_with_max_restarts_prints_the_torchrun_command():
     assert r.returncode == 0, r.stdout + r.stderr
     want = "would run: torchrun --standalone --nproc-per-node=8 --max-restarts=1 -m "
     assert want + f"megatron_lite.train --config {QUICKSTART}\n" in r.stdout, r.stdout
+
+
+def test_launch_warns_when_torchruns_shared_store_is_off(monkeypatch, capsys, tmp_path):
+    """TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 brings back the port race: the launcher names it."""
+    from megatron_lite import launch
+
+    ran = []
+    monkeypatch.setattr(launch.supervise, "run", lambda cmd, env: ran.append(env) or 0)
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    with pytest.raises(SystemExit) as e:
+        launch.main(["--max-restarts", "1", "--config", SMOKE, f"train.out_dir={tmp_path}"])
+    err = capsys.readouterr().err
+    assert e.value.code == 0 and len(ran) == 1, err
+    assert "[launch] warning: TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: " in err, err
+    assert "Fix: unset it" in err, err
