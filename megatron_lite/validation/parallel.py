@@ -196,43 +196,7 @@ def _validate_pipeline_layers(cfg: Config) -> None:
         )
         _validate_layer_list(p.pipeline_layers, stages, m.num_layers)
     elif ends != [None, None]:
-        given = [n for n in ends if n is not None]
-        key = "first" if ends[0] is not None else "last"
-        _rule(  # named by the key the user set, whatever its value (pp·vpp = 1 has no stages)
-            stages >= 2,
-            f"parallel.decoder_{key}_pipeline_num_layers",
-            ends[0] if key == "first" else ends[1],
-            f"the first/last stage's layers need at least two stages (pp·vpp >= 2; here "
-            f"pp·vpp = {p.pp}·{p.vpp})",
-            f"set parallel.pp >= 2, or remove parallel.decoder_{key}_pipeline_num_layers",
-        )
-        for key, n in zip(("first", "last"), ends, strict=True):
-            _rule(
-                n is None or 1 <= n < m.num_layers,
-                f"parallel.decoder_{key}_pipeline_num_layers",
-                n,
-                f"must be between 1 and model.num_layers - 1 = {m.num_layers - 1}",
-                "give the layers of that stage",
-            )
-        middle, rest = stages - len(given), m.num_layers - sum(given)
-        if middle == 0:  # pp·vpp = 2 with both ends given: they are the whole split
-            _rule(
-                rest == 0,
-                "model.num_layers",
-                m.num_layers,
-                f"must equal decoder_first + decoder_last = {sum(given)}: pp·vpp = 2 stages "
-                "have no others",
-                "make the two stages' layers add up to model.num_layers",
-            )
-        else:
-            _rule(
-                rest > 0 and rest % middle == 0,
-                "model.num_layers",
-                m.num_layers,
-                f"leaves {rest} layers for the other {middle} of pp·vpp = {stages} stages, "
-                "which must split them evenly (at least one each)",
-                "change the first/last stage's layers, or give parallel.pipeline_layers",
-            )
+        _validate_end_stages(cfg, ends)
     else:
         _rule(
             m.num_layers % stages == 0,
@@ -241,6 +205,50 @@ def _validate_pipeline_layers(cfg: Config) -> None:
             f"must be divisible by pp·vpp = {p.pp}·{p.vpp}",
             f"use a multiple of {stages}, or an uneven split: parallel.pipeline_layers or "
             "parallel.decoder_first/last_pipeline_num_layers",
+        )
+
+
+def _validate_end_stages(cfg: Config, ends: list) -> None:
+    """decoder_first/last_pipeline_num_layers (`ends`, one or both set): at least two stages,
+    each end inside the model, and the other stages splitting the rest evenly."""
+    m, p = cfg.model, cfg.parallel
+    stages = p.pp * p.vpp
+    given = [n for n in ends if n is not None]
+    key = "first" if ends[0] is not None else "last"
+    _rule(  # named by the key the user set, whatever its value (pp·vpp = 1 has no stages)
+        stages >= 2,
+        f"parallel.decoder_{key}_pipeline_num_layers",
+        ends[0] if key == "first" else ends[1],
+        f"the first/last stage's layers need at least two stages (pp·vpp >= 2; here "
+        f"pp·vpp = {p.pp}·{p.vpp})",
+        f"set parallel.pp >= 2, or remove parallel.decoder_{key}_pipeline_num_layers",
+    )
+    for key, n in zip(("first", "last"), ends, strict=True):
+        _rule(
+            n is None or 1 <= n < m.num_layers,
+            f"parallel.decoder_{key}_pipeline_num_layers",
+            n,
+            f"must be between 1 and model.num_layers - 1 = {m.num_layers - 1}",
+            "give the layers of that stage",
+        )
+    middle, rest = stages - len(given), m.num_layers - sum(given)
+    if middle == 0:  # pp·vpp = 2 with both ends given: they are the whole split
+        _rule(
+            rest == 0,
+            "model.num_layers",
+            m.num_layers,
+            f"must equal decoder_first + decoder_last = {sum(given)}: pp·vpp = 2 stages "
+            "have no others",
+            "make the two stages' layers add up to model.num_layers",
+        )
+    else:
+        _rule(
+            rest > 0 and rest % middle == 0,
+            "model.num_layers",
+            m.num_layers,
+            f"leaves {rest} layers for the other {middle} of pp·vpp = {stages} stages, "
+            "which must split them evenly (at least one each)",
+            "change the first/last stage's layers, or give parallel.pipeline_layers",
         )
 
 
