@@ -36,7 +36,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
 from megatron_lite.config import Config
-from megatron_lite.plan.flags import flag_error
+from megatron_lite.plan.errors import flag_error
 from megatron_lite.plan.memory import RankMemory, rank_memory
 from megatron_lite.resolve import num_microbatches, rank_layout
 
@@ -46,10 +46,6 @@ KERNELS_ENV = "MEGATRON_LITE_KERNELS"  # kernels/dispatch.py's switch
 # more only adds time. 1024 is above the M of published recipes (Llama 3 405B, DeepSeek-V3:
 # tens to hundreds) and still finishes; a count like 10^7 would run for weeks.
 MAX_DRY_RUN_MICROBATCHES = 1024
-# The most ranks one dry run takes: each is a dry run of its own (seconds to minutes for a
-# full-size stage); ranks of one pipeline stage hold the same shapes, so one per stage (the
-# default) is the useful set.
-MAX_DRY_RUN_RANKS = 64
 
 # the dry run's categories (training/memory_tracker.py) against the planner's terms
 PLANNER_TERMS = {
@@ -379,33 +375,6 @@ def dry_run(cfg: Config, world: int, ranks: list[int] | None = None,
         with ProcessPoolExecutor(min(workers, len(ranks)), mp_context=ctx) as pool:
             n = len(ranks)
             return list(pool.map(run_rank, [run_cfg] * n, [world] * n, ranks, [kernels] * n))
-
-
-def parse_ranks(text: str | None, world: int) -> list[int] | None:
-    """--ranks "0,8,16" -> [0, 8, 16]; None -> None (the default: default_ranks). ConfigError
-    naming --ranks unless each is ASCII digits, in [0, world), none twice, at most
-    MAX_DRY_RUN_RANKS of them."""
-    if text is None:
-        return None
-    words = [w.strip() for w in text.split(",")]
-    ranks = [int(w) for w in words if re.fullmatch(r"[0-9]{1,18}", w)]
-    example = "e.g. --ranks 0" + (f",{world - 1}" if world > 1 else "")
-    if len(ranks) != len(words) or any(r >= world for r in ranks):
-        rule = f"must be comma-separated ranks (ASCII digits) in [0, {world})"
-        flag_error("--ranks", text, rule, example)
-    if len(set(ranks)) != len(ranks):
-        twice = sorted({r for r in ranks if ranks.count(r) > 1})
-        flag_error("--ranks", text, f"names rank {twice[0]} twice", "give each rank once")
-    if len(ranks) > MAX_DRY_RUN_RANKS:
-        flag_error(
-            "--ranks",
-            text,
-            f"names {len(ranks)} ranks; the dry run takes at most {MAX_DRY_RUN_RANKS} (each "
-            "rank is a dry run of its own, and the ranks of one pipeline stage hold the same "
-            "shapes)",
-            "leave --ranks out (one rank per pipeline stage), or name fewer",
-        )
-    return ranks
 
 
 def to_json(results: list[RankResult]) -> list[dict]:

@@ -17,7 +17,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from megatron_lite.config import ConfigError
+from megatron_lite.plan.errors import flag_error
 from megatron_lite.plan.hardware import GPUS
 from megatron_lite.validation.paths import output_dir_problem
 
@@ -27,6 +27,10 @@ MAX_WORLD = 1 << 20
 MAX_GBPS = 10_000.0  # GB/s per GPU per direction: 10x NVLink 5; larger is a unit slip
 MEASURE_MAX_WORLD = 64  # --measure forks one process per rank on this machine
 MAX_VERIFY = 16  # --search --verify dry-runs each printed layout: --top at most this many
+# The most ranks one dry run takes: each is a dry run of its own (seconds to minutes for a
+# full-size stage); ranks of one pipeline stage hold the same shapes, so one per stage (the
+# default) is the useful set.
+MAX_DRY_RUN_RANKS = 64
 
 
 @dataclass(frozen=True)
@@ -137,16 +141,6 @@ def parser(doc: str | None) -> argparse.ArgumentParser:
 
 def _num(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else f"{x:g}"
-
-
-def _shown(text: str) -> str:
-    return text if text and text.strip() == text else repr(text)
-
-
-def flag_error(flag: str, text, rule: str, fix: str):
-    """ConfigError "flag=value: rule. Fix: fix" (a switch, value None: "flag: rule. ...")."""
-    shown = "" if text is None else f"={_shown(str(text))}"
-    raise ConfigError(f"{flag}{shown}: {rule}. Fix: {fix}")
 
 
 # ASCII only: int() and float() also take "１２", "١٢", "1_000" and surrounding spaces
@@ -300,12 +294,37 @@ def check(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
+def parse_ranks(text: str | None, world: int) -> list[int] | None:
+    """--ranks "0,8,16" -> [0, 8, 16]; None -> None (the default: default_ranks). ConfigError
+    naming --ranks unless each is ASCII digits, in [0, world), none twice, at most
+    MAX_DRY_RUN_RANKS of them."""
+    if text is None:
+        return None
+    words = [w.strip() for w in text.split(",")]
+    ranks = [int(w) for w in words if re.fullmatch(r"[0-9]{1,18}", w)]
+    example = "e.g. --ranks 0" + (f",{world - 1}" if world > 1 else "")
+    if len(ranks) != len(words) or any(r >= world for r in ranks):
+        rule = f"must be comma-separated ranks (ASCII digits) in [0, {world})"
+        flag_error("--ranks", text, rule, example)
+    if len(set(ranks)) != len(ranks):
+        twice = sorted({r for r in ranks if ranks.count(r) > 1})
+        flag_error("--ranks", text, f"names rank {twice[0]} twice", "give each rank once")
+    if len(ranks) > MAX_DRY_RUN_RANKS:
+        flag_error(
+            "--ranks",
+            text,
+            f"names {len(ranks)} ranks; the dry run takes at most {MAX_DRY_RUN_RANKS} (each "
+            "rank is a dry run of its own, and the ranks of one pipeline stage hold the same "
+            "shapes)",
+            "leave --ranks out (one rank per pipeline stage), or name fewer",
+        )
+    return ranks
+
+
 def check_world(args: argparse.Namespace, world: int) -> None:
     """The rules that need the world size, which may be the config's tp·pp·cp·dp: --measure's
-    process count and --ranks (plan/dry_run.py parse_ranks)."""
+    process count and --ranks (parse_ranks)."""
     if args.ranks is not None:
-        from megatron_lite.plan.dry_run import parse_ranks
-
         parse_ranks(args.ranks, world)
     if world > MAX_WORLD:  # --world and --nodes were checked: the config's layout
         flag_error(

@@ -4,8 +4,8 @@ the dry run's figures beside the planner's (printed, and written to --json)."""
 from __future__ import annotations
 
 from megatron_lite.config import Config
-from megatron_lite.plan.dry_run import PLANNER_TERMS, RankResult, dry_run, parse_ranks, to_json
-from megatron_lite.plan.flags import write_output
+from megatron_lite.plan.dry_run import PLANNER_TERMS, RankResult, dry_run, to_json
+from megatron_lite.plan.flags import parse_ranks, write_output
 from megatron_lite.plan.memory import RankMemory
 from megatron_lite.plan.step_time import StepTime
 

@@ -13,11 +13,10 @@ from megatron_lite.config import ConfigError, load_config
 from megatron_lite.plan.__main__ import main
 from megatron_lite.plan.dry_run import (
     MAX_DRY_RUN_MICROBATCHES,
-    MAX_DRY_RUN_RANKS,
     dry_run_microbatches,
     steady_microbatches,
 )
-from megatron_lite.plan.flags import MAX_VERIFY, write_output
+from megatron_lite.plan.flags import MAX_DRY_RUN_RANKS, MAX_VERIFY, write_output
 from megatron_lite.validation import validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
