@@ -173,9 +173,14 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
 def moe_layer_pattern(m: ModelConfig) -> list[bool]:
     """Which layers are MoE: `moe_layer_freq` as every k-th layer from layer 0 or a 0/1 list
     per layer, then the first `moe_first_k_dense_replace` layers dense. All False when dense."""
+    return list(_pattern_of(m))
+
+
+def _pattern_of(m: ModelConfig) -> tuple[bool, ...]:
+    """moe_layer_pattern as the cached tuple (no per-call copy: is_moe_layer is asked per
+    layer, and a copy per call made that quadratic in the layer count)."""
     freq = tuple(m.moe_layer_freq) if isinstance(m.moe_layer_freq, list) else m.moe_layer_freq
-    dense = m.num_experts is None
-    return list(_pattern(dense, freq, m.moe_first_k_dense_replace, m.num_layers))
+    return _pattern(m.num_experts is None, freq, m.moe_first_k_dense_replace, m.num_layers)
 
 
 @functools.lru_cache(maxsize=256)
@@ -191,11 +196,11 @@ def _pattern(dense: bool, freq, first_dense: int, layers: int) -> tuple[bool, ..
 
 def is_moe_layer(m: ModelConfig, layer_number: int) -> bool:
     """Whether layer `layer_number` (0-based, over the whole model) is an MoE layer."""
-    return moe_layer_pattern(m)[layer_number]
+    return _pattern_of(m)[layer_number]
 
 
 def num_moe_layers(m: ModelConfig) -> int:
-    return sum(moe_layer_pattern(m))
+    return sum(_pattern_of(m))
 
 
 def kv_channels(m: ModelConfig) -> int:

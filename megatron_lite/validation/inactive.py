@@ -10,6 +10,7 @@ import dataclasses
 from megatron_lite.config import Config, DataConfig
 from megatron_lite.resolve import uses_documents
 from megatron_lite.validation.moe import moe_warnings
+from megatron_lite.validation.parallel import parallel_warnings
 from megatron_lite.validation.rules import _no_effect
 
 
@@ -18,6 +19,7 @@ def config_warnings(cfg: Config) -> list[str]:
     return [
         *_model_warnings(cfg),
         *moe_warnings(cfg.model),
+        *parallel_warnings(cfg),
         *_data_warnings(cfg.data),
         *_train_warnings(cfg),
         *_log_warnings(cfg),
