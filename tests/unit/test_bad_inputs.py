@@ -48,7 +48,13 @@ CONFIG_CASES = [
     ("model-typo", ["model.hiden_size=3"], "Did you mean 'model.hidden_size'"),
     # parallel
     ("timeout-inf", ["parallel.timeout_s=.inf"], "parallel.timeout_s=inf: must be a finite"),
-    ("timeout-zero", ["parallel.timeout_s=0"], "parallel.timeout_s=0.0: must be > 0"),
+    ("timeout-zero", ["parallel.timeout_s=0"], "parallel.timeout_s=0.0: must be a positive"),
+    # timedelta (the process group's timeout) overflows above ~9.2e9 s: refused before it
+    (
+        "timeout-huge",
+        ["parallel.timeout_s=1e15"],
+        "parallel.timeout_s=1000000000000000.0: must be a positive",
+    ),
     ("timeout-negative", ["parallel.timeout_s=-5"], "parallel.timeout_s=-5.0"),
     ("tp-zero", ["parallel.tp=0"], "parallel.tp=0: must be >= 1"),
     ("pp-negative", ["parallel.pp=-1"], "parallel.pp=-1: must be >= 1"),

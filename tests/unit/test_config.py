@@ -143,7 +143,7 @@ def test_yaml_file_and_missing_file(tmp_path):
         (["model.make_vocab_size_divisible_by=0"], "make_vocab_size_divisible_by=0"),
         (["train.adam_beta1=1.5"], "train.adam_beta1=1.5: must be in [0, 1)"),
         (["model.num_query_groups=0"], "model.num_query_groups=0: must be >= 1"),
-        (["parallel.timeout_s=0"], "parallel.timeout_s=0.0: must be > 0"),
+        (["parallel.timeout_s=0"], "parallel.timeout_s=0.0: must be a positive number of seconds"),
         (["model.vocab_size=0"], "model.vocab_size=0: must be >= 1"),
         (["parallel.order=tp-cp-pp-ep-dp"], "cp, ep and dp must be adjacent"),
     ],
