@@ -237,3 +237,21 @@ def test_checker_catches(case):
 def test_pipeline_circle_is_reported_as_a_circle():
     tree, _ = BROKEN_TREES["pipeline imports training (an import circle too)"]
     assert any(v.startswith("import circle:") for v in violations(tree))
+
+
+def test_config_validation_does_not_load_the_data_parallel_wrappers():
+    """Every CLI process validates its config; the data-parallel argument rules it shares with
+    build_data_parallel must not pull in the wrappers (FSDP2, DTensor: ~0.7 s a process)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, megatron_lite.validation\n"
+        "loaded = [m for m in ('megatron_lite.parallel.data_parallel.ddp',\n"
+        "          'megatron_lite.parallel.data_parallel.fsdp', 'torch.distributed.tensor')\n"
+        "          if m in sys.modules]\n"
+        "print(loaded)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", f"validation loaded {out.stdout.strip()}"

@@ -7,23 +7,26 @@ For a plain torch optimizer, `finalize_grads`, `local_grad_square_sum` and `clip
 `DataParallelArgumentError` (arguments.py) before any group is used; the rules are rules.py's,
 which the config path shares."""
 
-from megatron_lite.parallel.data_parallel.arguments import DataParallelArgumentError
-from megatron_lite.parallel.data_parallel.buffers import Bucket, GradBuffer
-from megatron_lite.parallel.data_parallel.builder import build_data_parallel
-from megatron_lite.parallel.data_parallel.ddp import DataParallel
-from megatron_lite.parallel.data_parallel.finalize import (
-    clip_grads,
-    finalize_grads,
-    local_grad_square_sum,
-)
-from megatron_lite.parallel.data_parallel.fsdp import FullyShardedDataParallel
-from megatron_lite.parallel.data_parallel.interface import (
-    DataParallelOptimizer,
-    DataParallelWrapper,
-    StateShard,
-)
-from megatron_lite.parallel.data_parallel.optimizer import ShardedAdamW
+import importlib
+from typing import TYPE_CHECKING
 
+# name -> module: loaded on first use, so that importing the argument rules (rules.py, which
+# config validation reads in every CLI process) does not load the wrappers, FSDP2 and DTensor
+_EXPORTS = {
+    "Bucket": "buffers",
+    "DataParallel": "ddp",
+    "DataParallelArgumentError": "arguments",
+    "DataParallelOptimizer": "interface",
+    "DataParallelWrapper": "interface",
+    "FullyShardedDataParallel": "fsdp",
+    "GradBuffer": "buffers",
+    "ShardedAdamW": "optimizer",
+    "StateShard": "interface",
+    "build_data_parallel": "builder",
+    "clip_grads": "finalize",
+    "finalize_grads": "finalize",
+    "local_grad_square_sum": "finalize",
+}
 __all__ = [
     "Bucket",
     "DataParallel",
@@ -39,3 +42,30 @@ __all__ = [
     "finalize_grads",
     "local_grad_square_sum",
 ]
+
+if TYPE_CHECKING:
+    from megatron_lite.parallel.data_parallel.arguments import DataParallelArgumentError
+    from megatron_lite.parallel.data_parallel.buffers import Bucket, GradBuffer
+    from megatron_lite.parallel.data_parallel.builder import build_data_parallel
+    from megatron_lite.parallel.data_parallel.ddp import DataParallel
+    from megatron_lite.parallel.data_parallel.finalize import (
+        clip_grads,
+        finalize_grads,
+        local_grad_square_sum,
+    )
+    from megatron_lite.parallel.data_parallel.fsdp import FullyShardedDataParallel
+    from megatron_lite.parallel.data_parallel.interface import (
+        DataParallelOptimizer,
+        DataParallelWrapper,
+        StateShard,
+    )
+    from megatron_lite.parallel.data_parallel.optimizer import ShardedAdamW
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
