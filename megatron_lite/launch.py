@@ -13,7 +13,7 @@ with one clear message instead of one per rank (and no torchrun failure report).
 
 The ranks' store is torchrun's own: its agent binds the port before starting the ranks and holds
 it to the end, so no other process can take it between a choice and a bind, and each restart
-works under keys no earlier attempt wrote (megatron_lite/torchrun.py: group_store). A rank that
+works under keys no earlier attempt wrote (megatron_lite/rendezvous.py: group_store). A rank that
 cannot join its group prints one line naming itself, what it waited for and the fix.
 """
 
@@ -135,7 +135,7 @@ def main(argv=None) -> None:
     print(f"[launch] {ranks}: {shlex.join(args)}", flush=True)
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     # torchrun's agent holds the ranks' store port for the whole run (no rank binds one), and
-    # each restart works under keys of its own (megatron_lite/torchrun.py: group_store)
+    # each restart works under keys of its own (megatron_lite/rendezvous.py: group_store)
     if env.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") == "1":
         print(f"[launch] warning: {SHARED_STORE_OFF}", file=sys.stderr, flush=True)
     # SIGTERM / SIGINT / SIGUSR1 here: the ranks checkpoint and stop, exit 0 (supervise.py);

@@ -24,8 +24,8 @@ import torch.distributed as dist
 from megatron_lite.atomic import write_atomic
 from megatron_lite.config import Config, ConfigError, load_config, save_config
 from megatron_lite.parallel.nccl_env import set_nccl_env_defaults
+from megatron_lite.rendezvous import StartupError, group_store
 from megatron_lite.resolve import rank_layout
-from megatron_lite.torchrun import StartupError, group_store
 from megatron_lite.validation import check_hardware, validate
 
 
@@ -198,7 +198,7 @@ def init_distributed(cfg: Config) -> None:
         dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
         return
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    try:  # torchrun's store under a prefix of this attempt (megatron_lite/torchrun.py)
+    try:  # torchrun's store under a prefix of this attempt (megatron_lite/rendezvous.py)
         store = group_store(rank, world, timeout)
         if store is None:  # env://: rank 0 hosts a store at MASTER_PORT
             dist.init_process_group(backend, timeout=timeout)

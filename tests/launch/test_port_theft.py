@@ -1,5 +1,5 @@
 """The ranks' start-up cannot lose its port, and a restart never reads an earlier attempt's keys
-(megatron_lite/torchrun.py: group_store).
+(megatron_lite/rendezvous.py: group_store).
 
 The theft is forced, not hoped for: THIEF is a sitecustomize.py that the tests put on
 PYTHONPATH (test harness, nothing in the product). In every Python process of a launch (the
@@ -24,7 +24,7 @@ import sys
 import pytest
 import torch.distributed as dist
 
-from megatron_lite.torchrun import StartupError, group_store
+from megatron_lite.rendezvous import StartupError, group_store
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -124,7 +124,7 @@ def _attempt_rank(rank, world, port, restart_count, late_s, queue):
 
 def _run_attempt(world, port, counts, late) -> dict[int, object]:
     ctx = mp.get_context("forkserver")  # children fork from a process that imported torch
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "megatron_lite.torchrun"])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "megatron_lite.rendezvous"])
     queue = ctx.Queue()
     procs = [
         ctx.Process(target=_attempt_rank, args=(r, world, port, counts[r], late[r], queue))
