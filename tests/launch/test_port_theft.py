@@ -184,6 +184,7 @@ def test_rank_without_rank0_times_out_naming_rank0_and_the_store(monkeypatch):
     assert f"127.0.0.1:{agent.port} (MASTER_ADDR:MASTER_PORT)" in message, message
 
 
+@pytest.mark.slow
 def test_unreachable_agent_store_is_one_message(monkeypatch):
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
@@ -233,6 +234,7 @@ def test_rank0_that_cannot_bind_its_port_says_so(monkeypatch):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_nodes_that_never_join_end_in_one_line_naming_the_rendezvous():
     """torchrun's agent waiting for the other nodes (a node that never started): one line
     saying what it waited for, where and how long, exit 1; no traceback."""

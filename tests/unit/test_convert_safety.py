@@ -220,7 +220,7 @@ def _limited(argv, limit, env=None):
     )
 
 
-@pytest.mark.parametrize("cmd", ["dcp-to-hf", "hf-to-dcp"])
+@pytest.mark.parametrize("cmd", ["dcp-to-hf", pytest.param("hf-to-dcp", marks=pytest.mark.slow)])
 def test_file_size_limit_names_the_file_and_keeps_the_old_output(src, tmp_path, cmd):
     hf, ckpt = src["b"]
     source = ckpt if cmd == "dcp-to-hf" else hf
@@ -235,7 +235,15 @@ def test_file_size_limit_names_the_file_and_keeps_the_old_output(src, tmp_path, 
     assert snapshot(out) == before and _siblings(out) == []
 
 
-KILL_POINTS = ["staged", "writing", "complete", "placed", "removing"]
+# the main tier kills at the swap and while the old output is removed; the slow tier at the rest
+SLOW = pytest.mark.slow
+KILL_POINTS = [
+    pytest.param("staged", marks=SLOW),
+    pytest.param("writing", marks=SLOW),
+    pytest.param("complete", marks=SLOW),
+    "placed",
+    "removing",
+]
 
 
 @pytest.fixture(scope="module")
@@ -266,7 +274,9 @@ def test_kill_9_during_overwrite_leaves_old_or_new_never_a_mix(src, new_output, 
     assert sorted(os.listdir(tmp_path)) == ["hf", "user.txt"]
 
 
-@pytest.mark.parametrize("point", ["staged", "writing", "complete"])
+@pytest.mark.parametrize(
+    "point", ["writing", *(pytest.param(p, marks=SLOW) for p in ("staged", "complete"))]
+)
 def test_kill_9_before_a_new_checkpoint_is_placed_leaves_nothing(src, tmp_path, point):
     out = str(tmp_path / "ckpt")
     argv = ["hf-to-dcp", src["a"][0], out]
@@ -299,6 +309,7 @@ def test_without_exchange_overwrite_replaces(src, new_output, tmp_path, capsys, 
     assert without_marker(snapshot(out)) == new_output and _siblings(out) == []
 
 
+@pytest.mark.slow
 def test_without_exchange_a_kill_keeps_the_old_output_restorable(src, new_output, tmp_path, capsys):
     out = str(tmp_path / "hf")
     assert convert.main(["dcp-to-hf", src["a"][1], out]) == 0

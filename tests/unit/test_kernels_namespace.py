@@ -51,6 +51,7 @@ def test_import_kernels_from_the_root_finds_the_installed_package():
     )
 
 
+@pytest.mark.slow  # transformers' import: 6 s; the import check above is the main tier's
 def test_transformers_builds_a_model_from_the_root():
     pytest.importorskip("transformers")
     code = (
