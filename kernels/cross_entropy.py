@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from megatron_lite.kernels import selfcheck
 from megatron_lite.kernels.dispatch import (
     as_rows,

@@ -14,8 +14,9 @@ from collections.abc import Hashable
 import torch
 import triton
 import triton.language as tl
-from megatron_lite.kernels import selfcheck
 from torch._subclasses.fake_tensor import FakeTensor
+
+from megatron_lite.kernels import selfcheck
 
 ENV_VAR = "MEGATRON_LITE_KERNELS"
 _CHOICES = ("auto", "triton", "torch")

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
 from megatron_lite.kernels import selfcheck
 from megatron_lite.kernels.dispatch import compute_dtype, launch, use_triton
 

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from megatron_lite.kernels import selfcheck
 from megatron_lite.kernels.selfcheck import TOLERANCES
 

@@ -6,8 +6,8 @@ import importlib
 import pytest
 import torch
 import torch.nn.functional as F
-from megatron_lite.kernels import cross_entropy
 
+from megatron_lite.kernels import cross_entropy
 from tests.dist_harness import run_ranks
 from tests.kernels.helpers import DEVICE, check_close, dtype_params
 from tests.kernels.vocab_parallel_worker import IGNORE, vocab_parallel_rank

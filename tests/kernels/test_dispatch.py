@@ -8,8 +8,8 @@ import textwrap
 
 import pytest
 import torch
-from megatron_lite.kernels import ENV_VAR, rms_norm, selfcheck, use_triton
 
+from megatron_lite.kernels import ENV_VAR, rms_norm, selfcheck, use_triton
 from tests.kernels.helpers import randn
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

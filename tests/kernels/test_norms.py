@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-from megatron_lite.kernels import layer_norm, layer_norm_reference, rms_norm, rms_norm_reference
 
+from megatron_lite.kernels import layer_norm, layer_norm_reference, rms_norm, rms_norm_reference
 from tests.kernels.helpers import check_op, dtype_params, randn
 
 # odd hidden sizes, tails smaller than a block, a single row, rows not divisible by programs

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from megatron_lite.kernels import apply_rope, apply_rope_reference, swiglu, swiglu_reference
 
+from megatron_lite.kernels import apply_rope, apply_rope_reference, swiglu, swiglu_reference
 from tests.kernels.helpers import DEVICE, check_op, dtype_params, randn
 
 # [s, b, n, d]: d/2 below, at and above a power of two; one head; several rows per position

@@ -11,9 +11,9 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from megatron_lite.kernels import ENV_VAR, dispatch, selfcheck
 
 from megatron_lite import kernels
+from megatron_lite.kernels import ENV_VAR, dispatch, selfcheck
 from tests.kernels.helpers import randn
 
 MODULES = {
