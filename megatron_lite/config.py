@@ -79,7 +79,8 @@ class ParallelConfig:
     tp: int = 1
     pp: int = 1
     vpp: int = 1  # virtual pipeline stages (model chunks) per pipeline rank
-    # None: 1f1b (vpp=1) / interleaved; zb-h1; zb-v and dualpipev (vpp=2)
+    # a registered schedule's name (pipeline/registry.py; shipped: 1f1b, interleaved, zb-h1,
+    # zb-v, dualpipev); None: 1f1b at vpp=1, interleaved at vpp >= 2
     pipeline_schedule: str | None = None
     pipeline_layers: list[int] | None = None  # layers per virtual stage (None: even split)
     decoder_first_pipeline_num_layers: int | None = None  # Megatron's: the first stage's layers

@@ -38,14 +38,25 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-OURS = {"1f1b": 1, "interleaved": 2, "zb-h1": 1, "zb-v": 2, "dualpipev": 2}  # chunks a rank
 # PyTorch's: name -> (class in torch.distributed.pipelining.schedules, ours of the same split)
 TORCH = {
     "torch-interleaved-1f1b": ("ScheduleInterleaved1F1B", "interleaved"),
     "torch-zbv": ("ScheduleZBVZeroBubble", "zb-v"),
     "torch-dualpipev": ("ScheduleDualPipeV", "dualpipev"),
 }
-SCHEDULES = (*OURS, *TORCH)
+
+
+def our_chunks() -> dict[str, int]:
+    """Our registered schedules (their records) -> the chunks a rank holds: the record's vpp,
+    2 where it runs on any vpp >= 2."""
+    from megatron_lite.pipeline.registry import named_schedule, schedule_names
+
+    return {name: named_schedule(name).vpp or 2 for name in schedule_names()}
+
+
+def schedules() -> tuple[str, ...]:
+    """Every name --schedules takes: ours, then PyTorch's."""
+    return (*our_chunks(), *TORCH)
 
 
 def model_overrides(a: argparse.Namespace, schedule: str) -> list[str]:
@@ -57,7 +68,7 @@ def model_overrides(a: argparse.Namespace, schedule: str) -> list[str]:
         "model.num_attention_heads=4", "model.num_query_groups=4", "model.tie_embeddings=false",
         f"model.seq_length={a.seq}", "train.micro_batch_size=1",
         f"train.global_batch_size={a.microbatches}", "log.progress=false",
-        f"parallel.pp={a.pp}", f"parallel.vpp={OURS[schedule]}",
+        f"parallel.pp={a.pp}", f"parallel.vpp={our_chunks()[schedule]}",
         f"parallel.pipeline_schedule={schedule}", f"train.out_dir={a.out_dir}",
     ]  # fmt: skip
 
@@ -106,14 +117,14 @@ def _bench_rank(rank, world, args: dict, name: str):
     from megatron_lite.train import prepare
 
     a = argparse.Namespace(**args)
-    ours = name in OURS
+    ours = name in our_chunks()
     schedule = name if ours else TORCH[name][1]
     cfg, _, vocab = prepare(model_overrides(a, schedule), world_size=world)
     mesh = ParallelMesh(rank_layout(cfg.parallel, world))
     tracker = model_parallel_seed(cfg.train.seed, mesh.tp.rank, mesh.pp.rank)
     chunks = build_model(cfg, mesh, tracker, vocab)
     optimizer = torch.optim.AdamW([p for c in chunks for p in c.parameters()], lr=1e-3)
-    m, s, h, vpp = a.microbatches, a.seq, a.hidden, OURS[schedule]
+    m, s, h, vpp = a.microbatches, a.seq, a.hidden, our_chunks()[schedule]
     place = schedule_placement(schedule, vpp)
     stages_of = [virtual_stage(mesh.pp.rank, c, a.pp, place) for c in range(vpp)]
     holds_loss = any(c.post_process for c in chunks)
@@ -202,10 +213,10 @@ def measure(a: argparse.Namespace, name: str) -> dict:
     keys = ("pp", "microbatches", "layers", "hidden", "seq", "steps", "out_dir")
     args = {k: getattr(a, k) for k in keys}
     out = spawn(a.pp, _bench_rank, args, name)
-    ours = name in OURS
+    ours = name in our_chunks()
     schedule = name if ours else TORCH[name][1]
     events = [e for rank, _, spans in out["ranks"] for e in chrome_events(rank, rank, spans)]
-    meta = {"pp": a.pp, "vpp": OURS[schedule], "schedule": schedule}
+    meta = {"pp": a.pp, "vpp": our_chunks()[schedule], "schedule": schedule}
     if ours:  # our simulator predicts our tables only
         meta["num_microbatches"] = a.microbatches
     s = summarize({"traceEvents": events, "otherData": meta})
@@ -278,24 +289,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--steps", type=int, default=3, help="the first is not timed")
     parser.add_argument("--repeats", type=int, default=3, help="runs per schedule (medians)")
-    parser.add_argument("--schedules", default=",".join(SCHEDULES),
-                        help=f"comma-separated, of {', '.join(SCHEDULES)}")  # fmt: skip
+    names = schedules()
+    parser.add_argument("--schedules", default=",".join(names),
+                        help=f"comma-separated, of {', '.join(names)}")  # fmt: skip
     parser.add_argument("--out-dir", default="runs/bench_pipeline")
     a = parser.parse_args(argv)
     names = [s for s in a.schedules.split(",") if s]
-    unknown = [s for s in names if s not in SCHEDULES]
+    unknown = [s for s in names if s not in schedules()]
     if unknown or not names:
-        print(f"error: --schedules {a.schedules!r}: use names of {', '.join(SCHEDULES)}",
+        print(f"error: --schedules {a.schedules!r}: use names of {', '.join(schedules())}",
               file=sys.stderr)  # fmt: skip
         return 2
-    chunks = max(OURS[n if n in OURS else TORCH[n][1]] for n in names)
+    chunks_of = our_chunks()
+    chunks = max(chunks_of[n if n in chunks_of else TORCH[n][1]] for n in names)
     if a.layers % (a.pp * chunks):
         print(f"error: --layers {a.layers} must be a multiple of {a.pp * chunks} "
               f"(--pp {a.pp} × {chunks} chunks a rank)", file=sys.stderr)  # fmt: skip
         return 2
-    if a.microbatches < 2 * a.pp and any("dualpipev" in n for n in names):
-        print(f"error: dualpipev needs --microbatches >= 2·pp = {2 * a.pp}", file=sys.stderr)
-        return 2
+    from megatron_lite.pipeline.registry import microbatches_problem
+
+    for n in names:  # each schedule record's microbatch rules (PyTorch's: ours of its split)
+        schedule = n if n in chunks_of else TORCH[n][1]
+        problem = microbatches_problem(a.pp, a.microbatches, chunks_of[schedule], schedule)
+        if problem:
+            print(f"error: --microbatches {a.microbatches} ({n}): {problem}", file=sys.stderr)
+            return 2
     os.makedirs(a.out_dir, exist_ok=True)
     runs = {s: [] for s in names}
     for _ in range(a.repeats):

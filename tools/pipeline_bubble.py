@@ -6,8 +6,10 @@
 
 Costs are per chunk action (a chunk holds 1/vpp of a rank's layers); --backward-cost is a whole
 backward, of which the zero-bubble schedules' W takes --weight-cost (default half). The formula
-line is the Megatron paper's (pp-1)/(vpp*m) for 1F1B and interleaved (exact for forward=1,
-backward=2, comm=0) and Qi et al.'s (pp-1)(F+B-W)/(m(F+B+W)) for ZB-H1 (B: the input-grad part).
+line is the schedule record's closed form where it has one (pipeline/registry.py
+`bubble_formula`): the Megatron paper's (pp-1)/(vpp*m) for 1F1B and interleaved (exact for
+forward=1, backward=2, comm=0) and Qi et al.'s (pp-1)(F+B-W)/(m(F+B+W)) for ZB-H1 (B: the
+input-grad part).
 """
 
 from __future__ import annotations
@@ -18,10 +20,11 @@ import sys
 from fractions import Fraction
 
 from megatron_lite.pipeline.schedules import (
-    SCHEDULES,
+    bubble_formula,
     format_actions,
+    get_schedule_spec,
     get_schedule_table,
-    resolve_schedule,
+    schedule_names,
     simulate_options,
 )
 from megatron_lite.pipeline.simulate import chrome_trace, simulate
@@ -49,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="W's part of --backward-cost (zero-bubble schedules; default half)",
     )
-    parser.add_argument("--schedule", default=None, choices=sorted(SCHEDULES),
+    parser.add_argument("--schedule", default=None, choices=sorted(schedule_names()),
                         help="default: 1f1b, or interleaved with --vpp > 1")  # fmt: skip
     parser.add_argument("--print-schedule", action="store_true", help="print every rank's actions")
     parser.add_argument("--trace", help="write a Chrome/Perfetto trace JSON to this path")
@@ -60,8 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    name = resolve_schedule(args.schedule, args.vpp)
-    how = simulate_options(name, args.vpp)
+    spec = get_schedule_spec(args.schedule, args.vpp)
+    how = simulate_options(spec.name, args.vpp)
     costs = (args.forward_cost, args.backward_cost, args.comm_cost)
     result = simulate(table, *costs, weight_cost=args.weight_cost, **how)
 
@@ -77,14 +80,10 @@ def main(argv: list[str] | None = None) -> int:
         )
     print(f"makespan {float(result.makespan):.4g}")
     print(f"bubble   {result.bubble_fraction} = {float(result.bubble_fraction):.4f} (simulated)")
-    m, f, b = args.microbatches, args.forward_cost, args.backward_cost
-    if name in ("1f1b", "interleaved"):
-        formula = Fraction(args.pp - 1, args.vpp * m)
-        print(f"formula  {formula} = {float(formula):.4f} ((pp-1)/(vpp*m))")
-    elif name == "zb-h1":
-        w = b / 2 if args.weight_cost is None else args.weight_cost
-        formula = (args.pp - 1) * (f + (b - w) - w) / (m * (f + b))
-        print(f"formula  {formula} = {float(formula):.4f} ((pp-1)(F+B-W)/(m(F+B+W)), W <= B)")
+    formula = bubble_formula(spec.name, args.pp, args.vpp, args.microbatches, *costs[:2],
+                             args.weight_cost)  # fmt: skip
+    if formula is not None:
+        print(f"formula  {formula} = {float(formula):.4f} ({spec.bubble_rule})")
     if args.trace:
         with open(args.trace, "w") as f:
             json.dump(chrome_trace(list(result.spans)), f)

@@ -7,7 +7,8 @@ The trace (written by the engine under train.profile_pipeline=true, one step, al
 Perfetto (ui.perfetto.dev) as is. Busy = forward + backward time; idle = the step window minus
 busy (p2p waits and gaps); bubble = idle / busy, the definition of pipeline/simulate.py, whose
 prediction for the same schedule is printed alongside: with unit costs forward=1, backward=2
-and free communication (the (pp-1)/(vpp*m) formula), and with this trace's mean forward and
+and free communication (with the schedule's closed form where its record has one: (pp-1)/(vpp*m)
+for 1F1B and interleaved), and with this trace's mean forward and
 backward durations plus its shortest p2p batch as the cost of every batch.
 """
 
@@ -55,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
             f"p2p batch {c['comm']:.2f} ms)"
         )
     if "unit_costs" in pred:
-        formula = f"  = formula (pp-1)/(vpp*m) = {pred['formula']:.4f}" if "formula" in pred else ""
+        rule = pred.get("formula_rule", "(pp-1)/(vpp*m)")  # the schedule record's closed form
+        formula = f"  = formula {rule} = {pred['formula']:.4f}" if "formula" in pred else ""
         print(f"simulated, F=1 B=2, no comm cost    {pred['unit_costs']:.4f}{formula}")
     return 0
 

@@ -129,60 +129,6 @@ def format_actions(actions: list[Action]) -> str:
     return " ".join(parts)
 
 
-def check_schedule_args(
-    pp_size: int, num_microbatches: int, vpp: int = 1, schedule: str | None = None
-) -> None:
-    """Reject degree/microbatch combinations no schedule supports, with the rule and a fix."""
-    if pp_size < 1 or vpp < 1:
-        raise ValueError(f"pp={pp_size} and vpp={vpp} must both be >= 1")
-    if num_microbatches < 1:
-        raise ValueError(f"num_microbatches={num_microbatches} must be >= 1")
-    if pp_size == 1:
-        if vpp > 1:
-            raise ValueError(
-                f"vpp={vpp} needs pp >= 2: interleaving splits the model over pipeline ranks; "
-                "with pp=1 use vpp=1"
-            )
-        return
-    problem = microbatches_problem(pp_size, num_microbatches, vpp, schedule)
-    if problem is None:
-        return
-    if schedule == "dualpipev" and num_microbatches < 2 * pp_size:
-        raise ValueError(f"{problem}; use num_microbatches >= {2 * pp_size}")
-    if num_microbatches < pp_size:
-        raise ValueError(
-            f"{problem}; use num_microbatches >= {pp_size} "
-            f"(the bubble is (pp-1)/num_microbatches, so more is better)"
-        )
-    lower = num_microbatches // pp_size * pp_size
-    raise ValueError(f"{problem}; use num_microbatches={lower} or {lower + pp_size}, or vpp=1")
-
-
-def microbatches_problem(
-    pp_size: int, num_microbatches: int, vpp: int = 1, schedule: str | None = None
-) -> str | None:
-    """Why the pipeline schedules cannot run `num_microbatches` on (pp, vpp), or None: the one
-    owner of the microbatch-count rules (config validation words its message from this)."""
-    if pp_size > 1 and num_microbatches < pp_size:
-        return (
-            f"num_microbatches={num_microbatches} must be >= pp={pp_size} for the 1F1B "
-            f"schedule: with fewer than the {pp_size} pipeline stages the pipeline never fills"
-        )
-    if pp_size > 1 and schedule == "dualpipev" and num_microbatches < 2 * pp_size:
-        return (
-            f"num_microbatches={num_microbatches} must be >= 2·pp={2 * pp_size} for the "
-            "dualpipev schedule: each rank's warm-up forwards 2·(pp - rank) - 1 microbatches "
-            "before its first backward"
-        )
-    if pp_size > 1 and vpp > 1 and schedule in (None, "interleaved") and num_microbatches % pp_size:
-        return (
-            f"num_microbatches={num_microbatches} must be a multiple of pp={pp_size} for the "
-            f"interleaved schedule (vpp={vpp}): microbatches pass through the model chunks in "
-            "groups of pp"
-        )
-    return None
-
-
 def _check_rank(pp_size: int, pp_rank: int) -> None:
     if not 0 <= pp_rank < pp_size:
         raise ValueError(f"pp_rank={pp_rank} must be in [0, pp={pp_size})")

@@ -31,9 +31,7 @@ from megatron_lite.pipeline.schedules import (
     Action,
     comm_batches,
     get_schedule,
-    resolve_schedule,
-    schedule_comm,
-    schedule_placement,
+    get_schedule_spec,
     stage_location,
     virtual_stage,
 )
@@ -330,21 +328,22 @@ def forward_backward(
     (`DataParallelWrapper.after_weight`: FSDP2 reduces there, once every weight GEMM has run).
     `weight_phase()`, if given, is entered around each W (a memory tracker's phase: W runs
     outside autograd, and what it allocates is gradients and working memory, not activations).
-    `schedule` names the table (schedules.SCHEDULES; None: 1F1B or interleaved by the chunk
-    count). The zero-bubble ones split each backward: B runs autograd with the parallel linear
-    layers' weight-gradient GEMMs queued (`linear_async.defer_wgrad`), W runs the queue; their
-    batches are posted, each compute waiting only for the receive it needs.
+    `schedule` names the table (a registered `ScheduleSpec`; None: 1F1B or interleaved by the
+    chunk count), whose record gives the placement and how batches run. The zero-bubble ones
+    split each backward: B runs autograd with the parallel linear layers' weight-gradient GEMMs
+    queued (`linear_async.defer_wgrad`), W runs the queue; their batches are posted, each
+    compute waiting only for the receive it needs.
     """
     pp = mappings.size(pp_group)
     pp_rank = dist.get_rank(pp_group) if pp > 1 else 0
     device = device or torch.device("cpu")
     vpp = len(chunks)
-    name = resolve_schedule(schedule, vpp)
-    placement = schedule_placement(name, vpp)
+    spec = get_schedule_spec(schedule, vpp)
+    placement = spec.placement
     if forward_only:
         actions = forward_only_schedule(pp, pp_rank, len(microbatches), vpp, placement)
     else:
-        actions = get_schedule(pp, pp_rank, len(microbatches), vpp, name)
+        actions = get_schedule(pp, pp_rank, len(microbatches), vpp, spec.name)
     p2p = None
     if pp > 1:
         if tensor_shape is None:
@@ -356,7 +355,7 @@ def forward_backward(
     pp_info = (pp_rank, pp, device)
     run = _Run(chunks, microbatches, forward_step, loss_scale, p2p, pp_info, dtype, recorder)
     run.forward_only = forward_only
-    run.placement, run.posted = placement, schedule_comm(name, vpp) == "posted" and pp > 1
+    run.placement, run.posted = placement, spec.comm == "posted" and pp > 1
     run.split = any(a.kind == "weight" for a in actions)
     run.before_backward, run.after_weight = before_backward, after_weight
     if weight_phase is not None:

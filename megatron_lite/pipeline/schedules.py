@@ -1,9 +1,10 @@
 """Pipeline schedules as data: each table is one rank's ordered list of actions (actions.py:
-`Action`, the placements, the batching rules). This module builds the 1F1B family, owns the
-registry of named schedules (`SCHEDULES`: the vpp each needs, its placement, how its batches
-run) and `get_schedule`, which also gives the zero-bubble tables (zero_bubble.py), and the
-forward-only table of evaluation. Every function is pure (no torch.distributed); `simulate.py`
-checks whole tables for matched sends and receives, deadlock-freedom and bubble.
+`Action`, the placements, the batching rules). This module builds the 1F1B family, registers
+the records of the shipped schedules (registry.py `ScheduleSpec`: 1F1B, interleaved 1F1B and
+the zero-bubble tables of zero_bubble.py), gives any registered schedule's table
+(`get_schedule`) and the forward-only table of evaluation. Every function is pure (no
+torch.distributed); `simulate.py` checks whole tables for matched sends and receives,
+deadlock-freedom and bubble.
 """
 
 from __future__ import annotations
@@ -19,13 +20,26 @@ from megatron_lite.pipeline.actions import (
     _batch,
     _check_rank,
     _label_receives,
-    check_schedule_args,
     comm_batches,
     format_actions,
-    microbatches_problem,
     peer_of,
     stage_location,
     virtual_stage,
+)
+from megatron_lite.pipeline.registry import (
+    ScheduleSpec,
+    bubble_formula,
+    check_schedule_args,
+    get_schedule_spec,
+    in_flight,
+    microbatches_problem,
+    register_schedule,
+    resolve_schedule,
+    schedule_comm,
+    schedule_names,
+    schedule_placement,
+    simulate_options,
+    splits_backward,
 )
 from megatron_lite.pipeline.zero_bubble import (
     dualpipev,
@@ -36,13 +50,14 @@ from megatron_lite.pipeline.zero_bubble import (
 )
 
 __all__ = [
-    "COMM_KINDS", "COMPUTE_KINDS", "KINDS", "PLACEMENTS", "RECV_OF", "SCHEDULES",
-    "SPLIT_SCHEDULES", "Action", "Step", "check_schedule_args", "comm_batches", "dualpipev",
-    "format_actions", "forward_only",
-    "get_schedule", "get_schedule_table", "interleaved_one_f_one_b", "microbatches_problem",
-    "no_pipelining", "one_f_one_b", "peer_of", "receive_in_send_order", "resolve_schedule",
-    "schedule_comm", "schedule_placement", "simulate_options", "splits_backward",
-    "stage_location", "virtual_stage", "with_comm", "zb_h1", "zb_v",
+    "COMM_KINDS", "COMPUTE_KINDS", "KINDS", "PLACEMENTS", "RECV_OF", "Action",
+    "ScheduleSpec", "Step", "bubble_formula", "check_schedule_args", "comm_batches",
+    "dualpipev", "format_actions", "forward_only", "get_schedule", "get_schedule_spec",
+    "get_schedule_table", "in_flight", "interleaved_one_f_one_b", "microbatches_problem",
+    "no_pipelining", "one_f_one_b", "peer_of", "receive_in_send_order", "register_schedule",
+    "resolve_schedule", "schedule_comm", "schedule_names", "schedule_placement",
+    "simulate_options", "splits_backward", "stage_location", "virtual_stage", "with_comm",
+    "zb_h1", "zb_v",
 ]  # fmt: skip
 
 
@@ -191,73 +206,17 @@ def interleaved_one_f_one_b(
     return _label_receives(actions)
 
 
-# parallel.pipeline_schedule: name -> (vpp it needs, None: any >= 2; placement; batches)
-SCHEDULES = {
-    "1f1b": (1, "loop", "rendezvous"),
-    "interleaved": (None, "loop", "rendezvous"),
-    "zb-h1": (1, "loop", "posted"),
-    "zb-v": (2, "v", "posted"),
-    "dualpipev": (2, "v", "posted"),
-}
-
-
-def resolve_schedule(schedule: str | None, vpp: int = 1) -> str:
-    """The schedule's name: None picks 1F1B or interleaved 1F1B by vpp (the default)."""
-    if schedule is None:
-        return "1f1b" if vpp == 1 else "interleaved"
-    if schedule not in SCHEDULES:
-        raise ValueError(f"pipeline schedule {schedule!r} is not one of {sorted(SCHEDULES)}")
-    need = SCHEDULES[schedule][0]
-    if (need is None and vpp < 2) or (need is not None and vpp != need):
-        rule = "vpp >= 2" if need is None else f"vpp={need}"
-        raise ValueError(f"pipeline schedule {schedule!r} needs {rule} (model chunks per "
-                         f"pipeline rank), not vpp={vpp}")  # fmt: skip
-    return schedule
-
-
-def schedule_placement(schedule: str | None, vpp: int = 1) -> str:
-    """Where the schedule puts the virtual stages ("loop" or "v")."""
-    return SCHEDULES[resolve_schedule(schedule, vpp)][1]
-
-
-def schedule_comm(schedule: str | None, vpp: int = 1) -> str:
-    """How the engine runs the schedule's batches: "rendezvous" (wait for each batch) or
-    "posted" (post it and wait where a compute needs what it receives)."""
-    return SCHEDULES[resolve_schedule(schedule, vpp)][2]
-
-
-# the schedules whose backward is split into B (input grad) and W (weight grads)
-SPLIT_SCHEDULES = ("zb-h1", "zb-v", "dualpipev")
-
-
-def splits_backward(schedule: str | None, vpp: int = 1) -> bool:
-    """Whether the schedule splits each backward into B (input grad) and W (weight grads)."""
-    return resolve_schedule(schedule, vpp) in SPLIT_SCHEDULES
-
-
-def simulate_options(schedule: str | None, vpp: int = 1) -> dict[str, str]:
-    """`simulate`'s placement= and comm= for the schedule's tables."""
-    return {"placement": schedule_placement(schedule, vpp), "comm": schedule_comm(schedule, vpp)}
-
-
 def get_schedule(
     pp_size: int, pp_rank: int, num_microbatches: int, vpp: int = 1, schedule: str | None = None
 ) -> list[Action]:
-    """The action list of `pp_rank`: no pipelining (pp = 1), else `schedule` (None: 1F1B or
-    interleaved 1F1B by vpp)."""
+    """The action list of `pp_rank`: no pipelining (pp = 1), else the table of `schedule`'s
+    record (None: 1F1B or interleaved 1F1B by vpp)."""
     check_schedule_args(pp_size, num_microbatches, vpp, schedule)
-    name = resolve_schedule(schedule, vpp)
+    spec = get_schedule_spec(schedule, vpp)
     if pp_size == 1:
         return no_pipelining(num_microbatches)
-    if name == "zb-h1":
-        return zb_h1(pp_size, pp_rank, num_microbatches)
-    if name == "zb-v":
-        return zb_v(pp_size, pp_rank, num_microbatches)
-    if name == "dualpipev":
-        return dualpipev(pp_size, pp_rank, num_microbatches)
-    if name == "1f1b":
-        return one_f_one_b(pp_size, pp_rank, num_microbatches)
-    return interleaved_one_f_one_b(pp_size, pp_rank, num_microbatches, vpp)
+    _check_rank(pp_size, pp_rank)
+    return spec.build(pp_size, pp_rank, num_microbatches, vpp)
 
 
 def forward_only(
@@ -289,3 +248,71 @@ def get_schedule_table(
 ) -> list[list[Action]]:
     """Every rank's action list, indexed by pipeline rank (what `simulate` takes)."""
     return [get_schedule(pp_size, r, num_microbatches, vpp, schedule) for r in range(pp_size)]
+
+
+# ------------------------------------------------------------------- the shipped schedules
+def _one_f_one_b_fill(fwd: float, bwd: float, wgt: float) -> float:
+    return fwd + bwd  # the first microbatch's forward down and backward up the pipeline
+
+
+def _interleaved_in_flight(pp: int, vpp: int, m: int, rank: int) -> int:
+    # Megatron's warm-up count plus one (chunks, each 1/vpp of the stage), all m·vpp at m = pp
+    return min((pp - rank - 1) * 2 + (vpp - 1) * pp + 1, m * vpp)
+
+
+ONE_F_ONE_B = ScheduleSpec(
+    name="1f1b",
+    build=lambda pp, rank, m, vpp: one_f_one_b(pp, rank, m),
+    in_flight=lambda pp, vpp, m, rank: min(pp - rank, m),  # pp - rank - 1 warm-up forwards + 1
+    summary="PipeDream-flush (the default at vpp=1)",
+    bubble_fill=_one_f_one_b_fill,
+    bubble_rule="(pp-1)/(vpp*m)",
+)
+INTERLEAVED = ScheduleSpec(
+    name="interleaved",
+    build=interleaved_one_f_one_b,
+    in_flight=_interleaved_in_flight,
+    summary="Megatron's interleaved 1F1B (the default at vpp >= 2)",
+    vpp=None,
+    multiple_rule="microbatches pass through the model chunks in groups of pp",
+    bubble_fill=_one_f_one_b_fill,
+    bubble_rule="(pp-1)/(vpp*m)",
+)
+ZB_H1 = ScheduleSpec(
+    name="zb-h1",
+    build=lambda pp, rank, m, vpp: zb_h1(pp, rank, m),
+    # W keeps later ranks' pairs longer: every rank holds rank 0's 1F1B count
+    in_flight=lambda pp, vpp, m, rank: min(pp, m),
+    summary="zero bubble at 1F1B's activation memory (Qi et al. 2024)",
+    splits_backward=True,
+    comm="posted",
+    bubble_fill=lambda fwd, bwd, wgt: max(fwd + bwd - 2 * wgt, 0.0),
+    bubble_rule="(pp-1)(F+B-W)/(m(F+B+W)), W <= B",
+)
+ZB_V = ScheduleSpec(
+    name="zb-v",
+    build=lambda pp, rank, m, vpp: zb_v(pp, rank, m),
+    in_flight=lambda pp, vpp, m, rank: min(m + 1 + rank, 2 * pp),  # half-model chunks
+    summary="zero bubble in the V placement (Qi et al. 2024)",
+    vpp=2,
+    placement="v",
+    splits_backward=True,
+    comm="posted",
+)
+DUALPIPEV = ScheduleSpec(
+    name="dualpipev",
+    build=lambda pp, rank, m, vpp: dualpipev(pp, rank, m),
+    in_flight=lambda pp, vpp, m, rank: 2 * pp + 1,  # half-model chunks
+    summary="DeepSeek-V3's DualPipe cut in half onto the V placement",
+    vpp=2,
+    placement="v",
+    splits_backward=True,
+    comm="posted",
+    min_microbatches=lambda pp, vpp: 2 * pp,
+    min_formula="2·pp",
+    min_why=(
+        "each rank's warm-up forwards 2·(pp - rank) - 1 microbatches before its first backward"
+    ),
+)
+for _spec in (ONE_F_ONE_B, INTERLEAVED, ZB_H1, ZB_V, DUALPIPEV):  # the docs' table's order
+    register_schedule(_spec)

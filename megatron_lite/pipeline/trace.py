@@ -23,7 +23,12 @@ import torch.distributed as dist
 
 from megatron_lite.atomic import write_atomic
 from megatron_lite.parallel.mappings import guarded
-from megatron_lite.pipeline.schedules import get_schedule_table, resolve_schedule, simulate_options
+from megatron_lite.pipeline.schedules import (
+    bubble_formula,
+    get_schedule_spec,
+    get_schedule_table,
+    simulate_options,
+)
 from megatron_lite.pipeline.simulate import simulate
 
 TRACE_FILE = "pipeline_trace.json"
@@ -99,7 +104,8 @@ def summarize(trace: dict) -> dict:
 
     The step window is [0, latest span end over all ranks]; busy = forward + backward time;
     idle = window - busy (p2p waits and gaps). `predicted` simulates the same schedule with unit
-    costs 1:2 (no comm cost: the formula) and with this trace's mean forward/backward durations
+    costs 1:2 (no comm cost; `formula`: the schedule record's closed form there, if it has one,
+    `formula_rule` its text) and with this trace's mean forward/backward durations
     plus the shortest p2p batch as comm cost (a batch whose peer is ready costs only transfer).
     """
     busy: dict[int, float] = defaultdict(float)
@@ -126,8 +132,10 @@ def summarize(trace: dict) -> dict:
     if pp and m:
         table = get_schedule_table(pp, m, vpp, schedule)
         how = simulate_options(schedule, vpp)
-        if resolve_schedule(schedule, vpp) in ("1f1b", "interleaved"):
-            predicted["formula"] = float(Fraction(pp - 1, vpp * m))
+        formula = bubble_formula(schedule, pp, vpp, m, Fraction(1), Fraction(2))
+        if formula is not None:  # the record's closed form at the unit costs
+            predicted["formula"] = float(formula)
+            predicted["formula_rule"] = get_schedule_spec(schedule, vpp).bubble_rule
         predicted["unit_costs"] = float(simulate(table, **how).bubble_fraction)
         if cost["forward"] and cost["backward"]:
             fwd = sum(cost["forward"]) / len(cost["forward"])

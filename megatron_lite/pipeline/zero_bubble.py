@@ -14,12 +14,12 @@ from megatron_lite.pipeline.actions import (
     Action,
     _batch,
     _check_rank,
-    check_schedule_args,
     comm_batches,
     peer_of,
     stage_location,
     virtual_stage,
 )
+from megatron_lite.pipeline.registry import check_schedule_args
 
 
 def with_comm(

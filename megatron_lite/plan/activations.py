@@ -384,28 +384,6 @@ def head_terms(cfg: Config, shape: LayerShape) -> dict[str, float]:
     }
 
 
-def in_flight(
-    pp: int, vpp: int, num_microbatches: int, rank: int, schedule: str | None = None
-) -> int:
-    """(microbatch, chunk) pairs whose activations pipeline rank `rank` holds at its peak (a
-    split backward's counted until W): 1F1B min(pp - rank, m); ZB-H1 min(pp, m) on every rank
-    (W keeps later ranks' pairs longer, the first rank's peak is 1F1B's); interleaved
-    Megatron's warmup count + 1, (pp-rank-1)·2 + (vpp-1)·pp + 1, capped at m·vpp; ZB-V
-    min(m + 1 + rank, 2·pp) half-model chunks, DualPipeV 2·pp + 1 of them (m >= 2·pp; all
-    equal to the schedule simulator's peak_in_flight)."""
-    if pp == 1:
-        return 1
-    if schedule == "zb-h1":
-        return min(pp, num_microbatches)
-    if schedule == "zb-v":
-        return min(num_microbatches + 1 + rank, 2 * pp)
-    if schedule == "dualpipev":
-        return 2 * pp + 1
-    if vpp == 1:
-        return min(pp - rank, num_microbatches)
-    return min((pp - rank - 1) * 2 + (vpp - 1) * pp + 1, num_microbatches * vpp)
-
-
 # ----------------------------------------------------------------------- published formulas
 def korthikanti(s: int, b: int, h: int, a: int, t: int = 1, mode: str = "none") -> float:
     """Korthikanti et al. 2022, Table 2 (bytes per layer, fp16): none (t = 1 no parallelism),

@@ -95,7 +95,7 @@ class RankResult:
 def steady_microbatches(cfg: Config) -> int:
     """The fewest microbatches whose peak equals the full step's: 2·pp (pp = 1: 2, so gradient
     accumulation runs), never more than the config's M. 1F1B holds its most activations from
-    pp microbatches on (plan/activations.py `in_flight`), interleaved from its warmup + 1 <
+    pp microbatches on (the schedule record's `in_flight`), interleaved from its warmup + 1 <
     2·pp·vpp (and needs a multiple of pp), but ZeRO-2's buckets in flight at the peak need a
     microbatch past the warmup too (measured: a tp8 pp2 ZeRO-2 stage's working buffers differ
     at m = pp)."""

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 
 from megatron_lite.config import Config
 from megatron_lite.parallel.data_parallel.memory import TERMS, formula_bytes, zero2_in_flight
-from megatron_lite.plan.activations import in_flight, layer_bytes, layer_shape, resolved
+from megatron_lite.pipeline.registry import in_flight
+from megatron_lite.plan.activations import layer_bytes, layer_shape, resolved
 from megatron_lite.plan.params import largest_params, rank_params
 from megatron_lite.plan.peak import peak_moment, saved_peak
 from megatron_lite.resolve import moe_layer_pattern, num_microbatches

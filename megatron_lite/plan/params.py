@@ -78,7 +78,7 @@ def layer_params(cfg: Config, moe: bool) -> tuple[int, int]:
 
 
 def placement(cfg: Config) -> str:
-    """Where the pipeline schedule puts the virtual stages ("loop", or "v": zb-v, dualpipev)."""
+    """Where the pipeline schedule's record puts the virtual stages ("loop" or "v")."""
     return schedule_placement(cfg.parallel.pipeline_schedule, cfg.parallel.vpp)
 
 

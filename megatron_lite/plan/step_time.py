@@ -14,7 +14,7 @@ Overlap model (what our code overlaps):
 - EP (MoE) all-to-alls are exposed: EP's dispatch and combine, T·u·k·h·A
   each, in forward, backward and a recompute's rerun, on the MoE layers (moe_layer_freq).
 - PP: each send/receive batch costs its p2p time on the schedule's critical path (simulator).
-  zb-h1, zb-v and dualpipev (parallel.pipeline_schedule) split each backward into B and W, W
+  A schedule whose record splits the backward (the zero-bubble ones) runs it as B and W, W
   being the linear layers' weight-gradient GEMMs (a layer's forward GEMM time; the attention
   core has no weights), with posted batches; B then has no weight-gradient GEMM to hide the TP
   reduce-scatter of the input gradient behind, so that is exposed.
@@ -33,7 +33,12 @@ from dataclasses import dataclass
 
 from megatron_lite.config import Config
 from megatron_lite.context.ulysses import ulysses_kv_heads
-from megatron_lite.pipeline.schedules import schedule_placement, splits_backward, virtual_stage
+from megatron_lite.pipeline.schedules import (
+    get_schedule_spec,
+    schedule_placement,
+    splits_backward,
+    virtual_stage,
+)
 from megatron_lite.plan.activations import layer_shape, recompute_settings, resolved
 from megatron_lite.plan.comm import collective_time, group_links
 from megatron_lite.plan.params import chunk_moe, rank_layers, rank_params
@@ -69,17 +74,18 @@ def _pipeline(pp: int, vpp: int, m: int, weights: tuple, fwd: float, bwd: float,
               wgt: float | None = None) -> tuple[float, float, float]:  # fmt: skip
     """(busy time of the busiest rank, bubble, time the p2p adds) of the schedule with these
     per-layer costs (`wgt`: W's part of `bwd` for a zero-bubble schedule). Bubble: the
-    simulator's makespan minus busy, or the closed form: (pp - 1) mean virtual-stage
-    forward+backward of fill and drain, (pp - 1)(F + B - 2W) for zb-h1 (zb-v and dualpipev:
-    always the simulator). P2P: every send/receive batch on the critical path (an upper bound)."""
+    simulator's makespan minus busy, or the closed form: (pp - 1) times the mean virtual
+    stage's fill and drain, the schedule record's `bubble_fill` (F + B for 1F1B, F + B - 2W
+    for ZB-H1; a record without one: always the simulator). P2P: every send/receive batch on
+    the critical path (an upper bound)."""
     stages = rank_stages(pp, vpp, schedule)
     busy = max(m * sum(weights[s] for s in stages[r]) * (fwd + bwd) for r in range(pp))
     if pp == 1:
         return busy, 0.0, 0.0
-    if not simulate and schedule_placement(schedule, vpp) == "loop":  # closed forms: loop
+    fill = get_schedule_spec(schedule, vpp).bubble_fill
+    if not simulate and fill is not None:  # the record's closed form
         mean = sum(weights) / len(weights)
-        fill = fwd + bwd if schedule != "zb-h1" else max(fwd + bwd - 2 * wgt, 0.0)
-        return busy, (pp - 1) * mean * fill, 2 * m * vpp * comm
+        return busy, (pp - 1) * mean * fill(fwd, bwd, wgt), 2 * m * vpp * comm
     no_comm = _simulated(pp, vpp, m, weights, fwd, bwd, 0.0, schedule, wgt)
     return busy, max(0.0, no_comm - busy), 2 * m * vpp * comm
 

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 from megatron_lite.config import Config, ModelConfig, TrainConfig
-from megatron_lite.pipeline.schedules import SCHEDULES, resolve_schedule
+from megatron_lite.pipeline.registry import named_schedule, resolve_schedule, schedule_names
 from megatron_lite.resolve import CP_COMM_TYPES, kv_channels
 from megatron_lite.validation.rules import _choice, _rule, _timeout
-
-ENGINE_SCHEDULES = ("1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev")  # the trainer runs
 
 
 def _validate_choices(cfg: Config) -> None:
@@ -25,12 +23,12 @@ def _validate_choices(cfg: Config) -> None:
     _choice("model.attention_backend", m.attention_backend, ("auto", "sdpa", "flash", "te"))
     _choice("model.linear_backend", m.linear_backend, ("local", "te"))
     _choice("parallel.cp_comm_type", p.cp_comm_type, CP_COMM_TYPES)
-    _choice("parallel.pipeline_schedule", p.pipeline_schedule, (None, *ENGINE_SCHEDULES))
+    _choice("parallel.pipeline_schedule", p.pipeline_schedule, (None, *schedule_names()))
     if p.pipeline_schedule is not None:
         try:
             resolve_schedule(p.pipeline_schedule, p.vpp)
         except ValueError as e:
-            need = SCHEDULES.get(p.pipeline_schedule, (1,))[0]  # the vpp it runs on
+            need = named_schedule(p.pipeline_schedule).vpp  # the vpp it runs on
             fix = f"set parallel.vpp={need}" if need else "set parallel.vpp=2 or more"
             _rule(False, "parallel.pipeline_schedule", p.pipeline_schedule, str(e), fix)
     _choice("log.wandb_mode", cfg.log.wandb_mode, ("offline", "online", "disabled"))

@@ -15,7 +15,11 @@ import math
 
 from megatron_lite.config import Config, ParallelConfig
 from megatron_lite.parallel.mesh import order_problem
-from megatron_lite.pipeline.schedules import microbatches_problem
+from megatron_lite.pipeline.registry import (
+    fewest_microbatches,
+    microbatches_problem,
+    needs_multiple,
+)
 from megatron_lite.resolve import cp_a2a_size, num_microbatches
 from megatron_lite.validation.rules import _no_effect, _rule
 
@@ -297,13 +301,11 @@ def _validate_batch_sizes(cfg: Config) -> None:
     )
     n_micro = num_microbatches(t, p.dp)
     problem = microbatches_problem(p.pp, n_micro, p.vpp, p.pipeline_schedule)
-    multiple = p.pp * per_step
-    if p.pipeline_schedule == "dualpipev":  # 2·pp microbatches at least
-        fix = f"use global_batch_size >= {2 * multiple}"
-    elif p.vpp > 1 and p.pipeline_schedule in (None, "interleaved"):
-        fix = f"use a multiple of {multiple}"
+    if needs_multiple(p.pp, p.vpp, p.pipeline_schedule):  # the schedule record's rules
+        fix = f"use a multiple of {p.pp * per_step}"
     else:
-        fix = f"use global_batch_size >= {multiple}"
+        fewest = fewest_microbatches(p.pp, p.vpp, p.pipeline_schedule)
+        fix = f"use global_batch_size >= {fewest * per_step}"
     _rule(
         problem is None,
         "train.global_batch_size",

@@ -6,11 +6,10 @@ import pytest
 
 from megatron_lite.config import load_config
 from megatron_lite.parallel.data_parallel.memory import formula_bytes
-from megatron_lite.pipeline.schedules import get_schedule_table, simulate_options
+from megatron_lite.pipeline.schedules import get_schedule_table, in_flight, simulate_options
 from megatron_lite.pipeline.simulate import simulate
 from megatron_lite.plan.activations import (
     LayerShape,
-    in_flight,
     korthikanti,
     layer_input_bytes,
     layer_terms,
