@@ -52,10 +52,13 @@ def num_query_groups(m: ModelConfig) -> int:
 
 
 def ffn_hidden_size(m: ModelConfig) -> int:
-    """The dense MLP width: 4h (gpt) or 8h/3 rounded up to a multiple of 64 (llama)."""
+    """The dense MLP width: model.ffn_hidden_size, or the architecture's default when null
+    (its registry entry's: 8h/3 rounded up to a multiple of 64 for llama, 4h for gpt)."""
     if m.ffn_hidden_size is not None:
         return m.ffn_hidden_size
-    return 4 * m.hidden_size if m.arch == "gpt" else 64 * -(-int(8 * m.hidden_size / 3) // 64)
+    from megatron_lite.models.registry import get_architecture  # light: no layers loaded
+
+    return get_architecture(m.arch).ffn_hidden_size(m.hidden_size)
 
 
 def moe_ffn_hidden_size(m: ModelConfig) -> int:

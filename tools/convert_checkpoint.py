@@ -21,9 +21,10 @@ converted model (shown in its metadata.json).
 Names map one to one (tools/hf_families.py); fused tensors are stored per segment in our
 checkpoints (q/k/v, gate/up), so no splitting is needed except the stacked experts [E, ...],
 which HF stores one matrix per expert. Rotary embeddings use the same half-rotation convention
-(pairs i and i + d/2, HF's rotate_half), so q/k need no permutation. Only arch=llama converts;
-a field we do not implement (rope scaling, biases, sliding windows, sigmoid routing, ...) is an
-error naming it.
+(pairs i and i + d/2, HF's rotate_half), so q/k need no permutation. An architecture converts
+when its registry entry names these HF families (models/registry.py `hf_families`: llama does,
+gpt names none); a field we do not implement (rope scaling, biases, sliding windows, sigmoid
+routing, ...) is an error naming it.
 
 Inputs are checked before anything is written (tools/hf_checks.py, tools/convert_inputs.py):
 every config.json field read for presence, type and range, every tensor for its shape and

@@ -32,6 +32,11 @@ if _ROOT not in sys.path:
 from megatron_lite import resolve  # noqa: E402
 from megatron_lite.checkpoint.errors import CheckpointError  # noqa: E402
 from megatron_lite.config import ModelConfig  # noqa: E402
+from megatron_lite.models.registry import (  # noqa: E402
+    architecture_names,
+    get_architecture,
+    hf_architecture,
+)
 from tools.hf_checks import (  # noqa: E402
     check_count,
     check_expert_count,
@@ -81,9 +86,16 @@ def full_model_config(m: dict) -> ModelConfig:
 
 
 def family_of(mc: ModelConfig) -> str:
-    """Which HF family our model exports to: llama (dense), qwen3_moe (q/k norms), mixtral."""
-    if mc.arch != "llama":
-        raise CheckpointError(f"model.arch={mc.arch!r}: only llama-style models convert to HF")
+    """Which HF family our model exports to: llama (dense), qwen3_moe (q/k norms), mixtral;
+    the architecture's registry entry must name them (`hf_families`)."""
+    families = _families(mc.arch)
+    if not set(ARCHITECTURES) <= set(families):
+        convert = [n for n in architecture_names() if set(ARCHITECTURES) <= set(_families(n))]
+        raise CheckpointError(
+            f"model.arch={mc.arch!r}: its registry entry maps to the HF families "
+            f"{list(families)}, not {sorted(ARCHITECTURES)}, which this converter writes; "
+            f"only {convert} models convert to HF"
+        )
     if mc.num_experts is None:
         if mc.qk_layernorm:
             raise CheckpointError(
@@ -114,6 +126,13 @@ def family_of(mc: ModelConfig) -> str:
             "and moe_layer_freq=1 (or model.qk_layernorm=true for Qwen3-MoE)"
         )
     return "mixtral"
+
+
+def _families(arch: str) -> tuple[str, ...]:
+    try:
+        return get_architecture(arch).hf_families
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
 
 
 # ------------------------------------------------------------------ configs
@@ -171,7 +190,7 @@ def to_hf_config(m: dict, vocab_size: int) -> dict:
 
 def _family_of_hf(c: dict, file: str) -> str:
     kind = c.get("model_type")
-    if not isinstance(kind, str) or kind not in ARCHITECTURES:
+    if not isinstance(kind, str) or kind not in ARCHITECTURES or not hf_architecture(kind):
         archs = c.get("architectures")
         raise CheckpointError(
             f"{file}: HF model_type={kind!r} (architectures {archs}): only "
@@ -209,7 +228,7 @@ def from_hf_config(c: dict, file: str = "config.json") -> dict:
             "convert a model without them"
         )
     out = {
-        "arch": "llama",
+        "arch": hf_architecture(family),  # the registry entry that names this family
         "num_layers": c["num_hidden_layers"],
         "hidden_size": c["hidden_size"],
         "num_attention_heads": heads,

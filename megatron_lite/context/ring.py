@@ -16,9 +16,10 @@ also requires the same document, and a sub-block where no row shares a document 
 With balancing every rank computes 2R+1 chunk² of sub-blocks, two of them the masked
 diagonal: equal work on every rank.
 
-Per layer and rank the forward sends (R−1) K/V blocks of s_r·b·2g·d elements (s_r this rank's
-tokens, g KV heads), the backward R−1 K/V blocks and R dK/dV blocks (in fp32: the compute
-dtype).
+Per layer and rank the forward sends (R−1) K/V blocks of s_r·b·g·(dk + dv) elements (s_r this
+rank's tokens, g KV heads, dk and dv the key and value head widths, read from the tensors: the
+attention part declares them and they may differ), the backward R−1 K/V blocks and R dK/dV
+blocks (in fp32: the compute dtype).
 """
 
 from __future__ import annotations
@@ -131,7 +132,8 @@ def _scores(q, k, mask, scale):
 
 
 def block_forward(q, k, v, mask, scale):
-    """Attention of q [b, g, n/g, sq, d] to k, v [b, g, 1, sk, d]: (out, lse [b, g, n/g, sq]).
+    """Attention of q [b, g, n/g, sq, dk] to k [b, g, 1, sk, dk], v [b, g, 1, sk, dv]: (out
+    [b, g, n/g, sq, dv], lse [b, g, n/g, sq]).
     One exp pass: e = exp(s - rowmax), out = e·v / Σe, lse = rowmax + log Σe."""
     s = _scores(q, k, mask, scale)
     m = _finite(s.amax(dim=-1, keepdim=True))
@@ -171,10 +173,22 @@ def _kv_heads(t: torch.Tensor, dtype) -> torch.Tensor:
     return t.to(dtype).permute(1, 2, 0, 3).unsqueeze(2)  # [s, b, g, d] -> [b, g, 1, s, d]
 
 
+def _pack(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """k [s, b, g, dk], v [s, b, g, dv] -> one message [s, b, g·(dk + dv)] (K's heads first)."""
+    return torch.cat([k.flatten(2), v.flatten(2)], dim=2)
+
+
+def _unpack(kv: torch.Tensor, g: int, dk: int, dv: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of `_pack`: views k [s, b, g, dk], v [s, b, g, dv]."""
+    k, v = kv.split([g * dk, g * dv], dim=2)
+    return k.unflatten(2, (g, dk)), v.unflatten(2, (g, dv))
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, all_ranges, docs, scale, tile):
         R, r, g = mappings.size(group), mappings.group_rank(group), k.shape[2]
+        dk, dv = k.shape[3], v.shape[3]
         cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
         bounds = _doc_bounds(all_ranges, docs, tile)
         plans = [
@@ -182,12 +196,12 @@ class _RingAttention(torch.autograd.Function):
             for i in range(R)
         ]
         qh = _q_heads(q, g, cdt)
-        out = torch.zeros_like(qh)
+        out = qh.new_zeros(*qh.shape[:-1], dv)  # [b, g, n/g, s_r, dv]
         lse = torch.full(qh.shape[:-1], float("-inf"), dtype=cdt, device=q.device)
-        kv = torch.cat([k, v], dim=2)  # [s_r, b, 2g, d]: one message per step
+        kv = _pack(k, v)  # [s_r, b, g·(dk + dv)]: one message per step
         for i in range(R):
             shift = mappings.ring_shift(kv, group) if i < R - 1 else None
-            kh, vh = _kv_heads(kv[:, :, :g], cdt), _kv_heads(kv[:, :, g:], cdt)
+            kh, vh = (_kv_heads(t, cdt) for t in _unpack(kv, g, dk, dv))
             for blk in plans[i]:
                 o, l_ = block_forward(qh[..., blk.q, :], kh[..., blk.k, :], vh[..., blk.k, :],
                                       blk.mask(q.device), scale)  # fmt: skip
@@ -196,22 +210,23 @@ class _RingAttention(torch.autograd.Function):
                 kv = shift.wait()
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.plans, ctx.scale = group, plans, scale
-        s, b, n, d = q.shape
-        return out.reshape(b, n, s, d).permute(2, 0, 1, 3).to(q.dtype)  # [s, b, n, d]
+        s, b, n = q.shape[:3]
+        return out.reshape(b, n, s, dv).permute(2, 0, 1, 3).to(q.dtype)  # [s, b, n, dv]
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
         group, plans, scale = ctx.group, ctx.plans, ctx.scale
         R, g, cdt = mappings.size(group), k.shape[2], out.dtype
+        dk_, dv_ = k.shape[3], v.shape[3]
         qh, do = _q_heads(q, g, cdt), _q_heads(grad_out, g, cdt)
         delta = (do * out).sum(-1)  # [b, g, n/g, sq]
         dq = torch.zeros_like(qh)
-        kv = torch.cat([k, v], dim=2)
+        kv = _pack(k, v)
         dkv_shift = None
         for i in range(R):
             kv_shift = mappings.ring_shift(kv, group) if i < R - 1 else None
-            kh, vh = _kv_heads(kv[:, :, :g], cdt), _kv_heads(kv[:, :, g:], cdt)
+            kh, vh = (_kv_heads(t, cdt) for t in _unpack(kv, g, dk_, dv_))
             dk, dv = torch.zeros_like(kh[:, :, 0]), torch.zeros_like(vh[:, :, 0])  # [b, g, s, d]
             for blk in plans[i]:
                 dq_b, dk_b, dv_b = _block_backward(
@@ -221,7 +236,7 @@ class _RingAttention(torch.autograd.Function):
                 dq[..., blk.q, :] += dq_b
                 dk[..., blk.k, :] += dk_b
                 dv[..., blk.k, :] += dv_b
-            dkv = torch.cat([dk, dv], dim=1).permute(2, 0, 1, 3)  # [s_r, b, 2g, d]
+            dkv = _pack(dk.permute(2, 0, 1, 3), dv.permute(2, 0, 1, 3))  # [s_r, b, g·(dk + dv)]
             if dkv_shift is not None:  # the previous ranks' share of this block's gradient
                 dkv = dkv + dkv_shift.wait()
             dkv_shift = mappings.ring_shift(dkv.contiguous(), group) if R > 1 else None
@@ -230,7 +245,7 @@ class _RingAttention(torch.autograd.Function):
         dkv = dkv_shift.wait() if dkv_shift is not None else dkv  # our own block, complete
         s, b, n, d = q.shape
         dq = dq.reshape(b, n, s, d).permute(2, 0, 1, 3).to(q.dtype)
-        dk, dv = dkv.to(k.dtype).split([g, g], dim=2)
+        dk, dv = _unpack(dkv.to(k.dtype), g, dk_, dv_)
         return dq, dk, dv, None, None, None, None, None
 
 
@@ -244,8 +259,8 @@ def ring_attention(
     softmax_scale: float | None = None,
     tile: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of this ring rank's q [s_r, b, n, d] over the whole ring's k, v
-    [s_r, b, g, d] (n % g == 0) -> [s_r, b, n, d].
+    """Causal attention of this ring rank's q [s_r, b, n, dk] over the whole ring's k
+    [s_r, b, g, dk] and v [s_r, b, g, dv] (n % g == 0; dv may differ from dk) -> [s_r, b, n, dv].
 
     `all_ranges[j]`: the global positions of ring rank j's tokens, in local order
     (layout.ring_ranges); `docs` [b, s]: doc ids of the whole sample for document masking;
@@ -253,10 +268,12 @@ def ring_attention(
     """
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     n_tokens = sum(e - s for s, e in all_ranges[mappings.group_rank(ring_group)])
-    if q.shape[0] != n_tokens or k.shape != v.shape or q.shape[2] % k.shape[2]:
+    fits = k.shape[:3] == v.shape[:3] and q.shape[3] == k.shape[3] and q.shape[:2] == k.shape[:2]
+    if q.shape[0] != n_tokens or not fits or q.shape[2] % k.shape[2]:
         raise ValueError(
             f"ring attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not "
-            f"fit {n_tokens} local tokens with KV heads dividing query heads"
+            f"fit {n_tokens} local tokens with KV heads dividing query heads (q and k of one "
+            "head width, k and v of the same tokens and heads)"
         )
     tile = tile or tile_size(q.shape[1], q.shape[2])
     return _RingAttention.apply(q, k, v, ring_group, all_ranges, docs, scale, tile)

@@ -1,23 +1,68 @@
-"""Model builders: one `ModelChunk` per virtual pipeline stage this rank owns."""
+"""Model builders: one `ModelChunk` per virtual pipeline stage this rank owns, each built from
+the architecture registry's entry of `model.arch` (registry.py; llama.py and gpt.py register
+the shipped ones when this package is imported).
+
+The layers (chunk.py, transformer.py, transformer_config.py) load on first use, so that config
+validation and the planner, which read the registry in every CLI process, do not load them (and
+with them DTensor and the kernels).
+"""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
+from typing import TYPE_CHECKING
 
-import torch
+# the shipped architectures register in this order (validation's messages list them so)
+# isort: off
+from megatron_lite.models import llama  # noqa: F401
+from megatron_lite.models import gpt  # noqa: F401
 
-from megatron_lite.config import Config
-from megatron_lite.models.chunk import ModelChunk
-from megatron_lite.models.transformer_config import SPECS, TransformerConfig
-from megatron_lite.parallel import fake
-from megatron_lite.parallel.mesh import ParallelMesh
-from megatron_lite.parallel.params import init_parameters, materialize
-from megatron_lite.parallel.random import RNGStatesTracker
-from megatron_lite.pipeline.schedules import schedule_placement, virtual_stage
-from megatron_lite.resolve import stage_layers
+# isort: on
+from megatron_lite.models.registry import (
+    ArchitectureSpec,
+    architecture_names,
+    get_architecture,
+    register_architecture,
+)
 
-__all__ = ["SPECS", "ModelChunk", "TransformerConfig", "build_model", "chunk_layers"]
+if TYPE_CHECKING:
+    import torch
+
+    from megatron_lite.config import Config
+    from megatron_lite.models.chunk import ModelChunk
+    from megatron_lite.models.transformer import build_layer
+    from megatron_lite.models.transformer_config import TransformerConfig
+    from megatron_lite.parallel.mesh import ParallelMesh
+    from megatron_lite.parallel.random import RNGStatesTracker
+
+# name -> module: loaded on first use (module docstring)
+_EXPORTS = {
+    "ModelChunk": "chunk",
+    "TransformerConfig": "transformer_config",
+    "build_layer": "transformer",
+}
+__all__ = [
+    "ArchitectureSpec", "ModelChunk", "TransformerConfig", "architecture_names", "build_layer",
+    "build_model", "chunk_layers", "get_architecture", "init_parameters", "register_architecture",
+]  # fmt: skip
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def init_parameters(module: torch.nn.Module, seed: int) -> None:
+    """parallel.params.init_parameters, which build_model calls by this name."""
+    from megatron_lite.parallel.params import init_parameters as draw
+
+    draw(module, seed)
 
 
 def chunk_layers(
@@ -26,6 +71,8 @@ def chunk_layers(
     """Global layer numbers of local `chunk` on `pp_rank`: virtual stage chunk·pp + pp_rank
     (Megatron's interleaving; under the V placement of zb-v, pp_rank or 2·pp − 1 − pp_rank)
     holds the next stage_layers[stage] layers."""
+    from megatron_lite.pipeline.schedules import virtual_stage
+
     stage = virtual_stage(pp_rank, chunk, pp, placement)
     start = sum(stage_layers[:stage])
     return list(range(start, start + stage_layers[stage]))
@@ -44,6 +91,15 @@ def build_model(
     on `device` (nothing drawn, nothing allocated elsewhere), for weights that a checkpoint or
     a later init_parameters fills; with device="meta" left without storage (ZeRO-3 shards it
     there first), buffers included (`ModelChunk.init_buffers(device)` recomputes them)."""
+    import torch
+
+    from megatron_lite.models.chunk import ModelChunk
+    from megatron_lite.models.transformer_config import TransformerConfig
+    from megatron_lite.parallel import fake
+    from megatron_lite.parallel.params import materialize
+    from megatron_lite.pipeline.schedules import schedule_placement, virtual_stage
+    from megatron_lite.resolve import stage_layers
+
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab_size))
     config = TransformerConfig.from_config(cfg, mesh.layout.world_size)
     pp, vpp = mesh.pp.size, cfg.parallel.vpp

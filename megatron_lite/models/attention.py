@@ -2,9 +2,10 @@
 
 Which one runs (`auto` included) is decided by `megatron_lite.resolve.attention_backend`. Every
 backend is a callable (q, k, v, dropout_p, docs=None) -> out on [s, b, heads, d] tensors of the
-full, ordered sequence, so the Ulysses wrapper can run any of them over the context-parallel
-group. docs [b, s] (data.reset_attention_mask): each token's document id; attention then stays
-inside a document (context/documents.py). TE takes no documents (validation rejects the pair).
+full, ordered sequence (v's head width may differ from q/k's: out takes v's), so the Ulysses
+wrapper can run any of them over the context-parallel group. docs [b, s]
+(data.reset_attention_mask): each token's document id; attention then stays inside a document
+(context/documents.py). TE takes no documents (validation rejects the pair).
 """
 
 from __future__ import annotations
@@ -65,14 +66,15 @@ def _flash_documents(q, k, v, dropout_p: float, docs: torch.Tensor) -> torch.Ten
 class TEAttention(torch.nn.Module):
     """Transformer Engine DotProductAttention on [s, b, heads, d] tensors."""
 
-    def __init__(self, n_local: int, g_local: int, head_dim: int, dropout_p: float):
+    def __init__(self, n_local: int, g_local: int, head_dims: tuple[int, int], dropout_p: float):
         super().__init__()
         import transformer_engine.pytorch as te
 
+        qk, v = head_dims
         self.n = n_local
         self.attn = te.DotProductAttention(
             n_local,
-            head_dim,
+            qk if qk == v else (qk, v),  # TE's kv_channels: one width, or (q/k, v)
             num_gqa_groups=g_local,
             attention_dropout=dropout_p,
             qkv_format="sbhd",
@@ -90,10 +92,13 @@ class TEAttention(torch.nn.Module):
         return out.view(*q.shape[:2], self.n, -1)
 
 
-def attention_function(backend: str, n_local: int, g_local: int, head_dim: int, dropout_p: float):
-    """A callable (q, k, v, dropout_p, docs=None) -> out for `backend` (already resolved)."""
+def attention_function(
+    backend: str, n_local: int, g_local: int, head_dims: tuple[int, int], dropout_p: float
+):
+    """A callable (q, k, v, dropout_p, docs=None) -> out for `backend` (already resolved);
+    head_dims: the (q/k, v) widths of each head."""
     if backend == "flash":
         return flash_attention
     if backend == "te":
-        return TEAttention(n_local, g_local, head_dim, dropout_p)
+        return TEAttention(n_local, g_local, head_dims, dropout_p)
     return sdpa_attention

@@ -1,5 +1,7 @@
 """`ModelChunk`: the layers of one pipeline (virtual) stage, plus the embedding on the first stage
-and the final norm, output layer and loss on the last."""
+and the final norm, output layer and loss on the last. The layers and the norm are the
+architecture's (`config.spec`, models/registry.py); RoPE's tables are built at the rotary width
+its attention part declares (none when 0), a learned position table when it says so."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from torch import nn
 from megatron_lite.context.documents import document_ids, document_position_ids
 from megatron_lite.context.layout import cp_ranges, positions
 from megatron_lite.models.token_context import TokenContext
-from megatron_lite.models.transformer import TransformerLayer, rope_tables_at
+from megatron_lite.models.transformer import build_layer, rope_tables_at
 from megatron_lite.models.transformer_config import TransformerConfig
 from megatron_lite.parallel import mappings
 from megatron_lite.parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -52,7 +54,9 @@ class ModelChunk(nn.Module):
         super().__init__()
         c = config
         self.pre_process, self.post_process = pre_process, post_process
-        self.rotary, self.sp, self.tracker = c.spec.rotary, c.sequence_parallel, tracker
+        rotary_dim = c.spec.head_dims(c).rotary
+        self.rotary, self.sp, self.tracker = rotary_dim > 0, c.sequence_parallel, tracker
+        self.learned_positions = c.spec.learned_positions
         self.tp_group, self.tp_rank = mesh.tp.group, mesh.tp.rank
         self.hidden_dropout = c.hidden_dropout
         self.fp32_residual = c.fp32_residual_connection
@@ -71,7 +75,7 @@ class ModelChunk(nn.Module):
                 c.vocab_size, c.padded_vocab_size, c.hidden_size, mesh.tp.group,
                 init_std=c.init_method_std,
             )  # fmt: skip
-            if not c.spec.rotary:
+            if self.learned_positions:
                 max_pos = c.max_position_embeddings
                 self.position_embeddings = set_meta(
                     nn.Parameter(torch.empty(max_pos, c.hidden_size)),
@@ -79,13 +83,11 @@ class ModelChunk(nn.Module):
                     std=c.init_method_std,
                     sequence_parallel=c.sequence_parallel,
                 )
-        self.layers = nn.ModuleDict(
-            {str(i): TransformerLayer(c, mesh, tracker, i) for i in layer_ids}
-        )
+        self.layers = nn.ModuleDict({str(i): build_layer(c, mesh, tracker, i) for i in layer_ids})
         if post_process:
             self._build_output(c, mesh, tied_here=c.tie_embeddings and pre_process)
         self.s_local = s_local
-        self._rope_args = (c.head_dim, c.rope_theta) if c.spec.rotary else None
+        self._rope_args = (rotary_dim, c.rope_theta) if self.rotary else None
         self.reset_attention_mask, self.reset_position_ids = (
             c.reset_attention_mask,
             c.reset_position_ids,
@@ -107,7 +109,7 @@ class ModelChunk(nn.Module):
 
     def _build_output(self, c: TransformerConfig, mesh: ParallelMesh, tied_here: bool) -> None:
         """Final norm and output layer; the output weight is the embedding's when tied here."""
-        self.final_norm = c.spec.norm(c.hidden_size, c.norm_eps, c.sequence_parallel)
+        self.final_norm = c.spec.part("norm")(c.hidden_size, c.norm_eps, c.sequence_parallel)
         self.output_layer = ColumnParallelLinear(
             c.hidden_size,
             c.padded_vocab_size,
@@ -146,7 +148,7 @@ class ModelChunk(nn.Module):
             x = mappings.reduce_scatter_to_sequence_parallel_region(x, self.tp_group)  # [s/cp/tp]
         else:
             x = mappings.reduce_from_tensor_parallel_region(x, self.tp_group)
-        if not self.rotary:
+        if self.learned_positions:
             pe, n = self.local_tokens(self.position_embeddings), x.shape[0]  # [s/cp, h]
             if self.sp:
                 pe = pe[self.tp_rank * n : (self.tp_rank + 1) * n]

@@ -1,6 +1,32 @@
-"""GPT-2-style decoder: LayerNorm, learned absolute positions, GeLU MLP, biases everywhere."""
+"""GPT-2-style decoder: LayerNorm, learned absolute positions, GeLU MLP, biases everywhere; MoE
+layers where model.moe_layer_pattern marks them. The registry entry `gpt` (no HF family)."""
 
-from megatron_lite.models.spec import ModelSpec
-from megatron_lite.parallel.norms import LayerNorm
+from megatron_lite.models.decoder import gelu_flops
+from megatron_lite.models.registry import ArchitectureSpec, register_architecture
 
-GPT = ModelSpec(norm=LayerNorm, bias=True, gated_mlp=False, rotary=False)
+
+def gpt_ffn_hidden_size(hidden_size: int) -> int:
+    return 4 * hidden_size
+
+
+GPT = register_architecture(
+    ArchitectureSpec(
+        name="gpt",
+        attention="megatron_lite.models.transformer:Attention",
+        mlp="megatron_lite.models.transformer:build_dense_mlp",
+        moe="megatron_lite.models.transformer:build_moe",
+        norm="megatron_lite.parallel.norms:LayerNorm",
+        ffn_hidden_size=gpt_ffn_hidden_size,
+        flops=gelu_flops,
+        unused_keys=(
+            (
+                "rope_theta",
+                "model.arch=gpt has learned positions (no rotary embedding)",
+                "remove it (llama's rotary embeddings use it)",
+            ),
+        ),
+        learned_positions=True,
+        bias=True,
+        gated_mlp=False,
+    )
+)

@@ -1,7 +1,35 @@
 """Llama-style decoder: RMSNorm, rotary embeddings, SwiGLU MLP, grouped-query attention, no
-biases; tied or untied input/output embeddings."""
+biases; tied or untied input/output embeddings; MoE layers (Mixtral, Qwen3-MoE, DeepSeek-style
+routing) where model.moe_layer_pattern marks them. The registry entry `llama`."""
 
-from megatron_lite.models.spec import ModelSpec
-from megatron_lite.parallel.norms import RMSNorm
+from megatron_lite.models.decoder import check_rotary_head_dim, swiglu_flops
+from megatron_lite.models.registry import ArchitectureSpec, register_architecture
 
-LLAMA = ModelSpec(norm=RMSNorm, bias=False, gated_mlp=True, rotary=True)
+
+def llama_ffn_hidden_size(hidden_size: int) -> int:
+    """8h/3 rounded up to a multiple of 64 (SwiGLU's three matrices ≈ GeLU's two at 4h)."""
+    return 64 * -(-int(8 * hidden_size / 3) // 64)
+
+
+LLAMA = register_architecture(
+    ArchitectureSpec(
+        name="llama",
+        attention="megatron_lite.models.transformer:RotaryAttention",
+        mlp="megatron_lite.models.transformer:build_dense_mlp",
+        moe="megatron_lite.models.transformer:build_moe",
+        norm="megatron_lite.parallel.norms:RMSNorm",
+        ffn_hidden_size=llama_ffn_hidden_size,
+        flops=swiglu_flops,
+        validate=check_rotary_head_dim,
+        unused_keys=(
+            (
+                "max_position_embeddings",
+                "model.arch=llama has rotary positions (no learned position table)",
+                "remove it (gpt's learned positions use it)",
+            ),
+        ),
+        bias=False,
+        gated_mlp=True,
+        hf_families=("llama", "mixtral", "qwen3_moe"),
+    )
+)

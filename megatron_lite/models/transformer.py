@@ -1,9 +1,13 @@
 """Decoder-only transformer stack built from the parallel layers; activations are [s, b, h].
 
 Shapes in comments use local sizes: s/tp under sequence parallelism (sp), n/tp heads per TP rank.
-Every module is built from a `TransformerConfig` (resolved sizes and flags), the process groups
-of a `ParallelMesh` and the RNG tracker; `ModelChunk` is the part of the model one pipeline
-(virtual) stage owns.
+Every module is built from a `TransformerConfig` (resolved sizes and flags, and in `spec` the
+architecture's registry entry), the process groups of a `ParallelMesh` and the RNG tracker. The
+parts here are the shipped entries' (models/llama.py, gpt.py): `Attention` (GPT) and
+`RotaryAttention` (Llama), the dense `MLP` and `MoELayer` builders, and `TransformerLayer`, the
+pre-norm sequential residual layer any entry gets unless it names its own; `build_layer` builds
+the entry's layer (the model chunk and the planner call it). The parts' constructor contracts
+are models/registry.py's.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from megatron_lite.context.layout import ring_ranges
 from megatron_lite.context.ring import ring_attention
 from megatron_lite.context.ulysses import ulysses_attention, ulysses_kv_heads
 from megatron_lite.models.attention import attention_function
+from megatron_lite.models.registry import HeadDims
 from megatron_lite.models.token_context import TokenContext
 from megatron_lite.models.transformer_config import TransformerConfig
 from megatron_lite.moe.layer import MoELayer
@@ -30,32 +35,34 @@ from megatron_lite.parallel.random import RNGStatesTracker, dropout
 from megatron_lite.parallel.recompute import recompute
 
 
-def rope_tables_at(positions: torch.Tensor, head_dim: int, theta: float):
-    """cos, sin [..., d] (fp32) for the integer positions [...] (e.g. [s] or [s, b]), on their
-    device; half-rotation convention."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device)
-    inv_freq = 1.0 / theta ** (exponents / head_dim)
+def rope_tables_at(positions: torch.Tensor, rotary_dim: int, theta: float):
+    """cos, sin [..., r] (fp32, r = rotary_dim: the attention part's declared rotary width) for
+    the integer positions [...] (e.g. [s] or [s, b]), on their device; half-rotation
+    convention."""
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float64, device=positions.device)
+    inv_freq = 1.0 / theta ** (exponents / rotary_dim)
     freqs = positions.to(torch.float64).unsqueeze(-1) * inv_freq  # [..., d/2]
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos().float(), emb.sin().float()
 
 
-def rope_tables(seq_length: int, head_dim: int, theta: float, offset: int = 0):
-    """cos, sin [s, d] for the consecutive positions offset..offset+s-1."""
-    return rope_tables_at(torch.arange(offset, offset + seq_length), head_dim, theta)
+def rope_tables(seq_length: int, rotary_dim: int, theta: float, offset: int = 0):
+    """cos, sin [s, r] for the consecutive positions offset..offset+s-1."""
+    return rope_tables_at(torch.arange(offset, offset + seq_length), rotary_dim, theta)
 
 
 class Attention(nn.Module):
     """Self-attention over this rank's n/tp query heads and g/tp KV groups, with context
     parallelism when cp > 1 (the mesh's cp_a2a and cp_ring groups say which): Ulysses
     all-to-all over cp_a2a, ring attention over cp_ring, or Ulysses inside and the ring across
-    (a2a+p2p): [s(/tp), b, h] -> [s(/tp), b, h].
+    (a2a+p2p): [s(/tp), b, h] -> [s(/tp), b, h]. No RoPE (GPT's; `RotaryAttention` is Llama's).
 
-    The head dimension d is config.head_dim (model.kv_channels), so the query width n·d may
-    differ from h. With qk_layernorm each query and key head is normalized over d (RMSNorm, or
-    LayerNorm for GPT; weight [d] shared by all heads, Qwen3's q_norm/k_norm) after the
-    projection and before RoPE. Those weights are replicated over TP while each TP rank
-    normalizes its own heads, so they are marked for the TP gradient sum (as SP norms are).
+    Head widths come from `head_dims(config)`: q/k and v are both config.head_dim
+    (model.kv_channels), so the query width n·d may differ from h. With qk_layernorm each
+    query and key head is normalized over d (the entry's norm: RMSNorm, or LayerNorm for GPT;
+    weight [d] shared by all heads, Qwen3's q_norm/k_norm) after the projection and before
+    RoPE. Those weights are replicated over TP while each TP rank normalizes its own heads, so
+    they are marked for the TP gradient sum (as SP norms are).
 
     Selective recompute of core_attn recomputes the local attention only (softmax, attention
     dropout and the weighted sum, after the Ulysses all-to-all): it keeps q, k, v and reruns
@@ -64,26 +71,35 @@ class Attention(nn.Module):
     never recomputed: that would repeat the ring's sends.
     """
 
+    rotary = False  # whether RoPE rotates each q/k head (over all of its dims)
+
+    @classmethod
+    def head_dims(cls, config: TransformerConfig) -> HeadDims:
+        """q/k and v head widths and the rotary width (registry.py's contract)."""
+        d = config.head_dim
+        return HeadDims(qk=d, v=d, rotary=d if cls.rotary else 0)
+
     def __init__(self, config: TransformerConfig, mesh: ParallelMesh, tracker: RNGStatesTracker):
         super().__init__()
-        c, tp = config, mesh.tp.size
+        c, tp, dims = config, mesh.tp.size, self.head_dims(config)
         a2a, ring = mesh.cp_a2a.size, mesh.cp_ring.size
         self.tracker = tracker
         self.a2a_group, self.ring_group = mesh.cp_a2a.group, mesh.cp_ring.group
         self.ring_ranges = ring_ranges(c.seq_length, ring) if ring > 1 else None
         self.recompute_core = c.recomputes("core_attn") and ring == 1
-        self.dropout_p, self.head_dim = c.attention_dropout, c.head_dim
+        self.dropout_p, self.qk_dim, self.v_dim = c.attention_dropout, dims.qk, dims.v
         self.n_local, self.g_local = c.num_attention_heads // tp, c.num_query_groups // tp
         # under Ulysses each rank attends over 1/a2a of its heads (KV heads replicated up to a2a)
         g_attn = self.g_local if a2a == 1 else ulysses_kv_heads(self.g_local, a2a) // a2a
         self.core_attention = attention_function(
-            c.attention_backend, self.n_local // a2a, g_attn, self.head_dim, c.attention_dropout
+            c.attention_backend, self.n_local // a2a, g_attn, (dims.qk, dims.v), c.attention_dropout
         )
-        q, kv = c.num_attention_heads * self.head_dim, c.num_query_groups * self.head_dim
+        n, g = c.num_attention_heads, c.num_query_groups
+        q, k, v = n * dims.qk, g * dims.qk, g * dims.v
         common = dict(bias=c.spec.bias, sequence_parallel=c.sequence_parallel)
         self.linear_qkv = ColumnParallelLinear(
             c.hidden_size,
-            [q, kv, kv],
+            [q, k, v],
             mesh.tp.group,
             init_std=c.init_method_std,
             gemm=c.linear_backend,
@@ -92,27 +108,29 @@ class Attention(nn.Module):
         # `sequence_parallel=True`: each TP rank's grad covers only its heads, summed over TP
         self.q_layernorm = self.k_layernorm = None
         if c.qk_layernorm:
-            self.q_layernorm = c.spec.norm(self.head_dim, c.norm_eps, sequence_parallel=True)
-            self.k_layernorm = c.spec.norm(self.head_dim, c.norm_eps, sequence_parallel=True)
+            norm = c.spec.part("norm")
+            self.q_layernorm = norm(dims.qk, c.norm_eps, sequence_parallel=True)
+            self.k_layernorm = norm(dims.qk, c.norm_eps, sequence_parallel=True)
         self.linear_proj = RowParallelLinear(
-            q, c.hidden_size, mesh.tp.group, init_std=c.output_std, gemm=c.linear_backend, **common
-        )
+            n * dims.v, c.hidden_size, mesh.tp.group, init_std=c.output_std,
+            gemm=c.linear_backend, **common,
+        )  # fmt: skip
 
     def forward(self, x: torch.Tensor, ctx: TokenContext) -> torch.Tensor:
-        d, n, g = self.head_dim, self.n_local, self.g_local
+        dk, dv, n, g = self.qk_dim, self.v_dim, self.n_local, self.g_local
         rope = ctx.rope
-        qkv = self.linear_qkv(x)  # [s, b, (n + 2g)·d] with n, g per TP rank
+        qkv = self.linear_qkv(x)  # [s, b, n·dk + g·(dk + dv)] with n, g per TP rank
         s, b = qkv.shape[:2]
-        q, k, v = qkv.split([n * d, g * d, g * d], dim=-1)
-        q, k, v = q.view(s, b, n, d), k.view(s, b, g, d), v.view(s, b, g, d)
-        if self.q_layernorm is not None:  # per head, over d
+        q, k, v = qkv.split([n * dk, g * dk, g * dv], dim=-1)
+        q, k, v = q.view(s, b, n, dk), k.view(s, b, g, dk), v.view(s, b, g, dv)
+        if self.q_layernorm is not None:  # per head, over dk
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rope is not None:
             q, k = kernels.apply_rope(q, *rope), kernels.apply_rope(k, *rope)
         p = self.dropout_p
         with self.tracker.fork() if p > 0 else contextlib.nullcontext():
-            out = self.attention_over_cp(q, k, v, p, ctx.docs)  # [s, b, n, d]
-        return self.linear_proj(out.reshape(s, b, n * d))  # [s(/tp), b, h]
+            out = self.attention_over_cp(q, k, v, p, ctx.docs)  # [s, b, n, dv]
+        return self.linear_proj(out.reshape(s, b, n * dv))  # [s(/tp), b, h]
 
     def attention_over_cp(self, q, k, v, dropout_p: float, docs=None) -> torch.Tensor:
         """Local attention (or the ring over cp_ring), inside Ulysses' all-to-all over cp_a2a
@@ -130,6 +148,14 @@ class Attention(nn.Module):
         if mappings.size(self.a2a_group) == 1:
             return core(q, k, v, docs)
         return ulysses_attention(q, k, v, self.a2a_group, core, docs=docs)
+
+
+class RotaryAttention(Attention):
+    """`Attention` with rotary position embeddings over each whole q/k head (Llama's): the
+    model chunk builds the cos/sin tables at `head_dims(config).rotary` and hands them in the
+    TokenContext."""
+
+    rotary = True
 
 
 class MLP(nn.Module):
@@ -160,11 +186,16 @@ class MLP(nn.Module):
         return self.linear_fc2(h)  # [s(/tp), b, h]
 
 
-def build_mlp(config: TransformerConfig, mesh: ParallelMesh, layer_number: int) -> nn.Module:
-    """The dense MLP, or an MoELayer on the MoE layers of a model with experts."""
+def build_dense_mlp(config: TransformerConfig, mesh: ParallelMesh) -> nn.Module:
+    """The shipped entries' dense MLP part (registry contract: config, mesh)."""
+    return MLP(config, mesh.tp.group)
+
+
+def build_moe(config: TransformerConfig, mesh: ParallelMesh, layer_number: int) -> nn.Module:
+    """The shipped entries' MoE part: routed experts over the EP group (SwiGLU or GeLU as the
+    entry's gated_mlp says), plus a shared expert when model.moe_shared_expert_ffn_hidden_size
+    is set (registry contract: config, mesh, layer_number)."""
     c, shared = config, config.moe_shared_expert_ffn_hidden_size
-    if not c.is_moe_layer(layer_number):
-        return MLP(c, mesh.tp.group)
     return MoELayer(
         c.hidden_size,
         c.moe_ffn_hidden_size,
@@ -197,8 +228,16 @@ def build_mlp(config: TransformerConfig, mesh: ParallelMesh, layer_number: int) 
     )
 
 
+def build_mlp(config: TransformerConfig, mesh: ParallelMesh, layer_number: int) -> nn.Module:
+    """The entry's MoE part on the layers model.moe_layer_pattern marks, else its dense MLP."""
+    if config.is_moe_layer(layer_number):
+        return config.spec.part("moe")(config, mesh, layer_number)
+    return config.spec.part("mlp")(config, mesh)
+
+
 class TransformerLayer(nn.Module):
-    """Pre-norm decoder layer: x + attn(norm(x)), then + mlp(norm(·)); [s(/tp), b, h].
+    """Pre-norm decoder layer: x + attn(norm(x)), then + mlp(norm(·)); [s(/tp), b, h]. The
+    default layer of a registry entry, built from its attention, norm and MLP / MoE parts.
 
     Selective recompute of mlp (dense layers) or moe (MoE layers) keeps the MLP's input and
     reruns the whole MLP in backward (its TP gathers, and the MoE dispatch all-to-alls, too).
@@ -214,9 +253,10 @@ class TransformerLayer(nn.Module):
         super().__init__()
         c = config
         self.tracker, self.sp, self.dropout_p = tracker, c.sequence_parallel, c.hidden_dropout
-        self.input_norm = c.spec.norm(c.hidden_size, c.norm_eps, c.sequence_parallel)
-        self.self_attention = Attention(c, mesh, tracker)
-        self.pre_mlp_norm = c.spec.norm(c.hidden_size, c.norm_eps, c.sequence_parallel)
+        norm = c.spec.part("norm")
+        self.input_norm = norm(c.hidden_size, c.norm_eps, c.sequence_parallel)
+        self.self_attention = c.spec.part("attention")(c, mesh, tracker)
+        self.pre_mlp_norm = norm(c.hidden_size, c.norm_eps, c.sequence_parallel)
         self.mlp = build_mlp(c, mesh, layer_number)
         self.recompute_mlp = c.recomputes("moe" if c.is_moe_layer(layer_number) else "mlp")
 
@@ -229,3 +269,11 @@ class TransformerLayer(nn.Module):
         else:
             out = self.mlp(normed)
         return x + dropout(out, p, tracker, sp)  # [s(/tp), b, h]
+
+
+def build_layer(
+    config: TransformerConfig, mesh: ParallelMesh, tracker: RNGStatesTracker, layer_number: int
+) -> nn.Module:
+    """Layer `layer_number` (global, 0-based) of the architecture `config.spec`: its layer
+    class (TransformerLayer unless the entry names one) built from its parts."""
+    return config.spec.part("layer")(config, mesh, tracker, layer_number)

@@ -14,12 +14,9 @@ from dataclasses import dataclass
 
 from megatron_lite import resolve
 from megatron_lite.config import Config
-from megatron_lite.models.gpt import GPT
-from megatron_lite.models.llama import LLAMA
-from megatron_lite.models.spec import ModelSpec
+from megatron_lite.models.registry import ArchitectureSpec, get_architecture
 from megatron_lite.parallel.params import scaled_std
 
-SPECS = {"llama": LLAMA, "gpt": GPT}
 # ModelConfig fields the layers never read: folded into `spec` and `padded_vocab_size`
 RUN_ONLY = frozenset({"arch", "make_vocab_size_divisible_by"})
 
@@ -28,7 +25,7 @@ RUN_ONLY = frozenset({"arch", "make_vocab_size_divisible_by"})
 class TransformerConfig:
     """One model's sizes and flags, resolved; a field named as in ModelConfig takes its value."""
 
-    spec: ModelSpec  # norm, biases, gated MLP, rotary (models/spec.py)
+    spec: ArchitectureSpec  # model.arch's registry entry: the parts, their options (registry.py)
     num_layers: int
     hidden_size: int
     num_attention_heads: int
@@ -93,12 +90,16 @@ class TransformerConfig:
 
     @property
     def head_dim(self) -> int:
+        """model.kv_channels as resolved: the shipped attention's q/k and v head width (an
+        attention part declares its own: `spec.head_dims(config)`)."""
         return self.kv_channels
 
     @property
     def output_std(self) -> float:
-        """Init std of the residual branches' output projections (Megatron's scaled init)."""
-        return scaled_std(self.init_method_std, self.num_layers)
+        """Init std of the residual branches' output projections: the entry's `output_std`
+        rule, Megatron's scaled init by default."""
+        rule = self.spec.output_std or scaled_std
+        return rule(self.init_method_std, self.num_layers)
 
     def is_moe_layer(self, layer_number: int) -> bool:
         return self.moe_layer_pattern[layer_number]
@@ -115,7 +116,7 @@ class TransformerConfig:
                 "data's vocabulary (build_model(..., vocab_size))"
             )
         derived = {
-            "spec": SPECS[m.arch],
+            "spec": get_architecture(m.arch),
             "vocab_size": vocab,
             "padded_vocab_size": resolve.padded_vocab_size(
                 vocab, m.make_vocab_size_divisible_by, p.tp

@@ -1,31 +1,15 @@
 """Model FLOPs (the MFU convention) and peak dense bf16 throughput per GPU type.
 
-Pure functions of the config, shared by the trainer's progress line and the planner.
-
-Per token, forward + backward = 3 × the forward's matmul FLOPs (backward: one GEMM for the input
-gradient and one for the weight gradient per forward GEMM), a multiply-add counted as 2 FLOPs:
-
-    6·N_active + 6·L·s·q
-
-N_active: the weights every token multiplies, i.e. per layer the attention projections
-h·(q + 2·kv) + q·h (q = heads·head_dim, kv = query_groups·head_dim with head_dim =
-model.kv_channels, so q may differ from h; grouped-query attention at its real width), the dense
-MLP (3·h·ffn with SwiGLU, 2·h·ffn with GeLU) or for a MoE layer the router h·E plus topk experts'
-MLPs, and the output layer h·V (V the unpadded vocabulary; counted when tied too, its GEMM runs).
-Not counted: the embedding lookup, biases, norms (qk_layernorm's too), activations, softmax,
-RoPE, the loss, and the vocabulary padding columns; MoE counts topk experts per token whatever
-the capacity drops.
-6·L·s·q: attention scores Q·Kᵀ and the weighted sum A·V, 2·s·q FLOPs each per token and layer
-over s keys, halved for the causal mask (each query sees s/2 keys on average), ×3 for forward +
-backward. This is Megatron's / TorchTitan's 6N + 12·L·h·s per token with the causal halving and
-the query width q in place of h.
+Pure functions of the config, shared by the trainer's progress line and the planner. Per token,
+forward + backward, a multiply-add counted as 2 FLOPs: 6·N_active + the attention term, each
+architecture's own (its registry entry's `flops`; the shipped decoders' formula and what it
+counts are in models/decoder.py).
 """
 
 from __future__ import annotations
 
-from megatron_lite import resolve
 from megatron_lite.config import Config
-from megatron_lite.models.transformer_config import SPECS
+from megatron_lite.models.registry import FlopsPerToken, get_architecture
 
 # Peak dense (no 2:4 sparsity) bf16 tensor-core TFLOP/s per GPU, from NVIDIA's datasheets.
 PEAK_BF16_TFLOPS = {
@@ -37,35 +21,24 @@ PEAK_BF16_TFLOPS = {
 }
 
 
-def matmul_params_per_token(cfg: Config, vocab_size: int | None = None) -> float:
-    """N_active: weights each token multiplies in one forward (see the module docstring).
-    `vocab_size` stands in for a null model.vocab_size (the tokenizer's)."""
+def flops_per_token(cfg: Config, vocab_size: int | None = None) -> FlopsPerToken:
+    """The architecture's FLOPs per token (registry.py `FlopsPerToken`). `vocab_size` stands
+    in for a null model.vocab_size (the tokenizer's)."""
     m = cfg.model
     v = vocab_size if m.vocab_size is None else m.vocab_size
     if v is None:
         raise ValueError("model.vocab_size is null: pass the tokenizer's vocab_size")
-    h, d = m.hidden_size, resolve.kv_channels(m)
-    q, kv = m.num_attention_heads * d, resolve.num_query_groups(m) * d
-    mlp_mats = 3 if SPECS[m.arch].gated_mlp else 2  # SwiGLU: gate, up, down; GeLU: fc1, fc2
-    attention = h * (q + 2 * kv) + q * h
-    dense_mlp = mlp_mats * h * resolve.ffn_hidden_size(m)
-    n = 0.0
-    for layer in range(m.num_layers):
-        if resolve.is_moe_layer(m, layer):
-            expert = mlp_mats * h * resolve.moe_ffn_hidden_size(m)
-            shared = mlp_mats * h * m.moe_shared_expert_ffn_hidden_size  # every token's
-            n += attention + h * m.num_experts + m.moe_router_topk * expert + shared
-        else:
-            n += attention + dense_mlp
-    return n + h * v
+    return get_architecture(m.arch).flops(m, v)
+
+
+def matmul_params_per_token(cfg: Config, vocab_size: int | None = None) -> float:
+    """N_active: weights each token multiplies in one forward."""
+    return flops_per_token(cfg, vocab_size).matmul_params
 
 
 def model_flops_per_token(cfg: Config, vocab_size: int | None = None) -> float:
-    """Model FLOPs of forward + backward per token: 6·N_active + 6·L·s·q."""
-    m = cfg.model
-    q = m.num_attention_heads * resolve.kv_channels(m)
-    attention = 6.0 * m.num_layers * m.seq_length * q
-    return 6.0 * matmul_params_per_token(cfg, vocab_size) + attention
+    """Model FLOPs of forward + backward per token: 6·N_active + the attention term."""
+    return flops_per_token(cfg, vocab_size).total
 
 
 def peak_tflops(gpu: str) -> float:

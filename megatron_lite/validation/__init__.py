@@ -63,7 +63,7 @@ def validate(cfg: Config, world_size: int, warn: bool = True) -> Config:
     _validate_data_parallel(r)
     _validate_dropout_and_schedule(r.model, r.train)
     _validate_checkpointing(r.train)
-    _validate_model_ranges(r.model)
+    _validate_model_ranges(r)
     _validate_model_dtypes(r)
     _validate_train_ranges(r)
     _validate_fp8(r)

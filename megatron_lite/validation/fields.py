@@ -3,15 +3,24 @@
 from __future__ import annotations
 
 from megatron_lite.config import Config, ModelConfig, TrainConfig
+from megatron_lite.models.registry import architecture_names, get_architecture
 from megatron_lite.pipeline.registry import named_schedule, resolve_schedule, schedule_names
-from megatron_lite.resolve import CP_COMM_TYPES, kv_channels
+from megatron_lite.resolve import CP_COMM_TYPES
 from megatron_lite.validation.rules import _choice, _rule, _timeout
 
 
 def _validate_choices(cfg: Config) -> None:
     """Enumerated string fields (architecture, precision, backends, logging mode)."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    _choice("model.arch", m.arch, ("llama", "gpt"))
+    names = architecture_names()
+    _rule(
+        m.arch in names,
+        "model.arch",
+        m.arch,
+        f"must be one of {', '.join(names)} (the registered architectures)",
+        "set model.arch to one of them, or register yours with "
+        "megatron_lite.models.registry.register_architecture before validation",
+    )
     _rule(
         t.precision != "fp16",
         "train.precision",
@@ -86,8 +95,10 @@ def _validate_dropout_and_schedule(m: ModelConfig, t: TrainConfig) -> None:
     )
 
 
-def _validate_model_ranges(m: ModelConfig) -> None:
-    """Model value ranges that would otherwise fail after process groups exist."""
+def _validate_model_ranges(cfg: Config) -> None:
+    """Model value ranges that would otherwise fail after process groups exist, and the
+    architecture's own rules (its registry entry's `validate`, after the head dimension's)."""
+    m = cfg.model
     _rule(
         m.kv_channels is None or m.kv_channels >= 1,
         "model.kv_channels",
@@ -95,17 +106,7 @@ def _validate_model_ranges(m: ModelConfig) -> None:
         "the head dimension must be >= 1",
         "give a positive head dimension, or null for hidden_size / num_attention_heads",
     )
-    head_dim = kv_channels(m)
-    key = "model.hidden_size" if m.kv_channels is None else "model.kv_channels"
-    _rule(
-        m.arch != "llama" or head_dim % 2 == 0,
-        key,
-        m.hidden_size if m.kv_channels is None else m.kv_channels,
-        f"gives head dim {head_dim}; rotary embeddings need an even head dim",
-        "use hidden_size = an even multiple of num_attention_heads"
-        if m.kv_channels is None
-        else "use an even model.kv_channels",
-    )
+    _validate_architecture(cfg)
     max_pos = m.max_position_embeddings
     _rule(
         max_pos is None or max_pos >= m.seq_length,
@@ -150,6 +151,23 @@ def _validate_model_ranges(m: ModelConfig) -> None:
         "must be >= 1",
         "use the tokenizer's vocabulary size or null",
     )
+
+
+def _validate_architecture(cfg: Config) -> None:
+    """What `model.arch`'s registry entry asks: no experts without an MoE part, then its own
+    rules (e.g. llama's even head dim for RoPE)."""
+    m = cfg.model
+    spec = get_architecture(m.arch)
+    _rule(
+        m.num_experts is None or spec.moe is not None,
+        "model.num_experts",
+        m.num_experts,
+        f"model.arch={m.arch} has no MoE part (its registry entry's moe is None)",
+        "set model.num_experts=null, or use an architecture with MoE layers "
+        f"({', '.join(n for n in architecture_names() if get_architecture(n).moe is not None)})",
+    )
+    if spec.validate is not None:
+        spec.validate(cfg)
 
 
 def _validate_train_ranges(cfg: Config) -> None:

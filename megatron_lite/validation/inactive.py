@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from megatron_lite.config import Config, DataConfig
+from megatron_lite.models.registry import get_architecture
 from megatron_lite.resolve import uses_documents
 from megatron_lite.validation.moe import moe_warnings
 from megatron_lite.validation.parallel import parallel_warnings
@@ -39,22 +40,8 @@ def _each(section: str, obj, names, why: str, fix: str) -> list[str]:
 def _model_warnings(cfg: Config) -> list[str]:
     m, t = cfg.model, cfg.train
     out = []
-    if m.arch == "llama":
-        out += _each(
-            "model",
-            m,
-            ["max_position_embeddings"],
-            "model.arch=llama has rotary positions (no learned position table)",
-            "remove it (gpt's learned positions use it)",
-        )
-    else:
-        out += _each(
-            "model",
-            m,
-            ["rope_theta"],
-            f"model.arch={m.arch} has learned positions (no rotary embedding)",
-            "remove it (llama's rotary embeddings use it)",
-        )
+    for key, why, fix in get_architecture(m.arch).unused_keys:  # e.g. gpt's rope_theta
+        out += _each("model", m, [key], why, fix)
     if m.fp8 is None:
         out += _each(
             "model", m, ["fp8_recipe"], "model.fp8 is null", "set model.fp8, or remove the key"
