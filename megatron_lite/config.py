@@ -23,7 +23,7 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    arch: str = "llama"  # llama | gpt
+    arch: str = "llama"  # a registered architecture (models/registry.py): llama | gpt
     num_layers: int = 2
     hidden_size: int = 64
     num_attention_heads: int = 4
