@@ -134,6 +134,7 @@ class TrainConfig:
     warmup_steps: int = 2
     lr_decay_steps: int | None = None  # None = steps
     weight_decay: float = 0.1
+    optimizer: str = "adamw"  # a registered OptimizerSpec (data_parallel/optimizer_spec.py)
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
     adam_eps: float = 1e-8

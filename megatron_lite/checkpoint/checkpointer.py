@@ -7,7 +7,7 @@
     ckpt.finish()                            # the last async save committed, the lock released
 
 The Checkpointer holds no trainer: it is built from the config, the mesh, the model chunks, the
-data-parallel wrapper (its optimizer holds the AdamW state) and the RNG tracker. `resume()`
+data-parallel wrapper (its optimizer holds the optimizer state) and the RNG tracker. `resume()`
 applies train.resume (auto | none | path) or initializes weights from train.init_from; when to
 save (train.save_interval, stop signals) is the training loop's decision (training/signals.py).
 `save` keeps the newest train.keep_checkpoints.
@@ -15,18 +15,19 @@ save (train.save_interval, stop signals) is the training loop's decision (traini
 What a checkpoint holds and how it is cut is in state.py; the directory layout, atomic commit
 and checksums in files.py; how each step's errors are agreed across ranks (so none waits in a
 collective for one that failed) in rank_agreement.py; loading in load.py. Resume semantics:
-- same layout: model, AdamW state (moments and step count), the step (= data position, see
-  data/sampler.py) and every rank's RNG states are restored, so the run continues bitwise as
-  if never stopped (the LR is a function of the step);
+- same layout: model, optimizer state (its spec's states and step count), the step (= data
+  position, see data/sampler.py) and every rank's RNG states are restored, so the run
+  continues bitwise as if never stopped (the LR is a function of the step);
 - another layout (tp, pp, vpp, cp, dp, ep, sequence_parallel or order differ): model and
-  AdamW state are resharded exactly, RNG states are NOT restored (their number and meaning
+  optimizer state are resharded exactly, RNG states are NOT restored (their number and meaning
   depend on the layout): every generator is seeded as at the start of a run, so dropout masks
   differ from an unbroken run; with dropout 0 the losses continue to float rounding.
 - init_from: model weights only (step 0, fresh optimizer), e.g. a Hugging Face Llama converted
   with tools/convert_checkpoint.py. A resumable checkpoint in ckpt_dir takes precedence.
+- the optimizer (train.optimizer) must be the one that saved the state (load.py says so).
 
 Saves and loads stream (holdings.py states the bound): each rank writes the chunks it holds,
-as views of its weights and AdamW shards (nothing is gathered), and a load reads into them in
+as views of its weights and optimizer shards (nothing is gathered), and a load reads into them in
 place. Async save (train.async_save) stages a CPU copy of exactly the chunks this rank writes
 at the step boundary and writes on a thread (DCP's thread executor) over its own gloo group;
 each rank then checksums what it wrote on a thread of its own, and rank 0 commits on another.

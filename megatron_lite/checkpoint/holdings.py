@@ -6,7 +6,7 @@ identically by the ranks of `replicas`:
 - weights, stages 0-2: the whole parameter, over dp·cp (edp for experts);
 - weights, stage 3: this rank's FSDP2 rows (the fp32 shard, stored in the compute dtype as the
   model and, when that is not fp32, as the fp32 master too), over HSDP's replicas;
-- optimizer state (`optimizer.state_shards()`): the moments (and masters kept apart) of the
+- optimizer state (`optimizer.state_shards()`): its spec's states (and masters kept apart) of the
   range this rank steps: whole under ZeRO-0 (over dp·cp), a bucket shard under ZeRO-1/2, the
   FSDP2 rows under ZeRO-3 (over the hybrid-sharding replicas, if any).
 Each unit is written by one of its copies (`writer_names`, per family) and, on load, read by
@@ -40,7 +40,6 @@ import torch.distributed as dist
 from megatron_lite.checkpoint.chunks import Cast, Chunk, chunks_of
 from megatron_lite.checkpoint.exchange import ParallelRead, Shared
 from megatron_lite.checkpoint.state import (
-    MOMENTS,
     Piece,
     logical_name,
     named_parameters,
@@ -51,7 +50,11 @@ from megatron_lite.parallel.mesh import Group
 from megatron_lite.parallel.params import ParamMeta, fsdp_replicas, fsdp_rows
 
 MODEL, MASTER = "model", "optim/master"
-STATES = tuple(f"optim/{k}" for k in MOMENTS)
+
+
+def state_kinds(optimizer) -> tuple[str, ...]:
+    """The slot kinds of the optimizer's states (`optim/<name>`, its spec's state names)."""
+    return tuple(f"optim/{k}" for k in optimizer.spec.state_names)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +70,7 @@ class Slot:
 class Unit:
     """Parameter `name`'s tensors over elements [lo, hi) of its flattened TP-local tensor,
     identical on every rank of `replicas`; `chunks` is where that range sits in the logical
-    tensors; `step` the AdamW step count of an optimizer unit."""
+    tensors; `step` the optimizer's step count of an optimizer unit."""
 
     name: str
     meta: ParamMeta
@@ -199,19 +202,19 @@ class LoadTargets:
             self.optimizer.sync_masters_from_params()
 
 
-def _kinds(with_optimizer: bool, with_master: bool) -> set[str]:
+def _kinds(optimizer, with_optimizer: bool, with_master: bool) -> set[str]:
     kinds = {MODEL}
     if with_optimizer:
-        kinds |= {*STATES, *([MASTER] if with_master else [])}
+        kinds |= {*state_kinds(optimizer), *([MASTER] if with_master else [])}
     return kinds
 
 
 def load_targets(chunks, optimizer, mesh, with_optimizer: bool, with_master: bool = False):
-    """This rank's `LoadTargets`: the model (and with_optimizer the AdamW state) it holds.
+    """This rank's `LoadTargets`: the model (and with_optimizer the optimizer state) it holds.
     `with_master`: the checkpoint holds fp32 master weights, read into the masters kept apart
     from the parameters (stage 3: into the fp32 shards, instead of the model weights)."""
     buffers, pieces, loaded, steps, aliases = {}, {}, [], [], []
-    kinds = _kinds(with_optimizer, with_master)
+    kinds = _kinds(optimizer, with_optimizer, with_master)
     families = []
     for family in holdings(chunks, optimizer, mesh):
         shared = []

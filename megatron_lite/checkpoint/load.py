@@ -142,6 +142,8 @@ class Loader:
         (0, 0) for model weights only."""
         path, meta, targets = job.path, job.meta, job.targets
         self._check_model_config(path, meta["config"].get("model", {}))
+        if job.with_optim:
+            self._check_optimizer(path, meta["config"].get("train", {}))
         self._check_keys(path, targets.pieces, job.metadata.state_dict_metadata)
         targets.begin()
         self._read(job)
@@ -197,6 +199,17 @@ class Loader:
                     f"model.{key}={getattr(current, key)!r} but checkpoint {path} was saved "
                     f"with {saved[key]!r}. Fix: set model.{key}={saved[key]!r}"
                 )
+
+    def _check_optimizer(self, path: str, saved: dict) -> None:
+        """A resume continues the optimizer that saved the state (checkpoints from before
+        train.optimizer existed hold AdamW's)."""
+        was, now = saved.get("optimizer", "adamw"), self.optimizer.spec.name
+        if was != now:
+            raise CheckpointError(
+                f"train.optimizer={now!r} but checkpoint {path} holds the state of {was!r}. "
+                f"Fix: set train.optimizer={was!r} to resume, or start {now!r} from its weights "
+                f"with train.init_from={path} and train.resume=none"
+            )
 
     def _check_keys(self, path: str, pieces: dict, stored: dict) -> None:
         """Clear errors for missing/mismatched tensors, and for stored model tensors no rank

@@ -3,9 +3,11 @@
 Every parameter is stored as LOGICAL tensors, whatever the layout that wrote it:
 
     model/<name>[/<segment>]                  the parameter (vocabulary padding dropped)
-    optim/exp_avg/<same>, optim/exp_avg_sq/<same>   AdamW moments, cut like the parameter
+    optim/<state>/<same>                      the optimizer's states, cut like the parameter
+                                              (its OptimizerSpec's state names; AdamW:
+                                              optim/exp_avg/..., optim/exp_avg_sq/...)
     optim/master/<same>                       fp32 masters, where the weights are not fp32
-    optim/step/<name>                         AdamW step count (0-d)
+    optim/step/<name>                         the optimizer's step count (0-d)
     rng/<rank>/<generator>                    this rank's RNG states (same layout only)
 
 A parameter sharded along `tp_dim` (over TP, or over EP for experts) is one logical tensor of
@@ -28,7 +30,6 @@ import torch
 from megatron_lite.parallel.params import ParamMeta
 
 SEGMENT_NAMES = {"linear_qkv": ("q", "k", "v"), "linear_fc1": ("gate", "up")}
-MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from megatron_lite.config import Config
 from megatron_lite.parallel.data_parallel.memory import TERMS, formula_bytes, zero2_in_flight
+from megatron_lite.parallel.data_parallel.optimizer_spec import get_optimizer
 from megatron_lite.pipeline.registry import in_flight
 from megatron_lite.plan.activations import layer_bytes, layer_shape, resolved
 from megatron_lite.plan.params import largest_params, rank_params
@@ -22,7 +23,7 @@ def model_states(cfg: Config, pp_rank: int) -> dict[str, float]:
     the dense parameters sharded over dp·cp (or dp_shard) and the experts over dp·cp/ep, with
     the transient gradients' bound: ZeRO-2's buckets in flight (two per reduction group, over
     all model chunks), ZeRO-3's unsharded gradients under gradient accumulation. The peak's
-    own are rank_memory's (plan/peak.py)."""
+    own are rank_memory's (plan/peak.py). The optimizer's state bytes: train.optimizer's spec."""
     p = cfg.parallel
     dense, expert = rank_params(cfg, pp_rank)
     n_dense = p.dp_shard or p.dp * p.cp
@@ -30,6 +31,7 @@ def model_states(cfg: Config, pp_rank: int) -> dict[str, float]:
     extra = dict(
         microbatches=num_microbatches(cfg.train, p.dp),
         reduce_bytes=2 if p.grad_reduce_dtype == "bf16" else 4,
+        optimizer=get_optimizer(cfg.train.optimizer),
     )
     out = dict.fromkeys(TERMS, 0.0)
     for count, n, largest in zip(

@@ -1,4 +1,5 @@
-"""The data-parallel optimizer for a run config, and the warmup + cosine LR schedule."""
+"""The data-parallel optimizer for a run config (train.optimizer, a registered OptimizerSpec),
+and the warmup + cosine LR schedule."""
 
 from __future__ import annotations
 
@@ -9,22 +10,26 @@ import torch
 from megatron_lite.config import Config, TrainConfig
 from megatron_lite.parallel import data_parallel
 from megatron_lite.parallel.data_parallel import DataParallelWrapper
+from megatron_lite.parallel.data_parallel.optimizer_spec import get_optimizer
 from megatron_lite.parallel.data_parallel.rules import REDUCE_DTYPES
 
 
 def build_data_parallel(chunks, mesh, cfg: Config, device=None) -> DataParallelWrapper:
     """`parallel.data_parallel.build_data_parallel` with the config's fields (stage 3: FSDP2,
-    chunks on the meta device get their shards' storage on `device`; weight decay on matrices
-    only). The weights compute in the parameters' dtype: bf16 under train.precision=bf16 (the
-    trainer casts them first)."""
+    chunks on the meta device get their shards' storage on `device`; AdamW: weight decay on
+    matrices only). train.lr and train.weight_decay go to every optimizer, the adam_* keys to
+    one with hyperparameters betas and eps. The weights compute in the parameters' dtype: bf16
+    under train.precision=bf16 (the trainer casts them first)."""
     p, t = cfg.parallel, cfg.train
+    own = get_optimizer(t.optimizer).hyperparameters
     return data_parallel.build_data_parallel(
         chunks,
         mesh,
         zero_stage=p.zero_stage,
+        optimizer=t.optimizer,
         lr=t.lr,
-        betas=(t.adam_beta1, t.adam_beta2),
-        eps=t.adam_eps,
+        betas=(t.adam_beta1, t.adam_beta2) if "betas" in own else None,
+        eps=t.adam_eps if "eps" in own else None,
         weight_decay=t.weight_decay,
         dp_shard=p.dp_shard,
         bucket_size=p.ddp_bucket_size,

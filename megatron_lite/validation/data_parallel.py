@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from megatron_lite.config import Config, ConfigError, TrainConfig
 from megatron_lite.parallel.data_parallel import rules
+from megatron_lite.parallel.data_parallel.optimizer_spec import get_optimizer, optimizer_names
 from megatron_lite.validation.rules import _choice, _rule
 
 
@@ -21,6 +22,7 @@ def _validate_data_parallel(cfg: Config) -> None:
     _check(rules.zero_stage(p.zero_stage), "parallel.zero_stage", p.zero_stage, "use 0, 1, 2 or 3")
     _choice("parallel.grad_reduce_dtype", p.grad_reduce_dtype, tuple(rules.REDUCE_DTYPES))
     _choice("train.optimizer_offload", t.optimizer_offload, ("none", "cpu"))
+    _validate_optimizer(cfg)
     if p.zero_stage == 3:
         _validate_zero3(cfg)
     _check(
@@ -31,6 +33,44 @@ def _validate_data_parallel(cfg: Config) -> None:
     )
     _validate_adamw(t)
     _validate_dp_shard(cfg)
+
+
+def _validate_optimizer(cfg: Config) -> None:
+    """train.optimizer names a registered spec; one needing whole matrices runs on stages 0-2
+    without offload or hybrid sharding (optimizer.py, whole_matrix.py)."""
+    t, p = cfg.train, cfg.parallel
+    names = optimizer_names()
+    _rule(
+        t.optimizer in names,
+        "train.optimizer",
+        t.optimizer,
+        f"must be a registered optimizer: one of {', '.join(names)}",
+        "set train.optimizer to one of them (register_optimizer adds one)",
+    )
+    spec = get_optimizer(t.optimizer)
+    _rule(
+        t.weight_decay == 0 or "weight_decay" in spec.hyperparameters,
+        "train.weight_decay",
+        t.weight_decay,
+        f"train.optimizer={t.optimizer} has no weight decay (its hyperparameters: "
+        f"{', '.join(spec.hyperparameters)})",
+        "set train.weight_decay=0",
+    )
+    if spec.elementwise:
+        return
+    _rule(
+        p.zero_stage != 3,
+        "train.optimizer",
+        t.optimizer,
+        "its update needs whole matrices, and parallel.zero_stage=3 shards each parameter's "
+        "rows over the data-parallel ranks (FSDP2), so no rank holds one",
+        "set parallel.zero_stage=1 or 2 (each rank then updates whole parameters of its own)",
+    )
+    why = "its update needs whole matrices: ranks own whole parameters over the whole group"
+    _rule(t.optimizer_offload == "none", "train.optimizer_offload", t.optimizer_offload,
+          f"train.optimizer={t.optimizer}: {why}", "set train.optimizer_offload=none")  # fmt: skip
+    _rule(p.dp_shard is None, "parallel.dp_shard", p.dp_shard,
+          f"train.optimizer={t.optimizer}: {why}", "set parallel.dp_shard=null")  # fmt: skip
 
 
 def _validate_adamw(t: TrainConfig) -> None:

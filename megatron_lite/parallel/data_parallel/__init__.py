@@ -2,6 +2,7 @@
 zero_stage=..., ...)` returns a `DataParallelWrapper` (interface.py; builder.py documents the
 arguments): gradient buffers with overlapped bucketed reduction and the distributed optimizer
 (ZeRO-1/2, hybrid sharding, optimizer offload, see ddp.py), or ZeRO-3 through FSDP2 (fsdp.py).
+The optimizer is an `OptimizerSpec` (optimizer_spec.py: `register_optimizer` adds one).
 For a plain torch optimizer, `finalize_grads`, `local_grad_square_sum` and `clip_grads`
 (finalize.py, which owns the gradient finalization of every path). Bad arguments raise
 `DataParallelArgumentError` (arguments.py) before any group is used; the rules are rules.py's,
@@ -20,12 +21,18 @@ _EXPORTS = {
     "DataParallelWrapper": "interface",
     "FullyShardedDataParallel": "fsdp",
     "GradBuffer": "buffers",
-    "ShardedAdamW": "optimizer",
+    "OptimizerSpec": "optimizer_spec",
+    "ParamGroup": "optimizer_spec",
+    "ShardedOptimizer": "optimizer",
     "StateShard": "interface",
+    "StateSpec": "optimizer_spec",
     "build_data_parallel": "builder",
     "clip_grads": "finalize",
     "finalize_grads": "finalize",
+    "get_optimizer": "optimizer_spec",
     "local_grad_square_sum": "finalize",
+    "optimizer_names": "optimizer_spec",
+    "register_optimizer": "optimizer_spec",
 }
 __all__ = [
     "Bucket",
@@ -35,12 +42,18 @@ __all__ = [
     "DataParallelWrapper",
     "FullyShardedDataParallel",
     "GradBuffer",
-    "ShardedAdamW",
+    "OptimizerSpec",
+    "ParamGroup",
+    "ShardedOptimizer",
     "StateShard",
+    "StateSpec",
     "build_data_parallel",
     "clip_grads",
     "finalize_grads",
+    "get_optimizer",
     "local_grad_square_sum",
+    "optimizer_names",
+    "register_optimizer",
 ]
 
 if TYPE_CHECKING:
@@ -59,7 +72,15 @@ if TYPE_CHECKING:
         DataParallelWrapper,
         StateShard,
     )
-    from megatron_lite.parallel.data_parallel.optimizer import ShardedAdamW
+    from megatron_lite.parallel.data_parallel.optimizer import ShardedOptimizer
+    from megatron_lite.parallel.data_parallel.optimizer_spec import (
+        OptimizerSpec,
+        ParamGroup,
+        StateSpec,
+        get_optimizer,
+        optimizer_names,
+        register_optimizer,
+    )
 
 
 def __getattr__(name: str):

@@ -12,6 +12,12 @@ from typing import Any
 import torch
 
 from megatron_lite.parallel.data_parallel import rules
+from megatron_lite.parallel.data_parallel.optimizer_spec import (
+    OptimizerSpec,
+    hyperparameters,
+    optimizer_names,
+    resolve_optimizer,
+)
 from megatron_lite.parallel.mesh import ParallelMesh
 from megatron_lite.parallel.params import meta_of
 
@@ -93,11 +99,13 @@ def check_arguments(where: str, chunks, mesh, args: dict[str, Any]) -> None:
 def check_values(where: str, args: dict[str, Any]) -> None:
     """The rules on the arguments' values alone and with each other (no chunks, no mesh)."""
     for name, value in args.items():
-        if name in _VALUE_RULES:
+        if name in _VALUE_RULES and not (name == "eps" and value is None):  # None: the default
             problem, fix = _VALUE_RULES[name]
             fix = fix if isinstance(fix, str) else fix(value)
             _require(where, name, value, problem(value), fix)
-    if "betas" in args:
+    if "optimizer" in args:
+        check_optimizer(where, args)
+    if args.get("betas") is not None:
         _check_betas(where, args["betas"])
     if "weight_decay" in args:
         wd = args["weight_decay"]
@@ -117,6 +125,72 @@ def check_values(where: str, args: dict[str, Any]) -> None:
     _require(where, "offload", offload, rules.offload(offload, stage), fix)
     fix = "pass zero_stage=1, 2 or 3, or dp_shard=None"
     _require(where, "dp_shard", dp_shard, rules.dp_shard_stage(dp_shard, stage), fix)
+
+
+# the optimizer's hyperparameters that build_data_parallel takes as arguments of their own
+NAMED_HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")
+
+
+def check_optimizer(where: str, args: dict[str, Any]) -> None:
+    """`optimizer` is an OptimizerSpec or a registered name; the hyperparameters passed are
+    the spec's (betas, eps: when not None; weight_decay: when not 0; `optimizer_args`: the
+    others); a spec needing whole matrices does not run under stage 3."""
+    opt = args["optimizer"]
+    named = isinstance(opt, str) and opt in optimizer_names()
+    ok = isinstance(opt, OptimizerSpec) or named
+    fix = f"pass one of {optimizer_names()} or an OptimizerSpec (register_optimizer adds one)"
+    _require(where, "optimizer", opt, None if ok else "is not a registered optimizer", fix)
+    spec = resolve_optimizer(opt)
+    extra = args.get("optimizer_args") or {}
+    fix = f"pass a dict of {spec.name!r}'s hyperparameters, e.g. {dict(spec.hyperparameters)}"
+    ok = isinstance(extra, dict) and all(isinstance(k, str) for k in extra)
+    _require(where, "optimizer_args", extra, None if ok else "must be a dict by name", fix)
+    for name in set(extra) & set(NAMED_HYPERPARAMETERS):
+        _require(where, "optimizer_args", extra, f"holds {name!r}", f"pass {name}= instead")
+    for name, value in _given(args).items():
+        if name not in spec.hyperparameters:
+            _require(
+                where, name if name in args else "optimizer_args", value,
+                f"optimizer {spec.name!r} has no hyperparameter {name!r} (its own: "
+                f"{sorted(spec.hyperparameters)})",
+                f"leave {name} out, or pass optimizer= one that has it",
+            )  # fmt: skip
+    stage = args.get("zero_stage", 3 if "reshard_after_forward" in args else None)
+    _require(
+        where,
+        "optimizer",
+        spec.name,
+        f"its update needs whole matrices (elementwise=False) and zero_stage={stage} shards "
+        "each parameter's rows over the data-parallel ranks (FSDP2), so no rank holds one"
+        if stage == 3 and not spec.elementwise
+        else None,
+        "pass zero_stage=0, 1 or 2 (1 and 2 give each rank whole parameters to update)",
+    )
+    if not spec.elementwise:  # whole_matrix.py assigns whole parameters over the whole group
+        for name, used in (("offload", args.get("offload")), ("dp_shard", args.get("dp_shard"))):
+            _require(
+                where, name, used,
+                f"optimizer {spec.name!r} needs whole matrices; its ranks own whole parameters "
+                "over the whole data-parallel group, without offload or hybrid sharding"
+                if used not in (None, False) else None,
+                f"pass {name}={'False' if name == 'offload' else 'None'}",
+            )  # fmt: skip
+
+
+def _given(args: dict[str, Any]) -> dict[str, Any]:
+    """The hyperparameters a call passes: lr; betas, eps unless None; weight_decay unless 0;
+    optimizer_args."""
+    out = {"lr": args["lr"]} if "lr" in args else {}
+    out.update({k: args[k] for k in ("betas", "eps") if args.get(k) is not None})
+    if args.get("weight_decay", 0.0) != 0.0:
+        out["weight_decay"] = args["weight_decay"]
+    return {**out, **(args.get("optimizer_args") or {})}
+
+
+def optimizer_settings(args: dict[str, Any]) -> tuple[OptimizerSpec, dict[str, Any]]:
+    """(spec, its hyperparameters) of checked arguments (`check_optimizer`)."""
+    spec = resolve_optimizer(args["optimizer"])
+    return spec, hyperparameters(spec, _given(args))
 
 
 def _check_betas(where: str, betas) -> None:

@@ -1,6 +1,7 @@
-"""`build_data_parallel`: data parallelism and AdamW for any model built from our blocks, from
-plain arguments (no Config). The trainer's `training.optimizer.build_data_parallel(chunks,
-mesh, cfg)` is this call with the config's fields."""
+"""`build_data_parallel`: data parallelism and an optimizer (AdamW by default) for any model
+built from our blocks, from plain arguments (no Config). The trainer's
+`training.optimizer.build_data_parallel(chunks, mesh, cfg)` is this call with the config's
+fields."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from megatron_lite.parallel.data_parallel import arguments
 from megatron_lite.parallel.data_parallel.ddp import DataParallel
 from megatron_lite.parallel.data_parallel.fsdp import FullyShardedDataParallel
 from megatron_lite.parallel.data_parallel.interface import DataParallelWrapper
+from megatron_lite.parallel.data_parallel.optimizer_spec import OptimizerSpec
 from megatron_lite.parallel.mesh import ParallelMesh
 
 
@@ -20,10 +22,12 @@ def build_data_parallel(
     mesh: ParallelMesh,
     *,
     zero_stage: int = 0,
+    optimizer: str | OptimizerSpec = "adamw",
     lr: float = 1e-3,
-    betas: tuple[float, float] = (0.9, 0.95),
-    eps: float = 1e-8,
+    betas: tuple[float, float] | None = None,
+    eps: float | None = None,
     weight_decay: float = 0.0,
+    optimizer_args: dict | None = None,
     dp_shard: int | None = None,
     bucket_size: int = 40_000_000,
     overlap_grad_reduce: bool = True,
@@ -35,15 +39,19 @@ def build_data_parallel(
     layers_of: Callable[[torch.nn.Module], Iterable[torch.nn.Module]] | None = None,
     device: torch.device | str | None = None,
 ) -> DataParallelWrapper:
-    """Gradient reduction and AdamW for this rank's model `chunks` (one per virtual pipeline
+    """Gradient reduction and the optimizer for this rank's model `chunks` (one per virtual pipeline
     stage; their parameters carry our sharding metadata, see parallel/params.py), over the
     data-parallel groups of `mesh` (dense: dp×cp, experts: expert-data-parallel).
 
-    zero_stage: 0 replicated optimizer (all-reduce); 1 AdamW states and fp32 masters sharded
-        (reduce-scatter, weights all-gathered after the step); 2 also the gradients between
-        steps; 3 also the weights, through FSDP2 (one unit per layer, see `layers_of`).
-    lr, betas, eps, weight_decay: AdamW's; weight decay applies to matrices only (parameters
-        with dim >= 2), not to norms, biases or other 1-D parameters. The trainer sets `lr` in
+    zero_stage: 0 replicated optimizer (all-reduce); 1 optimizer states and fp32 masters
+        sharded (reduce-scatter, weights all-gathered after the step); 2 also the gradients
+        between steps; 3 also the weights, through FSDP2 (one unit per layer, see `layers_of`).
+        An optimizer whose update needs whole matrices runs under 0-2 only (whole_matrix.py).
+    optimizer: an `OptimizerSpec` or a registered name (optimizer_spec.py; default "adamw").
+    lr, betas, eps, weight_decay: its hyperparameters of those names (betas, eps: None for
+        the spec's defaults; AdamW's are (0.9, 0.95), 1e-8); optimizer_args: its others by
+        name. AdamW's weight decay applies to matrices only (parameters with dim >= 2), not
+        to norms, biases or other 1-D parameters (its groups rule). The trainer sets `lr` in
         `optimizer.param_groups` every step for a schedule.
     dp_shard: hybrid sharding: shard within blocks of dp_shard ranks of the group, all-reduce
         the shards across the blocks (stages 1-3; None: shard over the whole group).
@@ -53,7 +61,7 @@ def build_data_parallel(
     grad_reduce_dtype: the dtype gradients travel in, torch.float32 or torch.bfloat16
         (bf16 halves the bytes; they accumulate and the optimizer steps in fp32 either way).
         The config's strings "fp32"/"bf16" are not accepted here: pass the torch.dtype.
-    offload: AdamW states and fp32 masters on the host, stepped there (stages 0-2).
+    offload: optimizer states and fp32 masters on the host, stepped there (stages 0-2).
     reshard_after_forward: stage 3: free each layer's gathered weights after its forward.
     tie_embeddings: with pp > 1, sum the input embedding (the parameter named
         `embedding.weight` in the first stage's chunk) and its last-stage copy (marked
@@ -76,7 +84,8 @@ def build_data_parallel(
     `clip`, `step` around each step's forward and backward (interface.py). Under stage 3 the
     chunks' parameters are replaced by sharded ones: read them from the chunks after this call.
     """
-    args = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    args = dict(optimizer=optimizer, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                optimizer_args=optimizer_args)  # fmt: skip
     common = dict(dp_shard=dp_shard, tie_embeddings=tie_embeddings, **args)
     dp_args = dict(bucket_size=bucket_size, overlap_grad_reduce=overlap_grad_reduce,
                    overlap_param_gather=overlap_param_gather, offload=offload)  # fmt: skip

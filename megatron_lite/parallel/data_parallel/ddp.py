@@ -1,7 +1,8 @@
-"""`DataParallel`: gradient buffers, overlapped bucketed reduction and the (distributed) AdamW
-for one rank's model chunks, for ZeRO stages 0, 1 and 2 and hybrid sharding.
+"""`DataParallel`: gradient buffers, overlapped bucketed reduction and the (distributed)
+optimizer (an `OptimizerSpec`, AdamW by default) for one rank's model chunks, for ZeRO stages 0,
+1 and 2 and hybrid sharding.
 
-| stage | masters, AdamW states | gradients               | per bucket                          |
+| stage | masters, opt. states  | gradients               | per bucket                          |
 |-------|-----------------------|-------------------------|-------------------------------------|
 | 0     | replicated            | full                    | all-reduce once per step            |
 | 1     | 1/N per rank          | full                    | reduce-scatter once per step; gather |
@@ -13,7 +14,8 @@ then all-reduced across the replicas). Gradients that need another sum first (se
 replicas over TP, tied embeddings over the first/last stage) are summed after the data-parallel
 reduction on this rank's shard: every TP rank (every holder of the tied weight) lays its buffer
 out alike, so their shards cover the same elements. ZeRO-2's memory and communication with
-gradient accumulation: buffers.py.
+gradient accumulation: buffers.py. An optimizer that needs whole matrices gets whole
+parameters assigned to ranks instead of flat shards: whole_matrix.py.
 """
 
 from __future__ import annotations
@@ -21,11 +23,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_lite.parallel.data_parallel import arguments, finalize, rules
+from megatron_lite.parallel.data_parallel import arguments, finalize, rules, whole_matrix
 from megatron_lite.parallel.data_parallel.buffers import GradBuffer
 from megatron_lite.parallel.data_parallel.finalize import LocalGrad, tied_params
 from megatron_lite.parallel.data_parallel.memory import buffer_state_bytes, buffer_state_tensors
-from megatron_lite.parallel.data_parallel.optimizer import ShardedAdamW, make_pieces
+from megatron_lite.parallel.data_parallel.optimizer import ShardedOptimizer, make_pieces
+from megatron_lite.parallel.data_parallel.optimizer_spec import OptimizerSpec
 from megatron_lite.parallel.mesh import ParallelMesh
 from megatron_lite.parallel.params import meta_of
 
@@ -66,40 +69,62 @@ class DataParallel:
         overlap_param_gather: bool = True,
         grad_reduce_dtype: torch.dtype = torch.float32,
         tie_embeddings: bool = False,
+        optimizer: str | OptimizerSpec = "adamw",
         lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.95),
-        eps: float = 1e-8,
+        betas: tuple[float, float] | None = None,
+        eps: float | None = None,
         weight_decay: float = 0.0,
+        optimizer_args: dict | None = None,
         offload: bool = False,
     ):
         args = dict(zero_stage=zero_stage, dp_shard=dp_shard, bucket_size=bucket_size,
                     overlap_grad_reduce=overlap_grad_reduce,
                     overlap_param_gather=overlap_param_gather, grad_reduce_dtype=grad_reduce_dtype,
-                    tie_embeddings=tie_embeddings, lr=lr, betas=betas, eps=eps,
-                    weight_decay=weight_decay, offload=offload)  # fmt: skip
+                    tie_embeddings=tie_embeddings, optimizer=optimizer, lr=lr, betas=betas,
+                    eps=eps, weight_decay=weight_decay, optimizer_args=optimizer_args,
+                    offload=offload)  # fmt: skip
         if zero_stage == 3 and rules.is_int(zero_stage):
             raise arguments.DataParallelArgumentError(
                 "DataParallel", "zero_stage", zero_stage, "DataParallel runs stages 0-2",
                 "use FullyShardedDataParallel, or build_data_parallel(..., zero_stage=3)",
             )  # fmt: skip
         arguments.check_arguments("DataParallel", chunks, mesh, args)
+        spec, hyper = arguments.optimizer_settings(args)
         self.mesh, self.zero_stage, self.overlap_param_gather = (
             mesh,
             zero_stage,
             overlap_param_gather,
         )
+        whole = not spec.elementwise  # whole parameters to ranks (whole_matrix.py)
         self.groups = {}
         for name in ("dp_cp", "edp"):
             full = getattr(mesh, name)
             n = dp_shard or full.size
-            if zero_stage == 0:
+            if zero_stage == 0 or whole:
                 self.groups[name] = (full.group, None, None)
             elif n == full.size:
                 self.groups[name] = (full.group, full.group, None)
             else:
                 self.groups[name] = (full.group, *hybrid_groups(mesh, name, n))
         self.tied = [] if mesh.pp.size == 1 or not tie_embeddings else tied_params(chunks)
-        self.buffers: list[GradBuffer] = []
+        keep_full = zero_stage < 2 or whole
+        self.buffers, kinds = self._build_buffers(chunks, bucket_size, grad_reduce_dtype,
+                                                  keep_full, overlap_grad_reduce)  # fmt: skip
+        self.owners = None  # whole_matrix.py: {id(param): owner} under ZeRO-1/2
+        if whole:
+            self.owners = whole_matrix.assign_owners(self.buffers, kinds) if zero_stage else None
+            self.pieces = whole_matrix.whole_pieces(self.buffers, self.owners)
+        else:
+            self.pieces = make_pieces(self.buffers, offload)
+        self.optimizer = ShardedOptimizer(self.pieces, spec, hyper, offload)
+        # the next forward waits for the weights only when their all-gather overlaps it
+        waits = zero_stage and overlap_param_gather
+        self._gather_hooks = [self._register_gather_waits(c) for c in chunks] if waits else []
+
+    def _build_buffers(self, chunks, bucket_size, reduce_dtype, keep_full, overlap):
+        """The gradient buffers, one per chunk and reduction group, and each one's group name
+        (dp_cp or edp)."""
+        buffers, kinds = [], []
         in_flight = {"dp_cp": [], "edp": []}  # ZeRO-2: one reduce-scatter per group at a time
         for chunk in chunks:
             params = [p for p in chunk.parameters() if p.requires_grad]
@@ -116,18 +141,15 @@ class DataParallel:
                     replica_group=replica,
                     bucket_size=bucket_size,
                     own_bucket={id(p) for p in self.tied},
-                    reduce_dtype=grad_reduce_dtype,
-                    keep_full_grads=zero_stage < 2,
-                    overlap=overlap_grad_reduce,
+                    reduce_dtype=reduce_dtype,
+                    keep_full_grads=keep_full,
+                    overlap=overlap,
                     in_flight=in_flight[name],
                     names=names,
                 )
-                self.buffers.append(buf)
-        self.pieces = make_pieces(self.buffers, offload)
-        self.optimizer = ShardedAdamW(self.pieces, lr, betas, eps, weight_decay, offload)
-        # the next forward waits for the weights only when their all-gather overlaps it
-        waits = zero_stage and overlap_param_gather
-        self._gather_hooks = [self._register_gather_waits(c) for c in chunks] if waits else []
+                buffers.append(buf)
+                kinds.append(name)
+        return buffers, kinds
 
     def _register_gather_waits(self, chunk: torch.nn.Module):
         """Before a module's forward, wait for the all-gather of the buckets holding its
@@ -157,7 +179,10 @@ class DataParallel:
         """Nothing: a deferred weight gradient reports itself to its bucket (`after_wgrad`)."""
 
     def local_grads(self) -> list[LocalGrad]:
-        """This rank's reduced gradient shard, one entry per piece (parameter ∩ shard)."""
+        """This rank's reduced gradient shard, one entry per piece (parameter ∩ shard; whole
+        parameters this rank owns, whole_matrix.py)."""
+        if self.owners is not None:
+            return whole_matrix.owned_grads(self.pieces)
         return [LocalGrad(pc.param, pc.grad, pc.buffer.replicas) for pc in self.pieces]
 
     def finish_grad_sync(self) -> None:
@@ -165,7 +190,9 @@ class DataParallel:
         embedding group (tied embeddings) on this rank's shard (see finalize.py)."""
         for buf in self.buffers:
             buf.finish()
-        finalize.sum_model_parallel_copies(self.local_grads(), self.mesh, self.tied)
+        owned = self.owners is not None  # every whole gradient, whoever owns it
+        grads = whole_matrix.whole_grads(self.buffers) if owned else self.local_grads()
+        finalize.sum_model_parallel_copies(grads, self.mesh, self.tied)
 
     def grad_square_sum(self) -> torch.Tensor:
         """This rank's share of the global Σg² (fp64), see `finalize.grad_square_sum`."""
@@ -177,9 +204,11 @@ class DataParallel:
         finalize.scale_to_max_norm([pc.grad for pc in self.pieces], norm, max_norm)
 
     def step(self) -> None:
-        """AdamW on the shards, then the updated weights all-gathered (waited for before each
-        module's next forward when overlap_param_gather, else here)."""
+        """The optimizer on the shards, then the updated weights all-gathered (waited for
+        before each module's next forward when overlap_param_gather, else here)."""
         self.optimizer.step()
+        if self.owners is not None:  # whole parameters from their owners
+            whole_matrix.broadcast_params(self.buffers, self.owners)
         for buf in self.buffers:
             buf.gather_params(wait=not self.overlap_param_gather)
 

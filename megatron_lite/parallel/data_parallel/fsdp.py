@@ -53,8 +53,9 @@ from megatron_lite.parallel.data_parallel.ddp import hybrid_groups
 from megatron_lite.parallel.data_parallel.finalize import LocalGrad, data_replicas, tied_params
 from megatron_lite.parallel.data_parallel.fsdp_comm import count_collectives
 from megatron_lite.parallel.data_parallel.fsdp_compat import check_fsdp2, post_backward_now
-from megatron_lite.parallel.data_parallel.fsdp_optimizer import FSDPAdamW
+from megatron_lite.parallel.data_parallel.fsdp_optimizer import FSDPOptimizer
 from megatron_lite.parallel.data_parallel.memory import sharded_state_bytes, sharded_state_tensors
+from megatron_lite.parallel.data_parallel.optimizer_spec import OptimizerSpec
 from megatron_lite.parallel.mesh import ParallelMesh
 from megatron_lite.parallel.params import meta_of
 
@@ -183,10 +184,12 @@ class FullyShardedDataParallel:
         param_dtype: torch.dtype = torch.float32,
         reduce_dtype: torch.dtype = torch.float32,
         tie_embeddings: bool = False,
+        optimizer: str | OptimizerSpec = "adamw",
         lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.95),
-        eps: float = 1e-8,
+        betas: tuple[float, float] | None = None,
+        eps: float | None = None,
         weight_decay: float = 0.0,
+        optimizer_args: dict | None = None,
         layers_of: Callable[[torch.nn.Module], Iterable[torch.nn.Module]] | None = None,
         device: torch.device | str | None = None,
     ):
@@ -198,8 +201,9 @@ class FullyShardedDataParallel:
         check_fsdp2()  # what we use of FSDP2 is still there, before any mesh or sharding
         args = dict(dp_shard=dp_shard, reshard_after_forward=reshard_after_forward,
                     param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                    tie_embeddings=tie_embeddings, lr=lr, betas=betas, eps=eps,
-                    weight_decay=weight_decay, layers_of=layers_of, device=device)  # fmt: skip
+                    tie_embeddings=tie_embeddings, optimizer=optimizer, lr=lr, betas=betas,
+                    eps=eps, weight_decay=weight_decay, optimizer_args=optimizer_args,
+                    layers_of=layers_of, device=device)  # fmt: skip
         arguments.check_arguments("FullyShardedDataParallel", chunks, mesh, args)
         self.mesh, self.chunks, self.reduce_dtype = mesh, chunks, reduce_dtype
         # each chunk's FSDP2 units, checked before any mesh is built
@@ -229,7 +233,8 @@ class FullyShardedDataParallel:
             _shard_chunk(chunk, layers, dense, experts, kw, storage_on)
         self.params = [p for c in chunks for p in c.parameters() if p.requires_grad]
         self.tied = tied_params(chunks) if mesh.pp.size > 1 and tie_embeddings else []
-        self.optimizer = FSDPAdamW(self.params, lr, betas, eps, weight_decay, param_dtype)
+        spec, hyper = arguments.optimizer_settings(args)
+        self.optimizer = FSDPOptimizer(self.params, spec, hyper, param_dtype)
         self.expected = 1
         self.unsynced: set[int] = set()  # chunks announced "not last" and not yet "last"
 

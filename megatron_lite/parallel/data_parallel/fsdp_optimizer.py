@@ -1,8 +1,10 @@
-"""AdamW over FSDP2's sharded (DTensor) parameters, with the checkpoint interface of
-`ShardedAdamW` (ZeRO-3's side of `state_shards`).
+"""The optimizer (an `OptimizerSpec`, optimizer_spec.py) over FSDP2's sharded (DTensor)
+parameters, with the checkpoint interface of `ShardedOptimizer` (ZeRO-3's side of
+`state_shards`). Only elementwise specs run here: a rank holds rows of each parameter, never a
+whole matrix (build_data_parallel refuses the others, see arguments.check_optimizer).
 
 The sharded fp32 parameters are the master weights. Checkpoints write and read this rank's
-rows of each parameter and of its moments where they are (nothing is gathered): the weights in
+rows of each parameter and of its states where they are (nothing is gathered): the weights in
 `weight_dtype`, the compute dtype the other stages store the model in (bf16 under
 train.precision=bf16, with the fp32 masters beside them).
 """
@@ -13,19 +15,25 @@ import math
 
 import torch
 
+from megatron_lite.parallel import fake
 from megatron_lite.parallel.data_parallel.interface import StateShard
-from megatron_lite.parallel.data_parallel.optimizer import MOMENTS, adamw
+from megatron_lite.parallel.data_parallel.optimizer_spec import (
+    OptimizerSpec,
+    init_states,
+    make_optimizer,
+)
 from megatron_lite.parallel.params import fsdp_replicas, fsdp_rows
 
 
-class FSDPAdamW:
-    """torch AdamW on the DTensor parameters (weight decay on matrices: p.dim() >= 2; per
-    tensor on CPU, fused on CUDA), with the checkpoint interface of `ShardedAdamW`."""
+class FSDPOptimizer:
+    """The spec's torch optimizer on the DTensor parameters (its parameter groups rule reads
+    them; AdamW: per tensor on CPU, fused on CUDA), with the checkpoint interface of
+    `ShardedOptimizer`."""
 
-    def __init__(self, params, lr, betas, eps, weight_decay, param_dtype: torch.dtype):
-        self.params, self.param_dtype = params, param_dtype
-        decay, no_decay = [p for p in params if p.dim() >= 2], [p for p in params if p.dim() < 2]
-        self.inner = adamw(decay, no_decay, lr, betas, eps, weight_decay)
+    def __init__(self, params, spec: OptimizerSpec, hyper: dict, param_dtype: torch.dtype):
+        self.params, self.param_dtype, self.spec = params, param_dtype, spec
+        fused = any(p.is_cuda for p in params) or fake.active()
+        self.inner = make_optimizer(spec, [(p, p) for p in params], hyper, fused)
 
     @property
     def param_groups(self):
@@ -47,19 +55,19 @@ class FSDPAdamW:
 
     @torch.no_grad()
     def state_shards(self) -> list[StateShard]:
-        """Each parameter's moments over this rank's rows of it (`params.fsdp_rows`), created
-        as torch's AdamW would at its first step when no step has run yet. The fp32 masters
+        """Each parameter's states over this rank's rows of it (`params.fsdp_rows`), created
+        as the optimizer would at its first step when no step has run yet. The fp32 masters
         are the parameters themselves (checkpoints read them from there)."""
         fused = bool(self.inner.param_groups[0].get("fused"))
         out = []
         for p in self.params:
             state = self.inner.state[p]
-            if not state:  # what torch.optim.AdamW's first step would create
+            if not state:  # what the optimizer's first step would create
                 step = torch.zeros((), dtype=torch.float32, device=p.device if fused else "cpu")
-                state.update(step=step, **{k: torch.zeros_like(p) for k in MOMENTS})
+                state.update(step=step, **init_states(self.spec, p))
             start, end = fsdp_rows(p)
             inner = math.prod(p.shape[1:])
-            states = {k: state[k].to_local().view(-1) for k in MOMENTS}
+            states = {k: state[k].to_local().view(-1) for k in self.spec.state_names}
             out.append(
                 StateShard(p, start * inner, end * inner, states, state["step"], fsdp_replicas(p))
             )

@@ -11,7 +11,7 @@ One step, on every rank:
     dp.finish_grad_sync()               # every gradient reduced (and its TP/tied sums)
     sq = dp.grad_square_sum()           # this rank's share of Σg²; all-reduce over the world
     dp.clip(sq.item() ** 0.5, max_norm)
-    dp.step()                           # AdamW on this rank's shards, weights gathered
+    dp.step()                           # the optimizer on this rank's shards, weights gathered
 """
 
 from __future__ import annotations
@@ -23,15 +23,17 @@ import torch
 import torch.distributed as dist
 
 from megatron_lite.parallel.data_parallel.finalize import LocalGrad
+from megatron_lite.parallel.data_parallel.optimizer_spec import OptimizerSpec
 from megatron_lite.parallel.mesh import ParallelMesh
 
 
 @dataclass
 class StateShard:
-    """Elements [lo, hi) of parameter `param`'s flattened (TP-local) tensor whose AdamW state
-    this rank holds: `states` maps "exp_avg", "exp_avg_sq" (and "master", an fp32 copy kept
-    apart from the parameter) to contiguous tensors of hi - lo elements; `step` is the step
-    count (0-d). `replicas`: the process group whose ranks hold identical copies (ZeRO-0's
+    """Elements [lo, hi) of parameter `param`'s flattened (TP-local) tensor whose optimizer
+    state this rank holds: `states` maps the spec's state names (`OptimizerSpec.state_names`;
+    AdamW: "exp_avg", "exp_avg_sq"), and "master" for an fp32 copy kept apart from the
+    parameter, to contiguous tensors of hi - lo elements; `step` is the step count (0-d).
+    `replicas`: the process group whose ranks hold identical copies (ZeRO-0's
     data-parallel group, hybrid sharding's replica group), None when no other rank of this
     TP rank does. Stage 3 (FSDP2): [lo, hi) are this rank's rows of the DTensor parameter."""
 
@@ -45,18 +47,20 @@ class StateShard:
 
 @runtime_checkable
 class DataParallelOptimizer(Protocol):
-    """The wrapper's AdamW (`ShardedAdamW`, `FSDPAdamW`) as the trainer and the checkpointer
-    use it. Checkpoints hold logical per-parameter tensors whatever the stage; each rank
-    writes them from, and loads them into, the shards it holds (`state_shards`)."""
+    """The wrapper's optimizer (`ShardedOptimizer`, `FSDPOptimizer`, `WholeMatrixOptimizer`)
+    as the trainer and the checkpointer use it. Checkpoints hold logical per-parameter tensors
+    whatever the stage; each rank writes them from, and loads them into, the shards it holds
+    (`state_shards`)."""
 
-    inner: torch.optim.Optimizer  # the torch AdamW stepping this rank's shards
+    spec: OptimizerSpec  # what it is: its states, update and hyperparameters
+    inner: torch.optim.Optimizer  # the torch optimizer stepping this rank's shards
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
         """The torch optimizer's groups (the trainer sets their `lr` every step)."""
 
     def step(self) -> None:
-        """One AdamW step on this rank's shards (gradients finalized and clipped)."""
+        """One optimizer step on this rank's shards (gradients finalized and clipped)."""
 
     def sync_masters_from_params(self) -> None:
         """After the parameters were loaded: fp32 masters kept apart from them follow."""
@@ -67,7 +71,7 @@ class DataParallelOptimizer(Protocol):
         sharded parameters are the fp32 masters, their compute copies this dtype)."""
 
     def state_shards(self) -> list[StateShard]:
-        """The AdamW state this rank holds, one `StateShard` per (parameter, range): the
+        """The optimizer state this rank holds, one `StateShard` per (parameter, range): the
         optimizer's own tensors (no copy, no communication), so a checkpoint writes from them
         and a load reads into them."""
 

@@ -1,17 +1,23 @@
 """Model-state memory, measured by walking the tensors actually allocated (unique storages),
 and the formula it is checked against (README: "ZeRO stages").
 
-Bytes per parameter held by this rank (its TP/PP/EP shard), with N the sharding degree:
+Bytes per parameter held by this rank (its TP/PP/EP shard), with N the sharding degree and K the
+optimizer's state bytes per parameter (`OptimizerSpec.state_bytes`: the sum of its states'
+dtype sizes; AdamW's m and v in fp32: K = 8, the totals below):
 
-| precision, stage | weights | grads | master | AdamW (m, v) | total    |
+| precision, stage | weights | grads | master | optimizer    | total    |
 |------------------|---------|-------|--------|--------------|----------|
-| fp32, 0          | 4       | 4     | 0      | 8            | 16       |
-| fp32, 1          | 4       | 4     | 0      | 8/N          | 8 + 8/N  |
-| fp32, 2          | 4       | 4/N   | 0      | 8/N          | 4 + 12/N |
-| bf16, 0          | 2       | 4     | 4      | 8            | 18       |
-| bf16, 1          | 2       | 4     | 4/N    | 8/N          | 6 + 12/N |
-| bf16, 2          | 2       | 4/N   | 4/N    | 8/N          | 2 + 16/N |
-| either, 3        | 4/N     | 4/N   | 0      | 8/N          | 16/N     |
+| fp32, 0          | 4       | 4     | 0      | K            | 16       |
+| fp32, 1          | 4       | 4     | 0      | K/N          | 8 + 8/N  |
+| fp32, 2          | 4       | 4/N   | 0      | K/N          | 4 + 12/N |
+| bf16, 0          | 2       | 4     | 4      | K            | 18       |
+| bf16, 1          | 2       | 4     | 4/N    | K/N          | 6 + 12/N |
+| bf16, 2          | 2       | 4/N   | 4/N    | K/N          | 2 + 16/N |
+| either, 3        | 4/N     | 4/N   | 0      | K/N          | 16/N     |
+
+An optimizer whose update needs whole matrices keeps the whole gradients under ZeRO-2 too
+(grads 4, as stage 1: whole_matrix.py), and its masters and states are those of the
+parameters assigned to this rank, about 1/N of them (the formula's figure).
 
 fp32 masters are the parameters themselves (0 extra) unless the optimizer is offloaded (then
 4/N on the host). Buckets are padded to a multiple of N, so a measurement can exceed the formula
@@ -39,6 +45,7 @@ from torch.distributed.tensor import DTensor
 
 from megatron_lite.parallel.data_parallel.buffers import GradBuffer, in_flight_bound
 from megatron_lite.parallel.data_parallel.optimizer import Piece
+from megatron_lite.parallel.data_parallel.optimizer_spec import ADAMW, OptimizerSpec
 
 TERMS = ("weights", "grads", "master", "optimizer")
 
@@ -158,23 +165,26 @@ def formula_bytes(
     in_flight: float = 0.0,
     microbatches: int = 1,
     reduce_bytes: int = 4,
+    optimizer: OptimizerSpec = ADAMW,
 ) -> dict[str, float]:
-    """The table above for `num_params` parameters on a rank (no padding), with the step's
-    transient gradients (module docstring): ZeRO-2's `in_flight` bucket elements (fp32,
-    `zero2_in_flight`); ZeRO-3 with `microbatches` > 1 the unsharded gradients, `reduce_bytes`
-    per parameter."""
+    """The table above for `num_params` parameters on a rank (no padding) and `optimizer`'s
+    states, with the step's transient gradients (module docstring): ZeRO-2's `in_flight`
+    bucket elements (fp32, `zero2_in_flight`); ZeRO-3 with `microbatches` > 1 the unsharded
+    gradients, `reduce_bytes` per parameter."""
     shard = 1.0 / n if zero_stage >= 1 else 1.0
+    states = optimizer.state_bytes * num_params * shard
     if zero_stage == 3:  # the fp32 shards are the weights and the masters
         unsharded = reduce_bytes * num_params if microbatches > 1 else 0.0
         return {"weights": 4 * num_params * shard, "grads": 4 * num_params * shard + unsharded,
-                "master": 0.0, "optimizer": 8 * num_params * shard}  # fmt: skip
+                "master": 0.0, "optimizer": states}  # fmt: skip
     weight = 2 if precision == "bf16" else 4
-    grads = 4 * num_params * shard if zero_stage == 2 else 4.0 * num_params
-    if zero_stage == 2 and n > 1:  # (one shard: the whole buffer, nothing extra)
+    sharded_grads = zero_stage == 2 and optimizer.elementwise
+    grads = 4 * num_params * shard if sharded_grads else 4.0 * num_params
+    if sharded_grads and n > 1:  # (one shard: the whole buffer, nothing extra)
         grads += 4 * in_flight
     return {
         "weights": weight * num_params,
         "grads": grads,
         "master": (4 * num_params * shard) if precision == "bf16" else 0.0,
-        "optimizer": 8 * num_params * shard,
+        "optimizer": states,
     }

@@ -1,12 +1,14 @@
-"""AdamW over this rank's shards of the gradient buffers, with fp32 master weights (Megatron's
-distributed optimizer; ZeRO-0 is the same with one shard per rank holding everything).
+"""The optimizer (an `OptimizerSpec`, optimizer_spec.py; AdamW by default) over this rank's
+shards of the gradient buffers, with fp32 master weights (Megatron's distributed optimizer;
+ZeRO-0 is the same with one shard per rank holding everything).
 
 Each (parameter ∩ this rank's shard) range is one piece: its master weight (the fp32 parameter
 data itself when the model is fp32 and the state stays on the device; else an fp32 copy, on the
 host under optimizer offload) and its gradient (a view of the reduced fp32 `main_grad` shard).
-torch's AdamW steps the pieces (per tensor on CPU, so every layout does the same arithmetic per
-element; fused on CUDA), then the updated masters are written back into the parameters' shards
-and the buffers all-gather them (ZeRO-1/2).
+The spec's torch optimizer steps the pieces (AdamW: per tensor on CPU, so every layout does the
+same arithmetic per element; fused on CUDA), then the updated masters are written back into the
+parameters' shards and the buffers all-gather them (ZeRO-1/2). A spec whose update needs whole
+matrices gets whole parameters as pieces instead (whole_matrix.py).
 
 Offload on CUDA (`_Transfers`): the copies between the device and the pinned host masters run
 on a copy stream with non_blocking=True and are ordered by events, never by synchronizing a
@@ -31,8 +33,11 @@ import torch
 from megatron_lite.parallel import fake, mappings
 from megatron_lite.parallel.data_parallel.buffers import GradBuffer
 from megatron_lite.parallel.data_parallel.interface import StateShard
-
-MOMENTS = ("exp_avg", "exp_avg_sq")
+from megatron_lite.parallel.data_parallel.optimizer_spec import (
+    OptimizerSpec,
+    init_states,
+    make_optimizer,
+)
 
 
 @dataclass
@@ -42,16 +47,18 @@ class Piece:
     lo: int  # [lo, hi) in the buffer (inside the parameter's range and this rank's shard)
     hi: int
     grad_at: int  # where [lo, hi) starts in buffer.grad_shard
-    master: torch.nn.Parameter  # fp32
+    master: torch.nn.Parameter  # fp32: flat, or the parameter's shape for a whole one
     aliased: bool  # the master is the parameter's fp32 data itself (not a copy)
+    owned: bool = False  # a whole parameter this rank alone updates (whole_matrix.py)
 
     @property
     def param_slice(self) -> torch.Tensor:
-        return self.buffer.param_data[self.lo : self.hi]
+        return self.buffer.param_data[self.lo : self.hi].view(self.master.shape)
 
     @property
     def grad(self) -> torch.Tensor:
-        return self.buffer.grad_shard[self.grad_at : self.grad_at + self.hi - self.lo]
+        flat = self.buffer.grad_shard[self.grad_at : self.grad_at + self.hi - self.lo]
+        return flat.view(self.master.shape)
 
     def offset(self) -> int:
         """Where the piece starts inside its parameter (flattened)."""
@@ -175,43 +182,23 @@ class _Transfers:
         self.ops.wait_event(self.ops.current_stream(), self.params_on_device)
 
 
-def adamw(decay, no_decay, lr, betas, eps, weight_decay) -> torch.optim.AdamW:
-    """torch AdamW with weight decay on `decay` only (per tensor on CPU, fused on CUDA and in
-    a dry run: the GPU's kernel, and the per-tensor path reads its step count on the host)."""
-    on_cuda = any(p.is_cuda for p in [*decay, *no_decay]) or fake.active()
-    return torch.optim.AdamW(
-        [
-            {"params": decay, "weight_decay": weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ],
-        lr=lr,
-        betas=betas,
-        eps=eps,
-        foreach=False,
-        fused=on_cuda or None,
-    )
+class ShardedOptimizer:
+    """The spec's optimizer over `pieces` (its parameter groups rule reads each piece's
+    parameter; `hyper`: its hyperparameters, see optimizer_spec.hyperparameters)."""
 
-
-class ShardedAdamW:
-    """AdamW over `pieces` (weight decay on pieces of parameters with dim >= 2)."""
-
-    def __init__(self, pieces: list[Piece], lr, betas, eps, weight_decay, offload: bool):
-        self.pieces, self.offload = pieces, offload
+    def __init__(self, pieces: list[Piece], spec: OptimizerSpec, hyper: dict, offload: bool):
+        self.pieces, self.offload, self.spec = pieces, offload, spec
         self.transfers = None  # offload: the host copies (module docstring)
         if offload:
             device = pieces[0].grad.device if pieces else torch.device("cpu")
             cuda = device.type == "cuda" and torch.cuda.is_available() and not fake.active()
             self.transfers = _Transfers(pieces, _CudaOps() if cuda else _HostOps())
-        decay = [pc.master for pc in pieces if pc.param.dim() >= 2]
-        no_decay = [pc.master for pc in pieces if pc.param.dim() < 2]
         on_cuda = bool(pieces) and pieces[0].master.is_cuda
-        self.inner = adamw(decay, no_decay, lr, betas, eps, weight_decay)
+        fused = any(pc.master.is_cuda for pc in pieces) or fake.active()
+        self.inner = make_optimizer(spec, [(pc.master, pc.param) for pc in pieces], hyper, fused)
         for pc in pieces:  # states exist from the start, so memory is measured before step 1
             step = torch.zeros((), device=pc.master.device if on_cuda else "cpu")
-            zeros = [
-                torch.zeros_like(pc.master, memory_format=torch.preserve_format) for _ in MOMENTS
-            ]
-            self.inner.state[pc.master] = {"step": step, **dict(zip(MOMENTS, zeros, strict=True))}
+            self.inner.state[pc.master] = {"step": step, **init_states(spec, pc.master)}
 
     @property
     def param_groups(self):
@@ -249,18 +236,19 @@ class ShardedAdamW:
         return self.pieces[0].param.dtype if self.pieces else torch.float32
 
     def state_shards(self) -> list[StateShard]:
-        """Each piece's moments (and master, when it is a copy) over its range of the
+        """Each piece's states (and master, when it is a copy) over its range of the
         parameter. Identical copies: ZeRO-0's whole state on every rank of the buffer's group;
-        with hybrid sharding, the shard on every rank of the replica group."""
+        with hybrid sharding, the shard on every rank of the replica group; none for a
+        parameter this rank owns (whole_matrix.py)."""
         out = []
         for pc in self.pieces:
             state = self.inner.state[pc.master]
-            states = {k: state[k] for k in MOMENTS}
+            states = {k: state[k].view(-1) for k in self.spec.state_names}
             if not pc.aliased:
-                states["master"] = pc.master.data
+                states["master"] = pc.master.data.view(-1)
             buf = pc.buffer
             replicas = buf.group if buf.shard_size == 1 else buf.replica_group
-            if replicas is not None and mappings.size(replicas) == 1:
+            if pc.owned or (replicas is not None and mappings.size(replicas) == 1):
                 replicas = None
             lo, hi = pc.offset(), pc.offset() + pc.hi - pc.lo
             out.append(StateShard(pc.param, lo, hi, states, state["step"], replicas))

@@ -1,0 +1,110 @@
+"""ZeRO-1/2 for an optimizer whose update needs whole matrices (`OptimizerSpec.elementwise` is
+False, e.g. Muon's orthogonalized update): Megatron's layer-wise distributed optimizer. The flat
+`[lo, hi)` shards of ddp.py cut matrices across ranks, so instead:
+
+- gradients are all-reduced whole (the buffers as under ZeRO-0), so every rank of a reduction
+  group holds each reduced gradient whole; ZeRO-2's sharded gradients do not apply (its grads
+  term is stage 1's 4 bytes per parameter, memory.py);
+- each parameter is owned by one rank of its reduction group (dp×cp, or edp for experts),
+  balanced by the update's cost taken as the parameter's elements: largest first, each to the
+  least-loaded rank so far (ties: the lower rank), over all the rank's chunks (Graham's LPT
+  rule: within 4/3 of the best largest load). Every rank computes the same table;
+- a rank keeps fp32 masters and optimizer states only for the parameters it owns (about 1/N),
+  steps them whole, and each parameter is then broadcast from its owner over the group.
+
+The sums over TP (sequence-parallel replicas) and over the embedding group (tied embeddings)
+run on every parameter's whole gradient before the update, so every rank takes part whatever
+it owns; the gradient norm counts each owned element once. Hybrid sharding (dp_shard) and
+optimizer offload are refused for such specs (arguments.check_optimizer).
+
+ZeRO-3 is refused up front: FSDP2 shards each parameter's rows over the group, so no rank holds
+a matrix. Running one there would mean all-gathering each parameter's DTensor to its owner (or
+to all), updating it whole and scattering it back every step: one more all-gather and scatter
+of 4Ψ per step on top of FSDP2's, and masters and states held whole by the owner; left for the
+first optimizer that needs it (see the README, "Optimizers").
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_lite.parallel import mappings
+from megatron_lite.parallel.data_parallel.buffers import GradBuffer
+from megatron_lite.parallel.data_parallel.finalize import LocalGrad
+from megatron_lite.parallel.data_parallel.optimizer import Piece
+
+
+def assign_owners(buffers: list[GradBuffer], groups: list[str]) -> dict[int, int]:
+    """{id(param): its owner's rank in its buffer's group}: per reduction group (`groups[i]`
+    names buffers[i]'s), parameters largest first, each to the least-loaded rank (elements)."""
+    owners: dict[int, int] = {}
+    for name in dict.fromkeys(groups):
+        mine = [b for b, g in zip(buffers, groups, strict=True) if g == name]
+        if not mine:
+            continue
+        params = [r.param for b in mine for r in b.ranges.values()]
+        order = sorted(range(len(params)), key=lambda i: (-params[i].numel(), i))
+        loads = [0] * mappings.size(mine[0].group)
+        for i in order:
+            rank = min(range(len(loads)), key=lambda k: (loads[k], k))
+            loads[rank] += params[i].numel()
+            owners[id(params[i])] = rank
+    return owners
+
+
+def whole_pieces(buffers: list[GradBuffer], owners: dict[int, int] | None) -> list[Piece]:
+    """One piece per parameter this rank owns (`owners` None: every parameter, ZeRO-0), whole
+    and in its own shape; the master is the parameter's data when it is fp32, else a copy."""
+    pieces = []
+    for buf in buffers:
+        me = dist.get_rank(buf.group) if mappings.size(buf.group) > 1 else 0
+        for r in buf.ranges.values():
+            if owners is not None and owners[id(r.param)] != me:
+                continue
+            lo, hi = r.start, r.start + r.param.numel()
+            data = buf.param_data[lo:hi].view(r.param.shape)
+            copy = data.dtype != torch.float32
+            if copy:
+                data = data.to(torch.float32, copy=True)
+            master = torch.nn.Parameter(data)
+            pieces.append(Piece(buf, r.param, lo, hi, lo, master, not copy, owners is not None))
+    return pieces
+
+
+def whole_grads(buffers: list[GradBuffer]) -> list[LocalGrad]:
+    """Every parameter's whole reduced gradient on this rank (the TP and tied sums run on
+    these, so every rank takes part)."""
+    out = []
+    for buf in buffers:
+        for r in buf.ranges.values():
+            grad = buf.grad_data[r.start : r.start + r.param.numel()]
+            out.append(LocalGrad(r.param, grad, buf.replicas))
+    return out
+
+
+def owned_grads(pieces: list[Piece]) -> list[LocalGrad]:
+    """The owned parameters' gradients, each held by this rank alone for the norm."""
+    return [LocalGrad(pc.param, pc.grad, 1) for pc in pieces]
+
+
+def broadcast_params(buffers: list[GradBuffer], owners: dict[int, int]) -> None:
+    """Every parameter from its owner to the other ranks of its buffer's group (after the
+    owners' step), all in flight together."""
+    works = []
+    for buf in buffers:
+        if mappings.size(buf.group) == 1:
+            continue
+        ranks = dist.get_process_group_ranks(buf.group)
+        for r in buf.ranges.values():
+            data = buf.param_data[r.start : r.start + r.param.numel()]
+            src = ranks[owners[id(r.param)]]
+            works.append(
+                mappings.guarded(
+                    "broadcast_dp",
+                    buf.group,
+                    lambda d=data, s=src, g=buf.group: dist.broadcast(d, s, g, async_op=True),
+                )
+            )
+    for work in works:
+        mappings.guarded("broadcast_dp", None, work.wait)
