@@ -1,6 +1,8 @@
 """The one place that touches torch's fake tensors (a private API): the dry run
 (plan --dry-run) runs the real code under `FakeTensorMode`, whose tensors carry shapes, dtypes
-and devices but no data, and this module answers the few questions the code asks of them."""
+and devices but no data, and this module answers the few questions the code asks of them
+(`is_fake`, `active`, `real_tensors`: dry-run seams; parallel/dry_run_seams.py lists every
+call site and why, and a test keeps that list complete)."""
 
 from __future__ import annotations
 
