@@ -196,7 +196,8 @@ class _RingAttention(torch.autograd.Function):
             for i in range(R)
         ]
         qh = _q_heads(q, g, cdt)
-        out = qh.new_zeros(*qh.shape[:-1], dv)  # [b, g, n/g, s_r, dv]
+        # [b, g, n/g, s_r, dv] laid out as [s_r, b, n, dv], as q is: the output is then a view
+        out = _q_heads(q.new_zeros(*q.shape[:3], dv, dtype=cdt), g, cdt)
         lse = torch.full(qh.shape[:-1], float("-inf"), dtype=cdt, device=q.device)
         kv = _pack(k, v)  # [s_r, b, g·(dk + dv)]: one message per step
         for i in range(R):
