@@ -37,17 +37,17 @@ from megatron_lite.config import Config
 from megatron_lite.parallel.data_parallel.memory import formula_bytes
 from megatron_lite.pipeline.schedules import get_schedule, splits_backward, virtual_stage
 from megatron_lite.plan.activations import (
-    MOE_TERMS,
     chunk_bytes,
     deferred_wgrad_bytes,
     head_terms,
+    layer_rows,
     layer_shape,
-    layer_terms,
+    rebuilt_mlp,
     recompute_settings,
-    rope_table_bytes,
 )
 from megatron_lite.plan.params import (
     buckets,
+    buffer_bytes,
     chunk_moe,
     fsdp_units,
     head_params,
@@ -118,7 +118,7 @@ def _deferred(cfg: Config, shape, moe: list[bool], loss: bool) -> tuple[float, i
     virtual stage, the output layer's (input [s, b, h] and logits gradient [s, b, V/tp])."""
     gran, _, method, num = recompute_settings(cfg)
     queued = moe if gran != "full" else (moe[min(num, len(moe)) :] if method == "block" else [])
-    out = sum(deferred_wgrad_bytes(shape, e) for e in queued)
+    out = sum(deferred_wgrad_bytes(cfg, shape, e) for e in queued)
     weights = sum(layer_linear_weights(cfg, e) for e in queued)
     if loss:
         m = cfg.model
@@ -138,13 +138,13 @@ def _chunks(cfg: Config, pp_rank: int, shape) -> list[_Chunk]:
         moe = chunk_moe(cfg, pp_rank, c)
         kept, rebuilt = chunk_bytes(cfg, shape, moe)
         offset = 0.0
+        one = shape.tokens * shape.u * shape.h * shape.act_bytes  # [s/cp(/tp), b, h]
         if not rebuilt and moe and moe[-1] and "moe" in modules:
-            rebuilt = sum(v for k, v in layer_terms(shape, True).items() if k in MOE_TERMS)
-            offset = -2 * shape.tokens * shape.u * shape.h * shape.act_bytes  # attn, input
+            rebuilt = rebuilt_mlp(cfg, shape, True) + one  # all it saves, its input too
+            offset = -2 * one  # attn, input
         elif not rebuilt and moe and not moe[-1] and "mlp" in modules:
-            terms = layer_terms(shape)
-            rebuilt = terms["act"] + terms["fc2_in"]
-            offset = -shape.tokens * shape.u * shape.h * shape.act_bytes  # the attention's
+            rebuilt = rebuilt_mlp(cfg, shape, False)
+            offset = -one  # the attention's
         root, layers = fsdp_units(cfg, pp_rank, c)
         stage = virtual_stage(pp_rank, c, p.pp, placement(cfg))
         cuts = ([], [])
@@ -193,7 +193,7 @@ def _moments(cfg: Config, pp_rank: int, kernels: str, pending: list[float]):
     walk = min(m, 2 * p.pp) if p.pp > 1 else min(m, 2)
     chunks = _chunks(cfg, pp_rank, shape)
     head = head_terms(cfg, shape)
-    yield "", dict(static_states(cfg, pp_rank), buffers=p.vpp * rope_table_bytes(shape))
+    yield "", dict(static_states(cfg, pp_rank), buffers=buffer_bytes(cfg, pp_rank))
     A = shape.act_bytes
     reduce_bytes = 2 if p.grad_reduce_dtype == "bf16" else 4
     recv = shape.tokens * shape.u * shape.h * shape.residual_bytes  # a received output grad
@@ -201,8 +201,9 @@ def _moments(cfg: Config, pp_rank: int, kernels: str, pending: list[float]):
     emb_grad = head["embedding_grad"]  # the embedding's weight gradient, [V/tp, h]
     emb_out = shape.tokens * shape.h * A  # its output's gradient, masked
     kinds = (False, True) if shape.experts else (False,)
-    fwd = {e: forward_working(shape, e) for e in kinds}
-    bwd = {e: backward_moments(shape, e) for e in kinds}
+    rows = {e: layer_rows(cfg, shape, e) for e in kinds}
+    fwd = {e: forward_working(shape, e, rows[e]) for e in kinds}
+    bwd = {e: backward_moments(shape, e, rows[e]) for e in kinds}
     kept = embedding = grads = 0.0  # saved by the held pairs; gradients beyond the static
     in_flight = [0, 0]  # ZeRO-2: the (dense, expert) buckets the last backward left in flight
     last_chunk = None  # and its chunk

@@ -66,12 +66,11 @@ from __future__ import annotations
 from dataclasses import replace
 
 from megatron_lite.context.ring import tile_size
-from megatron_lite.plan.activations import (
-    LayerShape,
-    layer_terms,
-    moe_assignments,
-    shared_expert_terms,
-)
+from megatron_lite.plan.activations import MLP, LayerShape, moe_assignments
+from megatron_lite.plan.saved import subtree
+
+SHARED = MLP + ".shared_expert"  # the MoE layer's shared expert (moe/layer.py)
+Rows = dict[str, float]  # {module path: bytes} the layer saves (plan/saved.py)
 
 
 def _reduction(x: LayerShape) -> float:
@@ -83,8 +82,9 @@ def _reduction(x: LayerShape) -> float:
     return T * h * A / x.tp if x.sp else T * h * A
 
 
-def forward_working(x: LayerShape, moe: bool = False) -> float:
-    """Working bytes at a layer's forward peak (see the module docstring)."""
+def forward_working(x: LayerShape, moe: bool = False, rows: Rows | None = None) -> float:
+    """Working bytes at a layer's forward peak (see the module docstring); `rows` the layer's
+    measured saves (an MoE layer's: its shared expert's are made last)."""
     T, h, A, t, u = x.tokens, x.h, x.act_bytes, x.tp, x.u
     attn = T * u * h * A  # the attention's output, alive to the end of the layer's forward
     if moe:
@@ -99,22 +99,28 @@ def forward_working(x: LayerShape, moe: bool = False) -> float:
             return max(experts, combine)
         # the shared expert runs after the combine: its saved terms are not made before; then
         # the routed output beside a dense MLP's forward moment
-        later = sum(shared_expert_terms(x).values())
+        later = _shared_saves(x, rows or {})
         shared = forward_working(replace(x, f=x.shared_f)) + T * u * h * A
         return max(experts - later, combine - later, shared)
     fc1_out = (2 if x.gated else 0) * T * x.f / t * A  # GeLU saves it (the act term)
     return attn + fc1_out + T * h * A + _reduction(x)
 
 
-def backward_moments(x: LayerShape, moe: bool = False) -> list[tuple]:
+def _shared_saves(x: LayerShape, rows: Rows) -> float:
+    """What the shared expert saves first (its fc1's input, the MoE input, is the router's
+    fp32 copy's storage in fp32 training: not its own row then)."""
+    return subtree(rows, SHARED) if x.shared_f else 0.0
+
+
+def backward_moments(x: LayerShape, moe: bool = False, rows: Rows | None = None) -> list[tuple]:
     """(working bytes, saved bytes freed by then, gradient buffer (0 dense, 1 experts), how
     many of the layer's parameters have their gradients in its buckets, the index of the one
     being added or None) at the moments a layer's backward can peak, its own saved
     activations all alive before the first; parameters in backward order (see the module
     docstring)."""
     if moe:
-        return _moe_backward_moments(x)
-    ring = ring_backward_moment(x)
+        return _moe_backward_moments(x, rows or {})
+    ring = ring_backward_moment(x, rows or {})
     return _dense_backward_moments(x) + ([ring] if ring else [])
 
 
@@ -144,7 +150,7 @@ def _dense_backward_moments(x: LayerShape) -> list[tuple]:
     ]
 
 
-def ring_backward_moment(x: LayerShape) -> tuple | None:
+def ring_backward_moment(x: LayerShape, rows: Rows) -> tuple | None:
     """The ring attention's backward moment (module docstring), as backward_moments' tuples,
     or None without a ring."""
     if x.ring == 1:
@@ -156,12 +162,12 @@ def ring_backward_moment(x: LayerShape) -> tuple | None:
     e, q = T * a2a * 2 * g_r * d, T * x.n * d / t  # K/V elements of the block, q's
     copies = 0.0 if A == 4 else 2 * 4 * q + 4 * e
     w = scores + q * A + 4 * q + 2 * e * A + 3 * 4 * e + copies
-    terms = layer_terms(x)
-    freed = terms["fc1_in"] + terms["act"] + terms["fc2_in"] + terms["proj_in"]
-    return (w, freed + terms["norms"] / 2, 0, 2, None)
+    # freed by then: the MLP's saves, the output projection's input, the pre-MLP norm's
+    freed = sum(subtree(rows, k) for k in (MLP, "self_attention.linear_proj", "pre_mlp_norm"))
+    return (w, freed, 0, 2, None)
 
 
-def _moe_backward_moments(x: LayerShape) -> list[tuple]:
+def _moe_backward_moments(x: LayerShape, rows: Rows) -> list[tuple]:
     """An MoE layer's backward moments: the shared expert's first (a dense MLP's, created
     last), its saved terms then freed and its input gradient alive; the combine's gradients;
     then the experts' (grouped GEMM: all at once; the loop: the last local expert's)."""
@@ -171,7 +177,7 @@ def _moe_backward_moments(x: LayerShape) -> list[tuple]:
     if x.shared_f:
         shared = replace(x, f=x.shared_f)
         out = backward_moments(shared)
-        freed_shared = sum(shared_expert_terms(x).values())
+        freed_shared = _shared_saves(x, rows)
         out = [(w, min(fr, freed_shared), g, a, i) for w, fr, g, a, i in out]
         held = T * u * h * A  # its input gradient, summed with the routed one's at the end
     routed = _routed_moments(x)

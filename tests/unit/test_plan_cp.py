@@ -8,10 +8,10 @@ tests/unit/test_dry_run_planner.py's."""
 import pytest
 
 from megatron_lite.config import load_config
-from megatron_lite.plan.activations import LayerShape, layer_terms
 from megatron_lite.plan.comm import group_links
 from megatron_lite.plan.search import apply, layouts
 from megatron_lite.validation import validate
+from tests.plan_reference import LayerShape, layer_terms
 
 # s = 8192 at a tiny width; g = n KV heads, so Ulysses replicates none up to cp <= 8
 SHAPE = dict(arch="llama", s=8192, b=1, h=128, n=8, g=8, f=256)

@@ -8,15 +8,15 @@ from megatron_lite.config import load_config
 from megatron_lite.parallel.data_parallel.memory import formula_bytes
 from megatron_lite.pipeline.schedules import get_schedule_table, in_flight, simulate_options
 from megatron_lite.pipeline.simulate import simulate
-from megatron_lite.plan.activations import (
+from megatron_lite.plan.hardware import get_gpu
+from megatron_lite.plan.search import search
+from tests.plan_reference import (
     LayerShape,
     korthikanti,
     layer_input_bytes,
     layer_terms,
     selective,
 )
-from megatron_lite.plan.hardware import get_gpu
-from megatron_lite.plan.search import search
 
 SIZES = [
     (2048, 1, 12288, 96, 8),
@@ -101,7 +101,8 @@ def test_megatron_theoretical_memory_agrees_for_gpt_and_differs_for_llama_as_doc
     Llama-3 70B (tp8+SP, selective, bf16) ours differs by SwiGLU's extra f-wide intermediate
     (+), GQA (qkv output and RoPE'd q, k instead of three h-wide Q, K, V: −), no dropout masks
     (−) and the norms' rstd (+)."""
-    from megatron_lite.plan.activations import layer_bytes, layer_shape, megatron_theoretical
+    from megatron_lite.plan.activations import layer_bytes, layer_shape
+    from tests.plan_reference import megatron_theoretical
 
     s, b, h, a, t = 2048, 1, 12288, 96, 8
     assert megatron_theoretical(s, b, h, 4 * h, t) == korthikanti(s, b, h, a, t, "tp_sp_selective")
