@@ -32,11 +32,7 @@ if _ROOT not in sys.path:
 from megatron_lite import resolve  # noqa: E402
 from megatron_lite.checkpoint.errors import CheckpointError  # noqa: E402
 from megatron_lite.config import ModelConfig  # noqa: E402
-from megatron_lite.models.registry import (  # noqa: E402
-    architecture_names,
-    get_architecture,
-    hf_architecture,
-)
+from megatron_lite.models.registry import hf_architecture  # noqa: E402
 from tools.hf_checks import (  # noqa: E402
     check_count,
     check_expert_count,
@@ -88,13 +84,11 @@ def full_model_config(m: dict) -> ModelConfig:
 def family_of(mc: ModelConfig) -> str:
     """Which HF family our model exports to: llama (dense), qwen3_moe (q/k norms), mixtral;
     the architecture's registry entry must name them (`hf_families`)."""
-    families = _families(mc.arch)
-    if not set(ARCHITECTURES) <= set(families):
-        convert = [n for n in architecture_names() if set(ARCHITECTURES) <= set(_families(n))]
+    if mc.arch != hf_architecture("llama"):  # the entry that claims this converter's families
         raise CheckpointError(
-            f"model.arch={mc.arch!r}: its registry entry maps to the HF families "
-            f"{list(families)}, not {sorted(ARCHITECTURES)}, which this converter writes; "
-            f"only {convert} models convert to HF"
+            f"model.arch={mc.arch!r}: its registry entry names none of the HF families this "
+            f"converter writes ({sorted(ARCHITECTURES)}); only model.arch="
+            f"{hf_architecture('llama')!r} models convert to HF"
         )
     if mc.num_experts is None:
         if mc.qk_layernorm:
@@ -126,13 +120,6 @@ def family_of(mc: ModelConfig) -> str:
             "and moe_layer_freq=1 (or model.qk_layernorm=true for Qwen3-MoE)"
         )
     return "mixtral"
-
-
-def _families(arch: str) -> tuple[str, ...]:
-    try:
-        return get_architecture(arch).hf_families
-    except ValueError as e:
-        raise CheckpointError(str(e)) from None
 
 
 # ------------------------------------------------------------------ configs
