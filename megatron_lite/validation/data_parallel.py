@@ -36,8 +36,8 @@ def _validate_data_parallel(cfg: Config) -> None:
 
 
 def _validate_optimizer(cfg: Config) -> None:
-    """train.optimizer names a registered spec; one needing whole matrices runs on stages 0-2
-    without offload or hybrid sharding (optimizer.py, whole_matrix.py)."""
+    """train.optimizer names a registered spec; one needing whole matrices runs without
+    offload or hybrid sharding (whole_matrix.py, fsdp_whole_matrix.py)."""
     t, p = cfg.train, cfg.parallel
     names = optimizer_names()
     _rule(
@@ -58,14 +58,6 @@ def _validate_optimizer(cfg: Config) -> None:
     )
     if spec.elementwise:
         return
-    _rule(
-        p.zero_stage != 3,
-        "train.optimizer",
-        t.optimizer,
-        "its update needs whole matrices, and parallel.zero_stage=3 shards each parameter's "
-        "rows over the data-parallel ranks (FSDP2), so no rank holds one",
-        "set parallel.zero_stage=1 or 2 (each rank then updates whole parameters of its own)",
-    )
     why = "its update needs whole matrices: ranks own whole parameters over the whole group"
     _rule(t.optimizer_offload == "none", "train.optimizer_offload", t.optimizer_offload,
           f"train.optimizer={t.optimizer}: {why}", "set train.optimizer_offload=none")  # fmt: skip

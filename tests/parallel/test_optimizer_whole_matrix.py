@@ -1,17 +1,21 @@
 """An optimizer whose update needs whole matrices, registered here alone: SGD with momentum whose
 step is the momentum divided by its Frobenius norm, per parameter (a stand-in for Muon's
 orthogonalized update: on a flat shard of a matrix the norm would be the shard's, and the step
-wrong). Under ZeRO-0, 1 and 2 on dp2 (the encoder of tests/parallel/encoder_model.py through
+wrong). Under ZeRO-0, 1, 2 and 3 on dp2 (the encoder of tests/parallel/encoder_model.py through
 `build_data_parallel`) it gives the losses of the same update written in plain torch on one
-rank; ZeRO-1/2 assign whole parameters to the ranks, balanced by elements, and each rank holds
-the momentum of its own parameters only; a checkpoint the trainer saves on ZeRO-1 dp2 resumes on
-ZeRO-2 dp2 and on one rank with the losses of the uninterrupted run.
+rank; ZeRO-1/2 assign whole parameters to the ranks, balanced by elements (ZeRO-3 gathers each
+to its owner), and each rank holds the momentum of its own parameters only; a checkpoint the
+trainer saves on ZeRO-1 dp2 resumes on ZeRO-2 dp2, ZeRO-3 dp2 and one rank with the losses of
+the uninterrupted run.
 
 Tolerances as in test_optimizer_spec.py: step 1 differs only by the order of fp32 sums in the
 gradient reduction (measured 0); a normalized step has unit size whatever the gradient, so
 later rounding grows little (measured <= 3e-8 over 10 steps, <= 7e-8 over the resumed 20;
 bounds 1e-6 and 1e-5). Stepping flat shards instead of whole matrices (the norm of each
-shard) puts the ZeRO-1 losses 2.2e-2 off (measured).
+shard) puts the ZeRO-1 losses 2.2e-2 off (measured). Under ZeRO-3 the losses alone cannot
+tell: the update run on FSDP2's DTensor rows computes the whole norm through DTensor's own
+collectives (measured 5.9e-8 off), so the test also checks that each rank steps whole
+parameters of its own, one momentum each.
 """
 
 from __future__ import annotations
@@ -81,7 +85,7 @@ def train(rank: int, world: int, zero_stage: int) -> dict:
     mesh, model = enc._setup(world, tp=1)
     sizes = [p.numel() for p in model.parameters()]
     dp = build_data_parallel([model], mesh, zero_stage=zero_stage, optimizer=TOY.name, lr=LR,
-                             bucket_size=2000)  # fmt: skip
+                             bucket_size=2000, layers_of=lambda chunk: chunk.blocks)  # fmt: skip
     out = []
     for _ in range(enc.STEPS):
         dp.start_step(enc.GLOBAL_BATCH // (mesh.dp.size * enc.MICRO))
@@ -93,11 +97,14 @@ def train(rank: int, world: int, zero_stage: int) -> dict:
         dp.clip(norm, enc.MAX_NORM)
         dp.step()
         out.append(enc._global_loss(mesh, total))
-    pieces = dp.optimizer.pieces
+    if zero_stage == 3:  # fsdp_whole_matrix.py: the owner's whole fp32 copies
+        pairs = [(w, w) for w in dp.optimizer.masters]
+    else:
+        pairs = [(pc.master, pc.param) for pc in dp.optimizer.pieces]
     return {
         "losses": out,
-        "owned": sum(pc.param.numel() for pc in pieces),
-        "whole": all(pc.master.shape == pc.param.shape for pc in pieces),
+        "owned": sum(w.numel() for w, _ in pairs),
+        "whole": all(w.shape == p.shape for w, p in pairs),
         "params": sum(sizes),
         "largest": max(sizes),
         "optimizer_bytes": dp.memory()["optimizer"],
@@ -113,7 +120,7 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / abs(b)
 
 
-@pytest.mark.parametrize("zero_stage", [0, 1, 2])
+@pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
 def test_whole_matrix_optimizer_under_zero(single_rank, zero_stage):
     ref = single_rank
     assert ref[-1] < ref[0] - 0.1, f"the encoder does not learn with the toy: {ref}"
@@ -154,15 +161,19 @@ def _trainer(world: int, overrides: list[str], out_dir: str) -> list[float]:
 
 def test_whole_matrix_optimizer_resumes_resharded(tmp_path):
     """train.optimizer=toy_normalized_sgd: saved at step 10 on ZeRO-1 dp2 (each rank writes
-    the momentum of its own parameters), resumed on ZeRO-2 dp2 and on one rank: steps 11-20
-    as the uninterrupted one-rank run."""
+    the momentum of its own parameters), resumed on ZeRO-2 dp2, ZeRO-3 dp2 and one rank:
+    steps 11-20 as the uninterrupted one-rank run."""
     straight = _trainer(1, [], str(tmp_path / "straight"))
     assert straight[-1] < straight[0] - 0.2, f"the tiny Llama does not learn: {straight}"
     first = str(tmp_path / "first")
     save = ["train.save_interval=10", "train.steps=10", "train.lr_decay_steps=20"]
     head = _trainer(2, ["parallel.zero_stage=1", *save], first)
     resume = f"train.resume={first}/checkpoints/step_10"
-    for name, world, layout in (("zero2_dp2", 2, ["parallel.zero_stage=2"]), ("dp1", 1, [])):
+    for name, world, layout in (
+        ("zero2_dp2", 2, ["parallel.zero_stage=2"]),
+        ("zero3_dp2", 2, ["parallel.zero_stage=3"]),
+        ("dp1", 1, []),
+    ):
         got = head + _trainer(world, [*layout, resume], str(tmp_path / name))
         diff = max(_rel(g, r) for g, r in zip(got, straight, strict=True))
         print(f"WHOLE-MATRIX resume ZeRO-1 dp2 -> {name}: max rel diff {diff:.2e}")

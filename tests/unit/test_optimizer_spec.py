@@ -139,11 +139,6 @@ ARGUMENT_CASES = [
     (dict(optimizer="unit_sgd", optimizer_args={"lr": 1.0}), "holds 'lr'. Fix: pass lr= instead"),
     (dict(optimizer="unit_sgd", optimizer_args=[1]), "optimizer_args=[1]: must be a dict by name"),
     (
-        dict(optimizer="unit_whole", zero_stage=3),
-        "optimizer='unit_whole': its update needs whole matrices (elementwise=False) and "
-        "zero_stage=3 shards",
-    ),
-    (
         dict(optimizer="unit_whole", zero_stage=1, offload=True),
         "offload=True: optimizer 'unit_whole' needs whole matrices",
     ),
@@ -170,6 +165,7 @@ def test_good_optimizer_arguments_reach_the_mesh_check(toys):
         dict(optimizer=toys[0], lr=0.5),
         dict(optimizer=ADAMW, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.1),
         dict(optimizer="unit_whole", zero_stage=2),
+        dict(optimizer="unit_whole", zero_stage=3),
     ):
         with pytest.raises(DataParallelArgumentError, match="mesh=None"):
             build_data_parallel([nn.Linear(2, 2)], None, **kwargs)
@@ -180,10 +176,6 @@ CONFIG_CASES = [
     (
         ["train.optimizer=unit_sgd", "train.weight_decay=0.1"],
         "train.weight_decay=0.1: train.optimizer=unit_sgd has no weight decay",
-    ),
-    (
-        ["train.optimizer=unit_whole", "train.weight_decay=0", "parallel.zero_stage=3"],
-        "train.optimizer='unit_whole': its update needs whole matrices",
     ),
     (
         [
@@ -206,6 +198,8 @@ def test_bad_config(toys, overrides, needle):
 
 def test_config_accepts_a_registered_optimizer(toys):
     validate(load_config(SMOKE, ["train.optimizer=unit_sgd", "train.weight_decay=0"]), 1)
+    whole = ["train.optimizer=unit_whole", "train.weight_decay=0", "parallel.zero_stage=3"]
+    validate(load_config(SMOKE, whole), 1)
 
 
 def test_param_group_rule_is_the_spec():
@@ -229,7 +223,8 @@ def test_param_group_rule_is_the_spec():
 
 def test_whole_matrix_formula_keeps_whole_gradients(toys):
     """A whole-matrix spec under ZeRO-2 holds every gradient whole (all-reduced, as ZeRO-1),
-    its states over the N ranks; an elementwise one shards the gradients (4/N)."""
+    its states over the N ranks; an elementwise one shards the gradients (4/N). Under ZeRO-3
+    the owners' whole fp32 copies are its masters (4/N)."""
     from megatron_lite.parallel.data_parallel.memory import formula_bytes
 
     psi, n = 1_000_000, 4
@@ -237,3 +232,6 @@ def test_whole_matrix_formula_keeps_whole_gradients(toys):
     sharded = formula_bytes(psi, "fp32", 2, n, optimizer=toys[0])
     assert whole["grads"] == 4 * psi and sharded["grads"] == 4 * psi / n
     assert whole["optimizer"] == sharded["optimizer"] == 4 * psi / n
+    zero3 = formula_bytes(psi, "bf16", 3, n, optimizer=toys[1])
+    assert zero3["master"] == 4 * psi / n and zero3["optimizer"] == 4 * psi / n
+    assert formula_bytes(psi, "bf16", 3, n, optimizer=toys[0])["master"] == 0

@@ -134,7 +134,7 @@ NAMED_HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")
 def check_optimizer(where: str, args: dict[str, Any]) -> None:
     """`optimizer` is an OptimizerSpec or a registered name; the hyperparameters passed are
     the spec's (betas, eps: when not None; weight_decay: when not 0; `optimizer_args`: the
-    others); a spec needing whole matrices does not run under stage 3."""
+    others); a spec needing whole matrices runs without offload and hybrid sharding."""
     opt = args["optimizer"]
     named = isinstance(opt, str) and opt in optimizer_names()
     ok = isinstance(opt, OptimizerSpec) or named
@@ -155,17 +155,6 @@ def check_optimizer(where: str, args: dict[str, Any]) -> None:
                 f"{sorted(spec.hyperparameters)})",
                 f"leave {name} out, or pass optimizer= one that has it",
             )  # fmt: skip
-    stage = args.get("zero_stage", 3 if "reshard_after_forward" in args else None)
-    _require(
-        where,
-        "optimizer",
-        spec.name,
-        f"its update needs whole matrices (elementwise=False) and zero_stage={stage} shards "
-        "each parameter's rows over the data-parallel ranks (FSDP2), so no rank holds one"
-        if stage == 3 and not spec.elementwise
-        else None,
-        "pass zero_stage=0, 1 or 2 (1 and 2 give each rank whole parameters to update)",
-    )
     if not spec.elementwise:  # whole_matrix.py assigns whole parameters over the whole group
         for name, used in (("offload", args.get("offload")), ("dp_shard", args.get("dp_shard"))):
             _require(

@@ -54,6 +54,7 @@ from megatron_lite.parallel.data_parallel.finalize import LocalGrad, data_replic
 from megatron_lite.parallel.data_parallel.fsdp_comm import count_collectives
 from megatron_lite.parallel.data_parallel.fsdp_compat import check_fsdp2, post_backward_now
 from megatron_lite.parallel.data_parallel.fsdp_optimizer import FSDPOptimizer
+from megatron_lite.parallel.data_parallel.fsdp_whole_matrix import FSDPWholeMatrixOptimizer
 from megatron_lite.parallel.data_parallel.memory import sharded_state_bytes, sharded_state_tensors
 from megatron_lite.parallel.data_parallel.optimizer_spec import OptimizerSpec
 from megatron_lite.parallel.mesh import ParallelMesh
@@ -234,7 +235,9 @@ class FullyShardedDataParallel:
         self.params = [p for c in chunks for p in c.parameters() if p.requires_grad]
         self.tied = tied_params(chunks) if mesh.pp.size > 1 and tie_embeddings else []
         spec, hyper = arguments.optimizer_settings(args)
-        self.optimizer = FSDPOptimizer(self.params, spec, hyper, param_dtype)
+        whole = not spec.elementwise  # gathered whole to an owner each step
+        cls = FSDPWholeMatrixOptimizer if whole else FSDPOptimizer
+        self.optimizer = cls(self.params, spec, hyper, param_dtype)
         self.expected = 1
         self.unsynced: set[int] = set()  # chunks announced "not last" and not yet "last"
 
@@ -290,12 +293,13 @@ class FullyShardedDataParallel:
         finalize.scale_to_max_norm([g.grad for g in self.local_grads()], norm, max_norm)
 
     def step(self) -> None:
-        """AdamW on the shards; FSDP2 gathers them again in the next forward."""
+        """The optimizer on the shards (or on whole parameters, fsdp_whole_matrix.py); FSDP2
+        gathers them again in the next forward."""
         self.optimizer.step()
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         """This rank's model-state tensors by term (see memory.py; what memory() counts)."""
-        return sharded_state_tensors(self.params, self.optimizer.inner)
+        return sharded_state_tensors(self.params, self.optimizer.inner, self.optimizer.masters)
 
     def memory(self, device_type: str | None = None) -> dict[str, int]:
         """This rank's model-state bytes by term (see memory.py), optionally only those on
@@ -303,7 +307,8 @@ class FullyShardedDataParallel:
         # with gradient accumulation FSDP2 keeps the unsharded gradients in the reduce dtype
         # from the first microbatch's backward to the last's reduce-scatter (memory.py)
         unsharded = self.reduce_dtype.itemsize if self.expected > 1 else 0
-        return sharded_state_bytes(self.params, self.optimizer.inner, device_type, unsharded)
+        opt = self.optimizer
+        return sharded_state_bytes(self.params, opt.inner, device_type, unsharded, opt.masters)
 
     def wait_params(self) -> None:
         """Nothing in flight between steps: FSDP2 all-gathers per unit in the forward."""

@@ -1,7 +1,7 @@
 """The optimizer (an `OptimizerSpec`, optimizer_spec.py) over FSDP2's sharded (DTensor)
 parameters, with the checkpoint interface of `ShardedOptimizer` (ZeRO-3's side of
-`state_shards`). Only elementwise specs run here: a rank holds rows of each parameter, never a
-whole matrix (build_data_parallel refuses the others, see arguments.check_optimizer).
+`state_shards`). Elementwise specs run here (any rows will do); one that needs whole matrices
+runs in fsdp_whole_matrix.py.
 
 The sharded fp32 parameters are the master weights. Checkpoints write and read this rank's
 rows of each parameter and of its states where they are (nothing is gathered): the weights in
@@ -42,6 +42,11 @@ class FSDPOptimizer:
     @torch.no_grad()
     def step(self) -> None:
         self.inner.step()
+
+    @property
+    def masters(self) -> list[torch.Tensor]:
+        """None kept apart: the fp32 shards are the masters."""
+        return []
 
     @property
     def keeps_masters(self) -> bool:

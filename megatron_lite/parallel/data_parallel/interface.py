@@ -47,7 +47,7 @@ class StateShard:
 
 @runtime_checkable
 class DataParallelOptimizer(Protocol):
-    """The wrapper's optimizer (`ShardedOptimizer`, `FSDPOptimizer`, `WholeMatrixOptimizer`)
+    """The wrapper's optimizer (`ShardedOptimizer`, `FSDPOptimizer`, `FSDPWholeMatrixOptimizer`)
     as the trainer and the checkpointer use it. Checkpoints hold logical per-parameter tensors
     whatever the stage; each rank writes them from, and loads them into, the shards it holds
     (`state_shards`)."""

@@ -17,7 +17,8 @@ dtype sizes; AdamW's m and v in fp32: K = 8, the totals below):
 
 An optimizer whose update needs whole matrices keeps the whole gradients under ZeRO-2 too
 (grads 4, as stage 1: whole_matrix.py), and its masters and states are those of the
-parameters assigned to this rank, about 1/N of them (the formula's figure).
+parameters assigned to this rank, about 1/N of them (the formula's figure); under ZeRO-3 the
+owner also keeps an fp32 whole copy of its parameters (master 4/N, fsdp_whole_matrix.py).
 
 fp32 masters are the parameters themselves (0 extra) unless the optimizer is offloaded (then
 4/N on the host). Buckets are padded to a multiple of N, so a measurement can exceed the formula
@@ -74,13 +75,14 @@ def _optimizer_states(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [t for t in states if isinstance(t, torch.Tensor) and t.dim() > 0]
 
 
-def sharded_state_tensors(params, optimizer) -> dict[str, list[torch.Tensor]]:
+def sharded_state_tensors(params, optimizer, masters=()) -> dict[str, list[torch.Tensor]]:
     """{term: tensors} of ZeRO-3 (FSDP2) model states on this rank: the local shards of the
-    parameters (fp32: also the master weights), their gradients and the AdamW states."""
+    parameters (fp32: also the master weights), their gradients, the optimizer's states and
+    `masters` (a whole-matrix optimizer's whole copies, fsdp_whole_matrix.py)."""
     return {
         "weights": [_local(p) for p in params],
         "grads": [_local(p.grad) for p in params if p.grad is not None],
-        "master": [],
+        "master": list(masters),
         "optimizer": _optimizer_states(optimizer),
     }
 
@@ -117,11 +119,12 @@ def sharded_state_bytes(
     optimizer: torch.optim.Optimizer,
     device_type: str | None = None,
     unsharded_grad_bytes: int = 0,
+    masters=(),
 ) -> dict[str, int]:
     """{term: bytes} of sharded_state_tensors, optionally only on devices of `device_type`;
     plus, with `unsharded_grad_bytes` (the reduce dtype's size under gradient accumulation, see
     the module docstring), the unsharded gradients FSDP2 keeps between microbatches."""
-    out = state_bytes(sharded_state_tensors(params, optimizer), device_type)
+    out = state_bytes(sharded_state_tensors(params, optimizer, masters), device_type)
     mine = [p for p in params if device_type is None or p.device.type == device_type]
     out["grads"] += unsharded_grad_bytes * sum(p.numel() for p in mine)  # DTensor: whole
     return out
@@ -175,8 +178,9 @@ def formula_bytes(
     states = optimizer.state_bytes * num_params * shard
     if zero_stage == 3:  # the fp32 shards are the weights and the masters
         unsharded = reduce_bytes * num_params if microbatches > 1 else 0.0
+        whole = 0.0 if optimizer.elementwise else 4 * num_params * shard  # the owners' copies
         return {"weights": 4 * num_params * shard, "grads": 4 * num_params * shard + unsharded,
-                "master": 0.0, "optimizer": states}  # fmt: skip
+                "master": whole, "optimizer": states}  # fmt: skip
     weight = 2 if precision == "bf16" else 4
     sharded_grads = zero_stage == 2 and optimizer.elementwise
     grads = 4 * num_params * shard if sharded_grads else 4.0 * num_params

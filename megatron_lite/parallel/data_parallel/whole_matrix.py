@@ -17,11 +17,8 @@ run on every parameter's whole gradient before the update, so every rank takes p
 it owns; the gradient norm counts each owned element once. Hybrid sharding (dp_shard) and
 optimizer offload are refused for such specs (arguments.check_optimizer).
 
-ZeRO-3 is refused up front: FSDP2 shards each parameter's rows over the group, so no rank holds
-a matrix. Running one there would mean all-gathering each parameter's DTensor to its owner (or
-to all), updating it whole and scattering it back every step: one more all-gather and scatter
-of 4Ψ per step on top of FSDP2's, and masters and states held whole by the owner; left for the
-first optimizer that needs it (see the README, "Optimizers").
+ZeRO-3 (FSDP2 keeps rows of each matrix on each rank) gathers each parameter whole to its owner
+every step instead: fsdp_whole_matrix.py.
 """
 
 from __future__ import annotations
@@ -35,21 +32,24 @@ from megatron_lite.parallel.data_parallel.finalize import LocalGrad
 from megatron_lite.parallel.data_parallel.optimizer import Piece
 
 
+def least_loaded(loads: list[int], cost: int) -> int:
+    """The rank with the smallest load so far (ties: the lower rank), charged `cost`."""
+    rank = min(range(len(loads)), key=lambda k: (loads[k], k))
+    loads[rank] += cost
+    return rank
+
+
 def assign_owners(buffers: list[GradBuffer], groups: list[str]) -> dict[int, int]:
     """{id(param): its owner's rank in its buffer's group}: per reduction group (`groups[i]`
     names buffers[i]'s), parameters largest first, each to the least-loaded rank (elements)."""
     owners: dict[int, int] = {}
     for name in dict.fromkeys(groups):
         mine = [b for b, g in zip(buffers, groups, strict=True) if g == name]
-        if not mine:
-            continue
         params = [r.param for b in mine for r in b.ranges.values()]
         order = sorted(range(len(params)), key=lambda i: (-params[i].numel(), i))
         loads = [0] * mappings.size(mine[0].group)
         for i in order:
-            rank = min(range(len(loads)), key=lambda k: (loads[k], k))
-            loads[rank] += params[i].numel()
-            owners[id(params[i])] = rank
+            owners[id(params[i])] = least_loaded(loads, params[i].numel())
     return owners
 
 
