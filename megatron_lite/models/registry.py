@@ -19,9 +19,12 @@ Constructor contracts of the parts (each a class or a builder function):
 - mlp(config, mesh) -> module; forward(x [s(/tp), b, h]) -> [s(/tp), b, h]: the dense MLP.
 - moe(config, mesh, layer_number) -> module with the same forward, on the layers
   `config.moe_layer_pattern` marks (None: the architecture has no MoE layers).
-- norm(size, eps, sequence_parallel) -> module (the parallel/norms.py contract).
+- norm(size, eps, sequence_parallel) -> module; forward(x) -> norm(x), and forward(x,
+  residual=r) -> (norm(x + r), x + r), which the default layer uses (parallel/norms.py).
 - layer(config, mesh, tracker, layer_number) -> module; forward(x, ctx) -> x, built from the
-  parts above (default: the pre-norm sequential residual `TransformerLayer`).
+  parts above (default: the pre-norm sequential residual `TransformerLayer`). Whoever builds
+  a layer (the model chunk; the planner for one layer alone) calls
+  models/transformer.build_layer, which builds the entry's.
 `config` is the resolved `TransformerConfig` (its `spec` is this record), `mesh` the
 `ParallelMesh` whose groups a part uses, `tracker` the RNG tracker (dropout, recompute).
 
