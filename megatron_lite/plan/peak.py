@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 from megatron_lite.config import Config
 from megatron_lite.parallel.data_parallel.memory import formula_bytes
+from megatron_lite.parallel.data_parallel.optimizer_spec import get_optimizer
 from megatron_lite.pipeline.schedules import get_schedule, splits_backward, virtual_stage
 from megatron_lite.plan.activations import (
     chunk_bytes,
@@ -104,7 +105,9 @@ def static_states(cfg: Config, pp_rank: int) -> dict[str, float]:
     out = dict.fromkeys(("weights", "grads", "master", "optimizer"), 0.0)
     for count, n in ((dense, n_dense), (expert, n_expert)):
         if count:
-            for k, v in formula_bytes(count, cfg.train.precision, p.zero_stage, n).items():
+            spec = get_optimizer(cfg.train.optimizer)  # its states' bytes per parameter
+            terms = formula_bytes(count, cfg.train.precision, p.zero_stage, n, optimizer=spec)
+            for k, v in terms.items():
                 out[k] += v
     if p.zero_stage == 3:
         out["grads"] = 0.0

@@ -235,3 +235,25 @@ def test_whole_matrix_formula_keeps_whole_gradients(toys):
     zero3 = formula_bytes(psi, "bf16", 3, n, optimizer=toys[1])
     assert zero3["master"] == 4 * psi / n and zero3["optimizer"] == 4 * psi / n
     assert formula_bytes(psi, "bf16", 3, n, optimizer=toys[0])["master"] == 0
+
+
+def test_planner_counts_the_spec_states(toys):
+    """The planner's model states (plan/memory.model_states, what --measure compares with the
+    trainer's mem/*) and the peak walk's static states (plan/peak.static_states) hold the
+    spec's state bytes: the toy's one fp32 momentum is 4 bytes per parameter on the rank's
+    1/N share, half of AdamW's, every other term alike."""
+    from megatron_lite.plan.activations import resolved
+    from megatron_lite.plan.memory import model_states
+    from megatron_lite.plan.params import rank_params
+    from megatron_lite.plan.peak import static_states
+
+    layout = ["train.weight_decay=0", "parallel.zero_stage=1", "parallel.dp=2"]
+    adamw = resolved(load_config(SMOKE, layout), 2)
+    toy = resolved(load_config(SMOKE, [*layout, "train.optimizer=unit_sgd"]), 2)
+    dense, _ = rank_params(toy, 0)
+    for states in (model_states, static_states):
+        a, t = states(adamw, 0), states(toy, 0)
+        assert t["optimizer"] == 4 * dense / 2 and a["optimizer"] == 2 * t["optimizer"], states
+        assert {k: v for k, v in a.items() if k != "optimizer"} == {
+            k: v for k, v in t.items() if k != "optimizer"
+        }, states
