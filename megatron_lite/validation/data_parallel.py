@@ -8,7 +8,7 @@ from __future__ import annotations
 from megatron_lite.config import Config, ConfigError, TrainConfig
 from megatron_lite.parallel.data_parallel import rules
 from megatron_lite.parallel.data_parallel.optimizer_spec import get_optimizer, optimizer_names
-from megatron_lite.validation.rules import _choice, _rule
+from megatron_lite.validation.rules import _choice, _no_effect, _rule
 
 
 def _check(problem: str | None, key: str, value, fix: str) -> None:
@@ -134,3 +134,26 @@ def _validate_zero3(cfg: Config) -> None:
         "parameter it was built with, which FSDP2 replaces by its sharded copy",
         "set model.linear_backend=local, or parallel.zero_stage=1 or 2",
     )
+
+
+# AdamW's config keys -> the hyperparameter each feeds (training/optimizer.py)
+ADAM_KEYS = {"adam_beta1": "betas", "adam_beta2": "betas", "adam_eps": "eps"}
+
+
+def optimizer_warnings(cfg: Config) -> list[str]:
+    """adam_* keys set to other than their defaults where train.optimizer has no such
+    hyperparameter (they reach only an optimizer with betas / eps)."""
+    t = cfg.train
+    if t.optimizer not in optimizer_names():
+        return []  # its own rule reports it
+    own, default = get_optimizer(t.optimizer).hyperparameters, TrainConfig()
+    return [
+        _no_effect(
+            f"train.{key}",
+            getattr(t, key),
+            f"train.optimizer={t.optimizer} has no hyperparameter {name}",
+            "remove the key (or use an optimizer that has it)",
+        )
+        for key, name in ADAM_KEYS.items()
+        if name not in own and getattr(t, key) != getattr(default, key)
+    ]

@@ -10,6 +10,7 @@ import dataclasses
 from megatron_lite.config import Config, DataConfig
 from megatron_lite.models.registry import get_architecture
 from megatron_lite.resolve import uses_documents
+from megatron_lite.validation.data_parallel import optimizer_warnings
 from megatron_lite.validation.moe import moe_warnings
 from megatron_lite.validation.parallel import parallel_warnings
 from megatron_lite.validation.rules import _no_effect
@@ -134,7 +135,7 @@ def _train_warnings(cfg: Config) -> list[str]:
             "train.eval_interval=0 never evaluates",
             "set train.eval_interval, or remove the key",
         )
-    return out
+    return out + optimizer_warnings(cfg)
 
 
 def _log_warnings(cfg: Config) -> list[str]:

@@ -257,3 +257,22 @@ def test_planner_counts_the_spec_states(toys):
         assert {k: v for k, v in a.items() if k != "optimizer"} == {
             k: v for k, v in t.items() if k != "optimizer"
         }, states
+
+
+def test_adam_keys_warn_without_adam(toys):
+    """adam_* keys changed for an optimizer without betas / eps: a warning each, naming the
+    key and the optimizer; none for AdamW or at their defaults."""
+    from megatron_lite.validation import config_warnings
+
+    changed = ["train.adam_beta1=0.8", "train.adam_eps=1e-6", "train.weight_decay=0"]
+    toy = config_warnings(load_config(SMOKE, [*changed, "train.optimizer=unit_sgd"]))
+    adam = [w for w in toy if "adam_" in w]
+    assert adam == [
+        "train.adam_beta1=0.8 has no effect: train.optimizer=unit_sgd has no hyperparameter "
+        "betas. Fix: remove the key (or use an optimizer that has it).",
+        "train.adam_eps=1e-06 has no effect: train.optimizer=unit_sgd has no hyperparameter "
+        "eps. Fix: remove the key (or use an optimizer that has it).",
+    ], toy
+    assert not [w for w in config_warnings(load_config(SMOKE, changed)) if "adam_" in w]
+    plain = config_warnings(load_config(SMOKE, ["train.optimizer=unit_sgd"]))
+    assert not [w for w in plain if "adam_" in w]
