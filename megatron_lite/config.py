@@ -135,6 +135,9 @@ class TrainConfig:
     lr_decay_steps: int | None = None  # None = steps
     weight_decay: float = 0.1
     optimizer: str = "adamw"  # a registered OptimizerSpec (data_parallel/optimizer_spec.py)
+    # its other hyperparameters by name, e.g. {momentum: 0.95} (lr, betas, eps, weight decay
+    # have their own keys)
+    optimizer_args: dict[str, float] = field(default_factory=dict)
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
     adam_eps: float = 1e-8
@@ -228,6 +231,8 @@ def _coerce(key: str, value, ftype: str, current):
     if ftype.startswith("int | list["):  # a scalar or a list (moe_layer_freq)
         ftype = ftype.split(" | ", 1)[1] if isinstance(value, list) else "int"
     base = ftype.split(" | ")[0].split("[")[0]
+    if base == "dict" and value is not None:  # name -> number (train.optimizer_args)
+        return _coerce_mapping(key, value)
     if value is None:
         if ftype.endswith("| None"):
             return None
@@ -241,6 +246,20 @@ def _coerce(key: str, value, ftype: str, current):
         _coerce_scalar(v, item, f"{key}={value!r}: element {i} ({v!r})", fix)
         for i, v in enumerate(values)
     ]
+
+
+def _coerce_mapping(key: str, value) -> dict:
+    """A mapping of names to finite numbers or booleans."""
+    fix = f"give a mapping of names to numbers, e.g. {key}={{momentum: 0.95}}"
+    if not isinstance(value, dict):
+        raise ConfigError(f"{key}={value!r}: expected a mapping, got {type(value).__name__}. "
+                          f"Fix: {fix}")  # fmt: skip
+    for name, v in value.items():
+        number = isinstance(v, int | float) and (isinstance(v, bool) or math.isfinite(v))
+        if not isinstance(name, str) or not number:
+            raise ConfigError(f"{key}={value!r}: {name!r}: {v!r} is not a finite number or "
+                              f"boolean under a name. Fix: {fix}")  # fmt: skip
+    return dict(value)
 
 
 # list-element examples for the Fix: (the defaults of list fields are empty or null)

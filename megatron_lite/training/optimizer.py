@@ -14,23 +14,32 @@ from megatron_lite.parallel.data_parallel.optimizer_spec import get_optimizer
 from megatron_lite.parallel.data_parallel.rules import REDUCE_DTYPES
 
 
-def build_data_parallel(chunks, mesh, cfg: Config, device=None) -> DataParallelWrapper:
-    """`parallel.data_parallel.build_data_parallel` with the config's fields (stage 3: FSDP2,
-    chunks on the meta device get their shards' storage on `device`; AdamW: weight decay on
-    matrices only). train.lr and train.weight_decay go to every optimizer, the adam_* keys to
-    one with hyperparameters betas and eps. The weights compute in the parameters' dtype: bf16
-    under train.precision=bf16 (the trainer casts them first)."""
-    p, t = cfg.parallel, cfg.train
+def optimizer_arguments(t: TrainConfig) -> dict:
+    """build_data_parallel's optimizer arguments from the train.* keys: train.optimizer, lr,
+    weight_decay and optimizer_args for every optimizer; adam_beta1/2 and adam_eps for one
+    with hyperparameters betas and eps."""
     own = get_optimizer(t.optimizer).hyperparameters
-    return data_parallel.build_data_parallel(
-        chunks,
-        mesh,
-        zero_stage=p.zero_stage,
+    return dict(
         optimizer=t.optimizer,
         lr=t.lr,
         betas=(t.adam_beta1, t.adam_beta2) if "betas" in own else None,
         eps=t.adam_eps if "eps" in own else None,
         weight_decay=t.weight_decay,
+        optimizer_args=dict(t.optimizer_args) or None,
+    )
+
+
+def build_data_parallel(chunks, mesh, cfg: Config, device=None) -> DataParallelWrapper:
+    """`parallel.data_parallel.build_data_parallel` with the config's fields (stage 3: FSDP2,
+    chunks on the meta device get their shards' storage on `device`; AdamW: weight decay on
+    matrices only; the optimizer's arguments: `optimizer_arguments`). The weights compute in
+    the parameters' dtype: bf16 under train.precision=bf16 (the trainer casts them first)."""
+    p, t = cfg.parallel, cfg.train
+    return data_parallel.build_data_parallel(
+        chunks,
+        mesh,
+        zero_stage=p.zero_stage,
+        **optimizer_arguments(t),
         dp_shard=p.dp_shard,
         bucket_size=p.ddp_bucket_size,
         overlap_grad_reduce=p.overlap_grad_reduce,

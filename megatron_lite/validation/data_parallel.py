@@ -7,7 +7,11 @@ from __future__ import annotations
 
 from megatron_lite.config import Config, ConfigError, TrainConfig
 from megatron_lite.parallel.data_parallel import rules
-from megatron_lite.parallel.data_parallel.optimizer_spec import get_optimizer, optimizer_names
+from megatron_lite.parallel.data_parallel.optimizer_spec import (
+    NAMED_HYPERPARAMETERS,
+    get_optimizer,
+    optimizer_names,
+)
 from megatron_lite.validation.rules import _choice, _no_effect, _rule
 
 
@@ -56,6 +60,17 @@ def _validate_optimizer(cfg: Config) -> None:
         f"{', '.join(spec.hyperparameters)})",
         "set train.weight_decay=0",
     )
+    for name in t.optimizer_args:
+        own = name in spec.hyperparameters and name not in NAMED_HYPERPARAMETERS
+        _rule(
+            own,
+            "train.optimizer_args",
+            t.optimizer_args,
+            f"{name!r} is not one of train.optimizer={t.optimizer}'s own hyperparameters "
+            f"({', '.join(h for h in spec.hyperparameters if h not in NAMED_HYPERPARAMETERS)})",
+            "remove it (lr, betas, eps and weight decay have keys of their own: train.lr, "
+            "train.adam_beta1/2, train.adam_eps, train.weight_decay)",
+        )
     if spec.elementwise:
         return
     why = "its update needs whole matrices: ranks own whole parameters over the whole group"

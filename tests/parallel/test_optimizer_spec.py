@@ -42,7 +42,7 @@ def sgd_momentum(param, grad, state, group) -> None:
 TOY = OptimizerSpec(
     name="toy_sgd",
     states=(StateSpec("momentum_buffer", torch.float32),),
-    hyperparameters={"lr": LR, "momentum": MOMENTUM},
+    hyperparameters={"lr": LR, "momentum": 0.5},  # the runs pass MOMENTUM: optimizer_args
     update=sgd_momentum,
 )
 if "toy_sgd" not in optimizer_names():  # each forked rank imports this module again
@@ -162,7 +162,11 @@ def _train_trainer(rank, world, overrides, out_dir):
 
 def _trainer(world: int, overrides: list[str], out_dir: str) -> list[float]:
     data = f"data.paths=[{structured_dataset()}]"
-    toy = ["train.optimizer=toy_sgd", "train.weight_decay=0"]
+    toy = [
+        "train.optimizer=toy_sgd",
+        "train.weight_decay=0",
+        "train.optimizer_args={momentum: 0.9}",
+    ]
     args = [*TINY, data, *toy, *overrides]
     return run_ranks(world, _train_trainer, args, out_dir, timeout=240)[0]
 
@@ -185,4 +189,6 @@ def test_toy_optimizer_resumes_resharded(tmp_path):
         assert diff < LATER_TOL, f"{name}: resumed losses differ by {diff:.2e}\n{got}\n{straight}"
     with pytest.raises(RuntimeError, match="train.optimizer='adamw' but checkpoint .* holds the "
                        "state of 'toy_sgd'. Fix: set train.optimizer='toy_sgd'"):  # fmt: skip
-        _trainer(1, [resume, "train.optimizer=adamw"], str(tmp_path / "other"))
+        _trainer(
+            1, [resume, "train.optimizer=adamw", "train.optimizer_args={}"], str(tmp_path / "x")
+        )

@@ -276,3 +276,35 @@ def test_adam_keys_warn_without_adam(toys):
     assert not [w for w in config_warnings(load_config(SMOKE, changed)) if "adam_" in w]
     plain = config_warnings(load_config(SMOKE, ["train.optimizer=unit_sgd"]))
     assert not [w for w in plain if "adam_" in w]
+
+
+def test_optimizer_args_reach_the_spec(toys):
+    """train.optimizer_args: the spec's own hyperparameters, passed to build_data_parallel
+    (training/optimizer.optimizer_arguments); adam_* reach only an optimizer with betas/eps;
+    a name the spec lacks, or one with its own key, is refused naming the key."""
+    from megatron_lite.training.optimizer import optimizer_arguments
+
+    cfg = load_config(
+        SMOKE,
+        [
+            "train.optimizer=unit_sgd",
+            "train.weight_decay=0",
+            "train.optimizer_args={momentum: 0.5}",
+        ],
+    )
+    validate(cfg, 1)
+    got = optimizer_arguments(cfg.train)
+    assert got["optimizer_args"] == {"momentum": 0.5} and got["betas"] is got["eps"] is None, got
+    adam = optimizer_arguments(load_config(SMOKE, ["train.adam_beta1=0.8"]).train)
+    assert adam["betas"] == (0.8, 0.95) and adam["eps"] == 1e-8 and adam["optimizer_args"] is None
+    for args, needle in (
+        ("{nesterov: true}", "'nesterov' is not one of train.optimizer=unit_sgd's own"),
+        (
+            "{lr: 0.1}",
+            "'lr' is not one of train.optimizer=unit_sgd's own hyperparameters (momentum)",
+        ),
+    ):
+        over = ["train.optimizer=unit_sgd", "train.weight_decay=0", f"train.optimizer_args={args}"]
+        with pytest.raises(ConfigError) as err:
+            validate(load_config(SMOKE, over), 1)
+        assert "train.optimizer_args=" in str(err.value) and needle in str(err.value), err.value

@@ -13,6 +13,7 @@ import torch
 
 from megatron_lite.parallel.data_parallel import rules
 from megatron_lite.parallel.data_parallel.optimizer_spec import (
+    NAMED_HYPERPARAMETERS,
     OptimizerSpec,
     hyperparameters,
     optimizer_names,
@@ -125,10 +126,6 @@ def check_values(where: str, args: dict[str, Any]) -> None:
     _require(where, "offload", offload, rules.offload(offload, stage), fix)
     fix = "pass zero_stage=1, 2 or 3, or dp_shard=None"
     _require(where, "dp_shard", dp_shard, rules.dp_shard_stage(dp_shard, stage), fix)
-
-
-# the optimizer's hyperparameters that build_data_parallel takes as arguments of their own
-NAMED_HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")
 
 
 def check_optimizer(where: str, args: dict[str, Any]) -> None:

@@ -26,12 +26,15 @@ from typing import Any
 import torch
 
 __all__ = [
-    "ADAMW", "OptimizerSpec", "ParamGroup", "SpecOptimizer", "StateSpec", "get_optimizer",
-    "hyperparameters", "init_states", "make_optimizer", "optimizer_names", "register_optimizer",
-    "resolve_optimizer", "unregister_optimizer",
+    "ADAMW", "NAMED_HYPERPARAMETERS", "OptimizerSpec", "ParamGroup", "SpecOptimizer",
+    "StateSpec", "get_optimizer", "hyperparameters", "init_states", "make_optimizer",
+    "optimizer_names", "register_optimizer", "resolve_optimizer", "unregister_optimizer",
 ]  # fmt: skip
 
 SHAPES = ("param",)  # what a state's shape may be relative to its parameter (see StateSpec)
+# the hyperparameters build_data_parallel (and the config: train.lr, adam_*, weight_decay) takes
+# as arguments of their own; a spec's others go through optimizer_args
+NAMED_HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")
 
 
 @dataclass(frozen=True)
