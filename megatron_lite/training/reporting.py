@@ -15,8 +15,9 @@
 - `MoEMetrics`: the MoE layers' metrics of a step (moe/layer.py), and dropping the statistics
   an evaluation gathered.
 
-Each is built from sizes, callables and the DP wrapper (no Config, no Trainer);
-tests/unit/test_reporting.py checks them alone on one rank.
+Each is built from sizes, callables and the DP wrapper, without a Trainer (and, but for the
+trainer's shortcut `MoEMetrics.of_model`, without a Config); tests/unit/test_reporting.py
+checks them alone on one rank.
 """
 
 from __future__ import annotations

@@ -34,11 +34,7 @@ from megatron_lite.parallel.random import model_parallel_seed
 from megatron_lite.training.evaluation import Evaluator
 from megatron_lite.training.flops import model_flops_per_token
 from megatron_lite.training.logging import MetricsLogger, reports_at
-from megatron_lite.training.model_setup import (
-    check_links,
-    rank_device,
-    setup_model_and_optimizer,
-)
+from megatron_lite.training.model_setup import check_links, rank_device, setup_model_and_optimizer
 from megatron_lite.training.nonfinite import NonFiniteGuard, StateGuard
 from megatron_lite.training.optimizer import lr_at
 from megatron_lite.training.profiling import StepProfiler
@@ -172,6 +168,7 @@ class Trainer:
         return [float(signalled), self.memory.activations_changed()]
 
     def _train_step(self) -> dict:
+        """The step (TrainStep.run on the next global batch), then its metrics record."""
         t0, t = time.perf_counter(), self.cfg.train
         STATS.start_step(self.step)
         lr = lr_at(self.step, t)
@@ -207,6 +204,8 @@ class Trainer:
         return every > 0 and (self.step % every == 0 or self.step == self.cfg.train.steps)
 
     def train(self) -> list[dict]:
+        """Steps until train.steps (or an agreed stop) with evaluation, checkpoints and the
+        metrics log -> the steps' records."""
         records = []
         first, t = self.step, self.cfg.train
         self.signals.install()
