@@ -141,6 +141,13 @@ def transformer_config(cfg: Config, layers_only: bool = False):
     return TransformerConfig.from_config(cfg, p.tp * p.pp * p.cp * (p.dp or 1))
 
 
+def layer_kinds(cfg: Config) -> list[bool]:
+    """The layer kinds the model has (dense False, MoE True), in order of first appearance."""
+    from megatron_lite.resolve import moe_layer_pattern
+
+    return list(dict.fromkeys(moe_layer_pattern(cfg.model)))
+
+
 def layer_number(config, moe: bool) -> int:
     """A global layer number of that kind (MoE or dense) in the model."""
     pattern = config.moe_layer_pattern
@@ -199,8 +206,8 @@ def chunk_params(cfg: Config, pre_process: bool, post_process: bool) -> ChunkPar
     """A chunk's own parameters (embedding when `pre_process`, final norm and output layer
     when `post_process`) and buffers at `cfg`'s layout (cached)."""
     p = cfg.parallel
-    key = (model_key(cfg), p.tp, sequence_parallel(p), p.cp, cp_a2a_size(p), p.pp * p.vpp,
-           pre_process, post_process)  # fmt: skip
+    key = (model_key(cfg), p.tp, sequence_parallel(p), p.cp, cp_a2a_size(p), pre_process,
+           post_process)  # fmt: skip
     return cached(_CHUNKS, key, lambda: _build_chunk(cfg, pre_process, post_process))
 
 

@@ -13,6 +13,11 @@ forward costs the Python of its ops (tens of ms for a full-size layer), not its 
 runs at full size, once per key (the model section but its recompute fields, the local layout
 tp/sp/cp/Ulysses/ep, kernels, MoE or dense, the selective modules) and micro batch for the
 first two micro batches asked for; the others are fitted (layer_saves).
+
+The fake tensors are the CPU's, as plan --dry-run's: an op whose CPU kernel keeps something else
+than the GPU's is counted as the CPU keeps it. The one known: dropout (model.hidden_dropout > 0)
+keeps its mask in the input's dtype on the CPU, a bool on the GPU, so the figure is over by
+(A - 1)·T·h·u bytes per mask there.
 """
 
 from __future__ import annotations
@@ -29,8 +34,8 @@ from megatron_lite.plan import modules
 from megatron_lite.resolve import cp_a2a_size, sequence_parallel
 
 LAYER = "layer"  # the row of the layer's own code
-_SAVES: dict[tuple, dict[int, dict]] = {}  # key -> {micro batch: {module path: bytes}}
-_NORMS: dict[tuple, float] = {}
+# key -> {micro batch: ({module path: bytes}, {"final_norm": bytes})}
+_SAVES: dict[tuple, dict[int, tuple]] = {}
 
 
 def _key(cfg: Config, kernels: str, *rest) -> tuple:
@@ -46,28 +51,35 @@ def layer_saves(
     """{module path: bytes} one layer (an MoE layer's when `moe`) saves for backward on one
     rank for one microbatch, with selective recompute of `selective` (core_attn, mlp, moe; ()
     none). Each row is a·b + c in the micro batch b (every saved tensor holds T = (s/cp)·b
-    tokens, or none: the torch kernels' fp32 weight copies): measured at the first two micro
-    batches asked for, fitted for the others (exact: tests/unit/test_plan_modules.py)."""
-    b = cfg.train.micro_batch_size
-    points = modules.cached(_SAVES, _key(cfg, kernels, moe, tuple(selective)), dict)
-    if b not in points:
-        if len(points) < 2:
-            points[b] = _measure_layer(cfg, moe, kernels, tuple(selective))
-        else:
-            points[b] = _fit(points, b)
-    return points[b]
-
-
-def _fit(points: dict[int, dict[str, float]], b: int) -> dict[str, float]:
-    """Each row's line through the first two measured micro batches, at b."""
-    (b1, r1), (b2, r2) = list(points.items())[:2]
-    return {k: r1[k] + (b - b1) * (r2[k] - r1[k]) / (b2 - b1) for k in r1}
+    tokens, or none: the torch kernels' fp32 weight copies, an MoE layer's [E]-sized ones):
+    measured at the first two micro batches asked for, fitted for the others (exact:
+    tests/unit/test_plan_modules.py)."""
+    return _saves(cfg, moe, kernels, tuple(selective))[0]
 
 
 def final_norm_saves(cfg: Config, kernels: str = "fused") -> float:
-    """Bytes the last chunk's final norm saves for backward per microbatch (measured)."""
-    key = (*_key(cfg, kernels), cfg.train.micro_batch_size)
-    return modules.cached(_NORMS, key, lambda: _measure_norm(cfg, kernels))
+    """Bytes the last chunk's final norm saves for backward per microbatch, measured beside
+    a layer of the model's first kind (the same stage, input and fit)."""
+    return _saves(cfg, modules.layer_kinds(cfg)[0], kernels, ())[1]["final_norm"]
+
+
+def _saves(cfg: Config, moe: bool, kernels: str, selective: tuple[str, ...]) -> tuple:
+    """(the layer's rows, the final norm's {"final_norm": bytes}) at cfg's micro batch."""
+    b = cfg.train.micro_batch_size
+    points = modules.cached(_SAVES, _key(cfg, kernels, moe, selective), dict)
+    if b not in points:
+        if len(points) < 2:
+            points[b] = _measure_layer(cfg, moe, kernels, selective)
+        else:
+            points[b] = tuple(_fit(points, i, b) for i in range(2))
+    return points[b]
+
+
+def _fit(points: dict[int, tuple], i: int, b: int) -> dict[str, float]:
+    """Each row of part i's line through the first two measured micro batches, at b."""
+    (b1, p1), (b2, p2) = list(points.items())[:2]
+    r1, r2 = p1[i], p2[i]
+    return {k: r1[k] + (b - b1) * (r2[k] - r1[k]) / (b2 - b1) for k in r1}
 
 
 @contextlib.contextmanager
@@ -98,17 +110,17 @@ def _with_selective(cfg: Config, selective: tuple[str, ...]) -> Config:
 
 
 @contextlib.contextmanager
-def _fake_stage(cfg: Config, kernels: str, post_process: bool) -> Iterator[tuple]:
+def _fake_stage(cfg: Config, kernels: str) -> Iterator[tuple]:
     """(config, mesh, tracker, chunk, input x [s/cp(/tp), b, h], its TokenContext) under a
-    FakeTensorMode: a layer-less chunk of the layout (its RoPE tables, its head when
-    `post_process`) and the residual stream's dtype (fp32 under fp32 training or
+    FakeTensorMode: a layer-less last chunk of the layout (its RoPE tables, its final norm)
+    and the residual stream's dtype (fp32 under fp32 training or
     fp32_residual_connection, else bf16), weights cast as the trainer casts them."""
     from megatron_lite.models import ModelChunk
     from megatron_lite.parallel.fake import FakeTensorMode
     from megatron_lite.parallel.random import TP_RNG, RNGStatesTracker
 
     p, t = cfg.parallel, cfg.train
-    config = modules.transformer_config(cfg, layers_only=not post_process)
+    config = modules.transformer_config(cfg, layers_only=True)  # (the vocabulary: unread)
     bf16 = t.precision == "bf16"
     tracker = RNGStatesTracker()  # the trainer's TP-rank dropout state (no global seeding)
     tracker.add(TP_RNG, t.seed)
@@ -118,7 +130,7 @@ def _fake_stage(cfg: Config, kernels: str, post_process: bool) -> Iterator[tuple
         modules.fake_mesh(p.tp, p.cp, cp_a2a_size(p), p.ep) as mesh,
         FakeTensorMode(allow_non_fake_inputs=True),
     ):
-        chunk = ModelChunk(config, mesh, tracker, [], False, post_process)
+        chunk = ModelChunk(config, mesh, tracker, [], False, True)
         s = config.seq_length // p.cp // (p.tp if config.sequence_parallel else 1)
         residual = torch.bfloat16 if bf16 and not config.fp32_residual_connection else None
         x = torch.empty(s, t.micro_batch_size, config.hidden_size, dtype=residual)
@@ -148,11 +160,13 @@ def _meter(*modules_: torch.nn.Module, ctx=None):
     return SavedTensorMeter(exclude=exclude)
 
 
-def _measure_layer(cfg: Config, moe: bool, kernels: str, selective: tuple[str, ...]) -> dict:
+def _measure_layer(cfg: Config, moe: bool, kernels: str, selective: tuple[str, ...]) -> tuple:
+    """(the layer's rows, the chunk's final norm's) on the same fake stage and input."""
     cfg = _with_selective(cfg, selective)
-    with _fake_stage(cfg, kernels, post_process=False) as (config, mesh, tracker, chunk, x, ctx):
+    with _fake_stage(cfg, kernels) as (config, mesh, tracker, chunk, x, ctx):
         layer = modules.new_layer(config, mesh, tracker, modules.layer_number(config, moe))
         _to_training_dtype(layer, cfg.train.precision)
+        _to_training_dtype(chunk, cfg.train.precision)
         meter = _meter(layer, chunk, ctx=ctx)
         handles = []
         for name, m in layer.named_modules():
@@ -165,16 +179,11 @@ def _measure_layer(cfg: Config, moe: bool, kernels: str, selective: tuple[str, .
         finally:
             for h in handles:
                 h.remove()
-    return {k: float(v) for k, v in meter.by_label.items()}
-
-
-def _measure_norm(cfg: Config, kernels: str) -> float:
-    with _fake_stage(cfg, kernels, post_process=True) as (_, _, _, chunk, x, _):
-        _to_training_dtype(chunk, cfg.train.precision)
-        meter = _meter(chunk)
-        with meter, meter.label("final_norm"):
+        norm = _meter(chunk)
+        with norm, norm.label("final_norm"):
             chunk.final_norm(x)
-    return float(meter.by_label.get("final_norm", 0))
+    rows = {k: float(v) for k, v in meter.by_label.items()}
+    return rows, {"final_norm": float(norm.by_label.get("final_norm", 0))}
 
 
 def subtree(rows: dict[str, float], path: str) -> float:

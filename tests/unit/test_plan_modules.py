@@ -129,7 +129,8 @@ def test_measurement_is_cached_and_leaves_no_process_group():
 )  # fmt: skip
 def test_micro_batch_fit_is_exact(case, kernels):
     """Rows measured at micro batches 1 and 2 fit a line that gives, at 4, each row a direct
-    measurement at 4 gives (torch kernels: with their constant fp32 weight copies)."""
+    measurement at 4 gives (torch kernels: with their constant fp32 weight copies; MoE: its
+    [E]-sized tensors), the final norm's too."""
     import dataclasses
 
     if case == "ring-p2p":
@@ -141,5 +142,6 @@ def test_micro_batch_fit_is_exact(case, kernels):
         for b in (1, 2, 4):
             c = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch_size=b))
             fitted = saved.layer_saves(c, moe, kernels)
-        direct = saved._measure_layer(c, moe, kernels, ())
-        assert fitted == direct, (case, moe)
+        rows, norm = saved._measure_layer(c, moe, kernels, ())
+        assert fitted == rows, (case, moe)
+        assert saved.final_norm_saves(c, kernels) == norm["final_norm"], case
