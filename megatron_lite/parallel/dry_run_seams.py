@@ -5,7 +5,7 @@ A dry run (plan/dry_run.py) runs the real Trainer at full size on one CPU: its t
 under `FakeTensorMode` (shapes, dtypes and devices, no data) and its process groups on torch's
 `fake` backend (every collective returns at once, moving nothing). Almost all code runs
 unchanged on both. Where it cannot (it reads a value back to Python, or it must choose a
-device or a kernel that only exists with real data), it asks one of five named functions, the
+device or a kernel that only exists with real data), it asks one of six named functions, the
 seams:
 
 - `host.read(t, nominal)` (parallel/host.py): `t.tolist()`; under a dry run the caller's
@@ -17,7 +17,9 @@ seams:
 - `fake.real_tensors()` (parallel/fake.py): a context where tensors are real even under a dry
   run (a rank table read on the host);
 - "fake group", `dist.get_backend(group) == "fake"` (torch): whether a group is the dry run's
-  fake process group (object collectives keep each rank's own object; no links to check).
+  fake process group (object collectives keep each rank's own object; no links to check);
+- `dispatch.is_fake(x)` (kernels/dispatch.py): the kernels' own `is_fake` (they import nothing
+  of the package): a fake tensor allocates the Triton kernels' outputs, and no kernel launches.
 
 `CALL_SITES` lists every call of a seam in the package (and `kernels/`), by file and function,
 with why it is there: it is the one list to read to know what a dry run does not run as a
@@ -36,7 +38,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SEAMS = ("host.read", "fake.is_fake", "fake.active", "fake.real_tensors", "fake group")
+SEAMS = (
+    "host.read",
+    "fake.is_fake",
+    "fake.active",
+    "fake.real_tensors",
+    "fake group",
+    "dispatch.is_fake",
+)
 
 
 @dataclass(frozen=True)
@@ -156,5 +165,12 @@ CALL_SITES: tuple[CallSite, ...] = (
         "fake group",
         "megatron_lite/pipeline/p2p.py",
         ("warm_up", "no links to check in a fake world"),
+    ),
+    *_sites(
+        "dispatch.is_fake",
+        "kernels/dispatch.py",
+        ("launch", "no data to compute: the caller's outputs are what a dry run measures"),
+        ("use_triton", "automatic dispatch: the GPU's kernels, no self-check on fake values"),
+        ("use_triton", "forced Triton: the GPU's kernels even on a CPU dry run"),
     ),
 )

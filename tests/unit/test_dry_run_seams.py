@@ -1,7 +1,8 @@
 """The dry run's seams stay where parallel/dry_run_seams.py lists them: every call of
-host.read, fake.is_fake, fake.active, fake.real_tensors and every fake-group check in the
-package (and kernels/) is a listed call site, every listed one still exists, and only
-parallel/fake.py (and kernels/dispatch.py) import torch's private fake-tensor API."""
+host.read, fake.is_fake, fake.active, fake.real_tensors, every fake-group check in the package
+and kernels/, and every call of the kernels' own dispatch.is_fake is a listed call site, every
+listed one still exists, and only parallel/fake.py (and kernels/dispatch.py) import torch's
+private fake-tensor API."""
 
 import ast
 import collections
@@ -48,8 +49,19 @@ def _is_fake_group_check(node: ast.AST) -> bool:
     return fake and backend
 
 
-def seam_calls(source: str) -> list[tuple[str, str, int]]:
-    """(seam, enclosing "Class.function" or "<module>", line) of every seam use in `source`."""
+def _is_kernels_fake_check(node: ast.AST) -> bool:
+    """A call of the kernels' own `dispatch.is_fake` (bare inside dispatch.py)."""
+    if not isinstance(node, ast.Call):
+        return False
+    f = node.func
+    bare = isinstance(f, ast.Name) and f.id == "is_fake"
+    return bare or (isinstance(f, ast.Attribute) and f.attr == "is_fake"
+                    and isinstance(f.value, ast.Name) and f.value.id == "dispatch")  # fmt: skip
+
+
+def seam_calls(source: str, kernels: bool = False) -> list[tuple[str, str, int]]:
+    """(seam, enclosing "Class.function" or "<module>", line) of every seam use in `source`
+    (kernels: a file of kernels/, whose own seam is dispatch.is_fake)."""
     tree = ast.parse(source)
     modules, names = _aliases(tree)
     found = []
@@ -68,6 +80,8 @@ def seam_calls(source: str) -> list[tuple[str, str, int]]:
                 seam = names[child.id]
             elif _is_fake_group_check(child):
                 seam = "fake group"
+            elif kernels and _is_kernels_fake_check(child):
+                seam = "dispatch.is_fake"
             if seam is not None:
                 found.append((seam, scope or "<module>", child.lineno))
             visit(child, inner)
@@ -107,6 +121,11 @@ def test_the_scanner_finds_every_form_of_a_seam_call():
         ("fake group", "A.f", 7),
         ("fake.real_tensors", "A.f", 8),
     ]
+    kernel = (
+        "from . import dispatch\nif dispatch.is_fake(x) or is_fake(y) or t.is_fake():\n    pass\n"
+    )
+    assert seam_calls(kernel, kernels=True) == [("dispatch.is_fake", "<module>", 2)] * 2
+    assert seam_calls(kernel) == [], "another module's is_fake is not the kernels' seam"
 
 
 def test_every_seam_call_is_listed_and_every_listed_one_exists():
@@ -115,7 +134,7 @@ def test_every_seam_call_is_listed_and_every_listed_one_exists():
     assert all(s.why for s in CALL_SITES), "every call site says why it is there"
     found = collections.defaultdict(list)
     for path, source in _sources():
-        for seam, function, line in seam_calls(source):
+        for seam, function, line in seam_calls(source, kernels=path.startswith("kernels/")):
             found[(seam, path, function)].append(line)
     new = [
         f"{path}:{lines[listed[(seam, path, function)]]} calls {seam} in {function}"
