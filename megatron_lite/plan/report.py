@@ -29,7 +29,9 @@ def memory_table(ranks: list[RankMemory], budget: float) -> str:
 
 
 def layer_table(per_layer: dict[str, float]) -> str:
-    """One layer's saved activations per microbatch, by term, in MiB."""
+    """One layer's saved activations per microbatch in MiB, by the module whose code saved
+    them (plan/saved.py: "layer" is the layer's own code; "input" the kept input under full
+    recompute)."""
     cells = ", ".join(f"{k} {v / 2**20:.1f}" for k, v in per_layer.items() if v)
     return f"activations per layer and microbatch (MiB): {cells}; total " + (
         f"{sum(per_layer.values()) / 2**20:.1f}"
