@@ -37,6 +37,20 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def chunk_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(qualified name, layer) of every layer of each ModelChunk inside `model` (its `layers`
+    ModuleDict, keyed by global layer number), in order: any registered architecture's layer
+    class, none assumed."""
+    from megatron_lite.models.chunk import ModelChunk
+
+    return [
+        (f"{name}.layers.{k}" if name else f"layers.{k}", layer)
+        for name, m in model.named_modules()
+        if isinstance(m, ModelChunk)
+        for k, layer in m.layers.items()
+    ]
+
+
 class _Saved:
     """What the autograd graph keeps for one saved tensor (detached: an alias of its data, so
     a later `out.data = ...` on the original, as pipeline deallocation does, cannot change
@@ -105,15 +119,14 @@ class SavedTensorMeter:
 
     def attach_labels(self, model: nn.Module, module_types: tuple[type, ...] | None = None):
         """Forward hooks labelling the saves of `model`: "layer.<i>" inside each module of
-        `module_types` (default: the transformer layers; i is the ModuleDict key, the global
-        layer number, else the order), "embedding" before the first of them and "output/loss"
-        after the last (final norm, output layer, and the loss computed after the model
-        returns). Removed on exit."""
+        `module_types` (default: the layers of each ModelChunk in `model`, whatever the
+        architecture's layer class; i is the ModuleDict key, the global layer number, else the
+        order), "embedding" before the first of them and "output/loss" after the last (final
+        norm, output layer, and the loss computed after the model returns). Removed on exit."""
         if module_types is None:
-            from megatron_lite.models.transformer import TransformerLayer
-
-            module_types = (TransformerLayer,)
-        layers = [(n, m) for n, m in model.named_modules() if isinstance(m, module_types)]
+            layers = chunk_layers(model)
+        else:
+            layers = [(n, m) for n, m in model.named_modules() if isinstance(m, module_types)]
         self._handles.append(model.register_forward_pre_hook(lambda *_: self._top("embedding")))
         for i, (name, m) in enumerate(layers):
             key = name.rsplit(".", 1)[-1]

@@ -146,14 +146,13 @@ class MemoryTracker(TorchDispatchMode):
             self._working -= working
 
     def attach_layers(self, chunks: Iterable[torch.nn.Module]) -> None:
-        """Name forward and backward of each transformer layer as phases ("forward layer k",
-        "backward layer k"), via module hooks (removed on exit)."""
-        from megatron_lite.models.transformer import TransformerLayer
+        """Name forward and backward of each layer of the model chunks (any registered
+        architecture's layer class) as phases ("forward layer k", "backward layer k"), via
+        module hooks (removed on exit)."""
+        from megatron_lite.training.activation_memory import chunk_layers
 
         for chunk in chunks:
-            for name, m in chunk.named_modules():
-                if not isinstance(m, TransformerLayer):
-                    continue
+            for name, m in chunk_layers(chunk):
                 k = name.rsplit(".", 1)[-1]
                 fwd = f"forward layer {k}"
                 bwd = f"backward layer {k}"

@@ -10,10 +10,20 @@ file alone, with no edit under megatron_lite/, train with one rank's losses.
   RoPE's tables, Ulysses and the ring read the widths it declares. Trained under a2a+p2p
   context parallelism (Ulysses pairs inside a ring of 2) against one rank; and Ulysses and the
   ring on their own against float64 attention.
+
+`plan` and `plan --dry-run` on `parallel_block` (tp2+SP·pp2, both pipeline ranks, in a child
+process that imports this file): the model states, the saved activations and the peak agree
+within 3%; the forward/backward working sets do not yet (see the xfail below).
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -234,3 +244,73 @@ def test_ring_and_ulysses_take_value_heads_wider_than_query_heads():
         for err, shape in run_ranks(2, _cp_vs_reference, kind, timeout=60):
             assert shape == (8, 2, 4, 6), f"{kind}: output {shape}, not [s/cp, b, n, dv]"
             assert err < 1e-10, f"{kind}: value heads of 6 vs q/k of 4: max error {err:.2e}"
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# quickstart's sizes (h 256, 8 heads, 4 groups, ffn 704, seq 128, fp32, 4 microbatches of 2) on
+# the toy, tp2+SP·pp2, a vocabulary of 256 so the layers dominate the last stage too
+PLAN_TOY = ["model.arch=parallel_block", "model.vocab_size=256", *TP2_SP_PP2, "parallel.dp=1"]
+PLAN_CHILD = """
+import json, sys
+import tests.parallel.test_architecture_registry  # registers the toys
+from megatron_lite.config import load_config
+from megatron_lite.plan.__main__ import with_vocab
+from megatron_lite.plan.activations import resolved
+from megatron_lite.plan.dry_run import PLANNER_TERMS, dry_run, to_json
+from megatron_lite.plan.peak import moments
+from megatron_lite.validation import validate
+
+cfg = validate(with_vocab(load_config("configs/quickstart.yaml", sys.argv[1:])), 4)
+out = []
+for j in to_json(dry_run(cfg, 4, None, "steady", workers=1, kernels="fused")):
+    pp, kind = j["coords"]["pp"], j["peak_phase"].split()[0]
+    same = [m for m in moments(resolved(cfg, 4), pp) if m.phase.endswith(kind)]
+    at = max(same, key=lambda m: m.total)  # the planner's largest moment of the same kind
+    terms = {k: sum(at.terms.get(t, 0.0) for t in v) for k, v in PLANNER_TERMS.items()}
+    out.append(dict(j, at_phase=terms))
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def toy_plan():
+    """Each pipeline rank's dry run of the toy beside the planner's figures."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    out = subprocess.run([sys.executable, "-c", PLAN_CHILD, *PLAN_TOY], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = json.loads(out.stdout.strip().splitlines()[-1])
+    assert [r["coords"]["pp"] for r in results] == [0, 1]
+    return results
+
+
+def _close(got: float, want: float, what: str, tol: float = 0.03) -> None:
+    assert abs(got - want) <= tol * want or got == want == 0, f"{what}: dry run {got}, plan {want}"
+
+
+def test_plan_and_dry_run_agree_on_the_toys_states_activations_and_peak(toy_plan):
+    """Model states per term at the peak, the activations at the dry run's peak vs the
+    planner's largest moment of the same kind (forward/backward), and the peak: within 3%.
+    The dry run's peak is inside a layer's forward or backward (attach_layers names the toy's
+    layers, not only TransformerLayer's)."""
+    for res in toy_plan:
+        at = f"pp rank {res['coords']['pp']}"
+        for term in ("weights", "grads", "master", "optimizer", "buffers"):
+            _close(res["compared"][term], res["predicted"][term], f"{at} {term}")
+        _close(res["compared"]["activations"], res["at_phase"]["activations"], f"{at} act")
+        _close(res["peak_bytes"], res["predicted_peak_bytes"], f"{at} peak")
+        assert any(k.startswith("forward layer ") for k in res["peaks_by_phase"]), res
+
+
+@pytest.mark.xfail(strict=True, reason="plan/working.py's working sets are Llama's formulas")
+def test_plan_and_dry_run_agree_on_the_toys_working_bytes(toy_plan):
+    """The gathered+temporaries term at the peak: plan/working.py's forward/backward working
+    sets are hand formulas of a sequential attention-then-gated-MLP layer, not measured, so
+    for the parallel block the planner's backward working is 25% under the dry run's and its
+    forward working 90% over (the planner's peak falls in the forward, the dry run's in the
+    backward). Passes (and so fails, strict) once the working sets come from the real layer."""
+    for res in toy_plan:
+        at = f"pp rank {res['coords']['pp']}"
+        got, want = res["compared"]["gathered+temporaries"], res["at_phase"]["gathered+temporaries"]
+        _close(got, want, f"{at} gathered+temporaries")
+        _close(res["compared"]["activations"], res["predicted"]["activations"], f"{at} act")
