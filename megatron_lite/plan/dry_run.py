@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from megatron_lite.config import Config
 from megatron_lite.plan.errors import flag_error
 from megatron_lite.plan.memory import RankMemory, rank_memory
-from megatron_lite.resolve import num_microbatches, rank_layout
+from megatron_lite.resolve import eod_token_id, num_microbatches, rank_layout
 
 KERNELS_ENV = "MEGATRON_LITE_KERNELS"  # kernels/dispatch.py's switch
 # The most microbatches per step a dry run runs: each runs the stage's real ops in Python
@@ -104,8 +104,9 @@ def steady_microbatches(cfg: Config) -> int:
 
 
 def dry_run_config(cfg: Config, out_dir: str, microbatches: int | None) -> Config:
-    """`cfg` (validated) made to run two steps of `microbatches` per rank on mock data,
-    writing nothing but its run directory's lock into `out_dir`."""
+    """`cfg` (validated) made to run two steps of `microbatches` per rank on mock data (with the
+    real data's EOD id under document masking), writing nothing but its run directory's lock
+    into `out_dir`."""
     c = copy.deepcopy(cfg)
     t = c.train
     if microbatches is not None:
@@ -117,6 +118,9 @@ def dry_run_config(cfg: Config, out_dir: str, microbatches: int | None) -> Confi
     t.out_dir, t.ckpt_dir, t.resume, t.init_from = out_dir, None, "none", None
     t.profile_steps, t.profile_pipeline = [], False
     c.log.progress = False
+    # document masking's EOD id resolved from the real data's tokenizer first: mock data has
+    # none (resolve.eod_token_id is None there), and a None id made the masks from a bool
+    c.data.eod_token_id = eod_token_id(cfg.data)
     c.data.mock = True  # mock token ids need the vocabulary the planner resolved
     return c
 

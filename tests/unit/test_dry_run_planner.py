@@ -16,7 +16,8 @@ against the dry run's collectives, within 1%.
 Ring attention (parallel.cp_comm_type p2p and a2a+p2p) on Llama-3 8B's layers at seq 32K:
 its saved terms and masks, the peak (a2a+p2p: inside the ring's backward, plan/working.py),
 and the bytes it sends and receives around the ring (plan/step_time.py cp_ring_bytes) equal
-to comm_stats' cp_send and cp_recv.
+to comm_stats' cp_send and cp_recv. Document masking (data.reset_attention_mask) under the
+ring and without context parallelism (its [b, 1, s, s] mask), on the dry run's mock data.
 
 The dry run initializes a fake process group, process-global state, so it runs in a child
 process (never in pytest's); tools/bench_dry_run.py runs the same comparison at full depth."""
@@ -49,6 +50,12 @@ LAYOUTS = {
     "8b-32k-tp2-cp8-p2p": ("configs/llama3_8b.yaml", 16, RING + ["parallel.cp_comm_type=p2p"], [0]),
     "8b-32k-tp2-cp8-a2a+p2p": ("configs/llama3_8b.yaml", 16, RING + [
         "parallel.cp_comm_type=a2a+p2p", "parallel.cp_a2a_size=4"], [0]),
+    # document masking (data.reset_attention_mask) on the shipped ring config, mock data in
+    # the dry run with the corpus tokenizer's EOD id (a None id crashed it), and the same
+    # without context parallelism, where the attention keeps a [b, 1, s, s] document mask
+    "docs-ring-p2p-cp4": ("configs/long_context_ring.yaml", 4, ["model.num_layers=2"], [0]),
+    "docs-cp1": ("configs/long_context_ring.yaml", 1, [
+        "model.num_layers=2", "model.seq_length=2048", "parallel.cp=1"], [0]),
     "moe-shared-expert-ep8": ("configs/moe_fine_grained.yaml", 8, [
         "model.num_layers=2", "model.moe_shared_expert_ffn_hidden_size=2816",
     ], [0]),
