@@ -38,6 +38,8 @@ _MODEL_KEYS: dict[int, tuple] = {}  # id(model section) -> (it, precision, its k
 _MODEL_NUMBERS: dict[tuple, int] = {}  # a model key -> a small number (cheap to hash)
 _LAYERS: dict[tuple, LayerParams] = {}
 _CHUNKS: dict[tuple, ChunkParams] = {}
+_PER_CONFIG: dict[int, tuple] = {}  # id(config) -> (it, its sections, {question: answer})
+_PER_CONFIG_ENTRIES = 64  # the configs asked about last (a search asks about one at a time)
 
 
 @dataclass(frozen=True)
@@ -102,6 +104,24 @@ def cached(table: dict, key: tuple, build: Callable[[], object]):
             table.clear()
         hit = table[key] = build()
     return hit
+
+
+def per_config(cfg: Config, question: tuple, answer: Callable[[], object]):
+    """`answer()`, remembered for this config object and `question` (hashable): the planner
+    asks the same few questions of one layout (its chunks' layers and parameters) thousands of
+    times. A config is taken as fixed once planned, as model_key takes its model section
+    (validate() and the search's layouts make new ones; change a copy, not a planned config):
+    a section replaced on it is a new config here."""
+    sections = (cfg.model, cfg.parallel, cfg.train)
+    hit = _PER_CONFIG.get(id(cfg))
+    if hit is None or hit[0] is not cfg or hit[1] != sections:  # (`is` first, then ==)
+        if len(_PER_CONFIG) >= _PER_CONFIG_ENTRIES:
+            _PER_CONFIG.clear()
+        hit = _PER_CONFIG[id(cfg)] = (cfg, sections, {})
+    answers = hit[2]
+    if question not in answers:
+        answers[question] = answer()
+    return answers[question]
 
 
 @contextlib.contextmanager
@@ -204,22 +224,43 @@ def _build_layer(cfg: Config, moe: bool) -> LayerParams:
 
 def chunk_params(cfg: Config, pre_process: bool, post_process: bool) -> ChunkParams:
     """A chunk's own parameters (embedding when `pre_process`, final norm and output layer
-    when `post_process`) and buffers at `cfg`'s layout (cached)."""
+    when `post_process`) and buffers at `cfg`'s layout (cached). A miss builds, in one fake
+    world, every kind of chunk the layout's pipeline has (all three of a multi-stage one: the
+    search asks for each) that is not built yet."""
     p = cfg.parallel
-    key = (model_key(cfg), p.tp, sequence_parallel(p), p.cp, cp_a2a_size(p), pre_process,
-           post_process)  # fmt: skip
-    return cached(_CHUNKS, key, lambda: _build_chunk(cfg, pre_process, post_process))
+    key = (model_key(cfg), p.tp, sequence_parallel(p), p.cp, cp_a2a_size(p))
+    hit = _CHUNKS.get(key + (pre_process, post_process))
+    if hit is not None:
+        return hit
+    kinds = [(True, True)] if p.pp * p.vpp == 1 else [(True, False), (False, False), (False, True)]
+    kinds = [
+        k
+        for k in {(pre_process, post_process): 0, **dict.fromkeys(kinds)}
+        if key + k not in _CHUNKS
+    ]
+    if len(_CHUNKS) + len(kinds) > _MAX_ENTRIES:
+        _CHUNKS.clear()
+    for k, built in zip(kinds, _build_chunks(cfg, kinds), strict=True):
+        _CHUNKS[key + k] = built
+    return _CHUNKS[key + (pre_process, post_process)]
 
 
-def _build_chunk(cfg: Config, pre_process: bool, post_process: bool) -> ChunkParams:
+def _build_chunks(cfg: Config, kinds: list[tuple[bool, bool]]) -> list[ChunkParams]:
     from megatron_lite.models import ModelChunk
-    from megatron_lite.parallel.data_parallel.finalize import tied_params
     from megatron_lite.parallel.random import RNGStatesTracker
 
     p = cfg.parallel
     config = transformer_config(cfg)
     with fake_mesh(p.tp, p.cp, cp_a2a_size(p)) as mesh, torch.device("meta"):
-        chunk = ModelChunk(config, mesh, RNGStatesTracker(), [], pre_process, post_process)
+        chunks = [
+            ModelChunk(config, mesh, RNGStatesTracker(), [], pre, post) for pre, post in kinds
+        ]
+    return [_chunk_params(chunk) for chunk in chunks]
+
+
+def _chunk_params(chunk: torch.nn.Module) -> ChunkParams:
+    from megatron_lite.parallel.data_parallel.finalize import tied_params
+
     children = list(chunk.named_children())
     cut = [n for n, _ in children].index("layers")
     first = list(chunk.parameters(recurse=False))

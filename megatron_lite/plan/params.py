@@ -38,16 +38,28 @@ def placement(cfg: Config) -> str:
 
 def rank_layers(cfg: Config, pp_rank: int) -> list[tuple[int, int]]:
     """(first layer index, layer count) of each model chunk on pipeline rank `pp_rank`."""
+    return list(
+        modules.per_config(cfg, ("rank_layers", pp_rank), lambda: _rank_layers(cfg, pp_rank))
+    )
+
+
+def _rank_layers(cfg: Config, pp_rank: int) -> tuple[tuple[int, int], ...]:
     counts, p = stage_layers(cfg.model, cfg.parallel), cfg.parallel
     stages = (virtual_stage(pp_rank, c, p.pp, placement(cfg)) for c in range(p.vpp))
-    return [(sum(counts[:s]), counts[s]) for s in stages]
+    return tuple((sum(counts[:s]), counts[s]) for s in stages)
 
 
 def chunk_moe(cfg: Config, pp_rank: int, chunk: int) -> list[bool]:
     """Whether each layer of the model chunk is an MoE layer."""
-    m = cfg.model
-    first, count = rank_layers(cfg, pp_rank)[chunk]
-    return moe_layer_pattern(m)[first : first + count]
+    return list(_chunk_moe(cfg, pp_rank, chunk))
+
+
+def _chunk_moe(cfg: Config, pp_rank: int, chunk: int) -> tuple[bool, ...]:
+    def answer():
+        first, count = _rank_layers(cfg, pp_rank)[chunk]
+        return tuple(moe_layer_pattern(cfg.model)[first : first + count])
+
+    return modules.per_config(cfg, ("chunk_moe", pp_rank, chunk), answer)
 
 
 def head_params(cfg: Config, pp_rank: int, chunk: int) -> tuple[list[Param], list[Param]]:
@@ -58,22 +70,47 @@ def head_params(cfg: Config, pp_rank: int, chunk: int) -> tuple[list[Param], lis
 
 
 def _chunk_own(cfg: Config, pp_rank: int, chunk: int) -> modules.ChunkParams:
-    p = cfg.parallel
-    stage, last = virtual_stage(pp_rank, chunk, p.pp, placement(cfg)), p.pp * p.vpp - 1
-    return modules.chunk_params(cfg, stage == 0, stage == last)
+    def answer():
+        p = cfg.parallel
+        stage, last = virtual_stage(pp_rank, chunk, p.pp, placement(cfg)), p.pp * p.vpp - 1
+        return modules.chunk_params(cfg, stage == 0, stage == last)
+
+    return modules.per_config(cfg, ("chunk_own", pp_rank, chunk), answer)
 
 
 def chunk_param_list(cfg: Config, pp_rank: int, chunk: int) -> list[Param]:
     """Every parameter of a model chunk in registration order (models/chunk.py)."""
-    before, after = head_params(cfg, pp_rank, chunk)
-    moe = chunk_moe(cfg, pp_rank, chunk)
-    lists = {e: layer_param_list(cfg, e) for e in set(moe)}
-    return before + [q for e in moe for q in lists[e]] + after
+    return list(_chunk_param_list(cfg, pp_rank, chunk))
+
+
+def _chunk_param_list(cfg: Config, pp_rank: int, chunk: int) -> tuple[Param, ...]:
+    def answer():
+        own, moe = _chunk_own(cfg, pp_rank, chunk), _chunk_moe(cfg, pp_rank, chunk)
+        lists = {e: modules.layer_params(cfg, e).params for e in set(moe)}
+        return own.before + tuple(q for e in moe for q in lists[e]) + own.after
+
+    return modules.per_config(cfg, ("chunk_param_list", pp_rank, chunk), answer)
 
 
 def rank_params(cfg: Config, pp_rank: int) -> tuple[int, int]:
     """(dense, expert) parameters this pipeline rank holds on one TP/EP rank."""
-    params = [q for c in range(cfg.parallel.vpp) for q in chunk_param_list(cfg, pp_rank, c)]
+
+    def answer():  # a chunk's own parameters and each of its layers' (per kind, summed once)
+        chunks = [(_chunk_own(cfg, pp_rank, c), _chunk_moe(cfg, pp_rank, c))
+                  for c in range(cfg.parallel.vpp)]  # fmt: skip
+        kinds = {e for _, moe in chunks for e in moe}
+        sums = {e: _split(modules.layer_params(cfg, e).params) for e in kinds}
+        dense = expert = 0
+        for own, moe in chunks:
+            for d, x in [_split(own.before + own.after)] + [sums[e] for e in moe]:
+                dense, expert = dense + d, expert + x
+        return dense, expert
+
+    return modules.per_config(cfg, ("rank_params", pp_rank), answer)
+
+
+def _split(params) -> tuple[int, int]:
+    """(dense, expert) elements of `params`."""
     return sum(n for n, e in params if not e), sum(n for n, e in params if e)
 
 
@@ -91,14 +128,18 @@ def buckets(cfg: Config, pp_rank: int, chunk: int, expert: bool, shard: int) -> 
     in backward order, as GradBuffer._layout cuts them: the parameters reversed, a bucket
     closed once it reaches bucket_size (tied embeddings under pp > 1 alone), padded to a
     multiple of `shard`."""
+    key = ("buckets", pp_rank, chunk, expert, shard)
+    return list(modules.per_config(cfg, key, lambda: _buckets(cfg, pp_rank, chunk, expert, shard)))
+
+
+def _buckets(cfg: Config, pp_rank: int, chunk: int, expert: bool, shard: int) -> tuple:
     m, p = cfg.model, cfg.parallel
     own = _chunk_own(cfg, pp_rank, chunk)
-    before, after = list(own.before), list(own.after)
-    layers = [q for moe in chunk_moe(cfg, pp_rank, chunk) for q in layer_param_list(cfg, moe)]
-    params = before + layers + after
+    before, params = own.before, _chunk_param_list(cfg, pp_rank, chunk)
+    layers = len(params) - len(before) - len(own.after)
     alone = set()
     if m.tie_embeddings and p.pp > 1:  # the tied embedding weights (ddp.py: own buckets)
-        alone = {i if i < len(before) else i + len(layers) for i in own.tied}
+        alone = {i if i < len(before) else i + layers for i in own.tied}
     out, size, count = [], 0, 0
     for i in reversed(range(len(params))):
         n, is_expert = params[i]
@@ -113,23 +154,32 @@ def buckets(cfg: Config, pp_rank: int, chunk: int, expert: bool, shard: int) -> 
             size = count = 0
     if size:
         out.append((-(-size // shard) * shard, count))
-    return out
+    return tuple(out)
 
 
 def fsdp_units(cfg: Config, pp_rank: int, chunk: int) -> tuple[int, list[int]]:
     """ZeRO-3 (parallel/data_parallel/fsdp.py): (the chunk root's parameters: embedding, final
     norm, output layer; each layer's, its experts included), the units FSDP2 gathers."""
-    before, after = head_params(cfg, pp_rank, chunk)
-    moe = chunk_moe(cfg, pp_rank, chunk)
-    size = {e: sum(n for n, _ in layer_param_list(cfg, e)) for e in set(moe)}
-    return sum(n for n, _ in before + after), [size[e] for e in moe]
+
+    def answer():
+        own, moe = _chunk_own(cfg, pp_rank, chunk), _chunk_moe(cfg, pp_rank, chunk)
+        size = {e: sum(n for n, _ in modules.layer_params(cfg, e).params) for e in set(moe)}
+        return sum(n for n, _ in own.before + own.after), tuple(size[e] for e in moe)
+
+    root, layers = modules.per_config(cfg, ("fsdp_units", pp_rank, chunk), answer)
+    return root, list(layers)
 
 
 def buffer_bytes(cfg: Config, pp_rank: int) -> int:
     """Bytes of the buffers of this pipeline rank's chunks (RoPE tables, the vocabulary
     padding mask, any layer's), as the modules hold them."""
-    out = 0
-    for c in range(cfg.parallel.vpp):
-        out += _chunk_own(cfg, pp_rank, c).buffer_bytes
-        out += sum(modules.layer_params(cfg, e).buffer_bytes for e in chunk_moe(cfg, pp_rank, c))
-    return out
+
+    def answer():
+        out = 0
+        for c in range(cfg.parallel.vpp):
+            out += _chunk_own(cfg, pp_rank, c).buffer_bytes
+            moe = _chunk_moe(cfg, pp_rank, c)
+            out += sum(modules.layer_params(cfg, e).buffer_bytes for e in moe)
+        return out
+
+    return modules.per_config(cfg, ("buffer_bytes", pp_rank), answer)

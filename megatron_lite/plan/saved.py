@@ -11,8 +11,9 @@ skipped on fake tensors; torch: the plain-torch references), context parallelism
 and ring, the MoE dispatch under a dry run's balanced routing, selective recompute. A fake
 forward costs the Python of its ops (tens of ms for a full-size layer), not its sizes, so it
 runs at full size, once per key (the model section but its recompute fields, the local layout
-tp/sp/cp/Ulysses/ep, kernels, MoE or dense, the selective modules) and micro batch for the
-first two micro batches asked for; the others are fitted (layer_saves).
+tp/sp/cp/Ulysses/ep, kernels, MoE or dense, the selective modules), at micro batches 1 and 2
+(FIT_POINTS) on one fake stage (one process group, chunk and layer for both); the others are
+fitted (layer_saves).
 
 The fake tensors are the CPU's, as plan --dry-run's: an op whose CPU kernel keeps something else
 than the GPU's is counted as the CPU keeps it. The one known: dropout (model.hidden_dropout > 0)
@@ -34,6 +35,9 @@ from megatron_lite.plan import modules
 from megatron_lite.resolve import cp_a2a_size, sequence_parallel
 
 LAYER = "layer"  # the row of the layer's own code
+# the micro batches measured: the fewest tokens, a slope of integer bytes (the fit exact in
+# floats at every micro batch)
+FIT_POINTS = (1, 2)
 # key -> {micro batch: ({module path: bytes}, {"final_norm": bytes})}
 _SAVES: dict[tuple, dict[int, tuple]] = {}
 
@@ -52,7 +56,7 @@ def layer_saves(
     rank for one microbatch, with selective recompute of `selective` (core_attn, mlp, moe; ()
     none). Each row is a·b + c in the micro batch b (every saved tensor holds T = (s/cp)·b
     tokens, or none: the torch kernels' fp32 weight copies, an MoE layer's [E]-sized ones):
-    measured at the first two micro batches asked for, fitted for the others (exact:
+    measured at micro batches 1 and 2, fitted for the others (exact:
     tests/unit/test_plan_modules.py)."""
     return _saves(cfg, moe, kernels, tuple(selective))[0]
 
@@ -67,16 +71,15 @@ def _saves(cfg: Config, moe: bool, kernels: str, selective: tuple[str, ...]) -> 
     """(the layer's rows, the final norm's {"final_norm": bytes}) at cfg's micro batch."""
     b = cfg.train.micro_batch_size
     points = modules.cached(_SAVES, _key(cfg, kernels, moe, selective), dict)
+    if not points:  # the line's two points, on one fake stage
+        points.update(_measure_layers(cfg, moe, kernels, selective, FIT_POINTS))
     if b not in points:
-        if len(points) < 2:
-            points[b] = _measure_layer(cfg, moe, kernels, selective)
-        else:
-            points[b] = tuple(_fit(points, i, b) for i in range(2))
+        points[b] = tuple(_fit(points, i, b) for i in range(2))
     return points[b]
 
 
 def _fit(points: dict[int, tuple], i: int, b: int) -> dict[str, float]:
-    """Each row of part i's line through the first two measured micro batches, at b."""
+    """Each row of part i's line through the two measured micro batches, at b."""
     (b1, p1), (b2, p2) = list(points.items())[:2]
     r1, r2 = p1[i], p2[i]
     return {k: r1[k] + (b - b1) * (r2[k] - r1[k]) / (b2 - b1) for k in r1}
@@ -111,9 +114,9 @@ def _with_selective(cfg: Config, selective: tuple[str, ...]) -> Config:
 
 @contextlib.contextmanager
 def _fake_stage(cfg: Config, kernels: str) -> Iterator[tuple]:
-    """(config, mesh, tracker, chunk, input x [s/cp(/tp), b, h], its TokenContext) under a
-    FakeTensorMode: a layer-less last chunk of the layout (its RoPE tables, its final norm)
-    and the residual stream's dtype (fp32 under fp32 training or
+    """(config, mesh, tracker, chunk, inputs) under a FakeTensorMode: a layer-less last chunk
+    of the layout (its RoPE tables, its final norm), and inputs(b) -> (x [s/cp(/tp), b, h],
+    its TokenContext) in the residual stream's dtype (fp32 under fp32 training or
     fp32_residual_connection, else bf16), weights cast as the trainer casts them."""
     from megatron_lite.models import ModelChunk
     from megatron_lite.parallel.fake import FakeTensorMode
@@ -133,13 +136,18 @@ def _fake_stage(cfg: Config, kernels: str) -> Iterator[tuple]:
         chunk = ModelChunk(config, mesh, tracker, [], False, True)
         s = config.seq_length // p.cp // (p.tp if config.sequence_parallel else 1)
         residual = torch.bfloat16 if bf16 and not config.fp32_residual_connection else None
-        x = torch.empty(s, t.micro_batch_size, config.hidden_size, dtype=residual)
-        tokens = torch.zeros(t.micro_batch_size, config.seq_length, dtype=torch.long)
-        ctx = chunk.token_context(tokens if config.uses_documents else None)
+
+        def inputs(b: int) -> tuple:
+            x = torch.empty(s, b, config.hidden_size, dtype=residual)
+            tokens = torch.zeros(b, config.seq_length, dtype=torch.long)
+            return x.requires_grad_(), chunk.token_context(
+                tokens if config.uses_documents else None
+            )
+
         amp = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
         try:
             with amp:
-                yield config, mesh, tracker, chunk, x.requires_grad_(), ctx
+                yield config, mesh, tracker, chunk, inputs
         finally:
             torch.set_rng_state(rng)
 
@@ -161,27 +169,44 @@ def _meter(*modules_: torch.nn.Module, ctx=None):
 
 
 def _measure_layer(cfg: Config, moe: bool, kernels: str, selective: tuple[str, ...]) -> tuple:
-    """(the layer's rows, the chunk's final norm's) on the same fake stage and input."""
+    """(the layer's rows, the chunk's final norm's) at cfg's micro batch, measured."""
+    b = cfg.train.micro_batch_size
+    return _measure_layers(cfg, moe, kernels, selective, (b,))[b]
+
+
+def _measure_layers(
+    cfg: Config, moe: bool, kernels: str, selective: tuple[str, ...], micro_batches: tuple
+) -> dict[int, tuple]:
+    """{micro batch: (the layer's rows, the chunk's final norm's)}, each on its own input to
+    one layer on one fake stage."""
     cfg = _with_selective(cfg, selective)
-    with _fake_stage(cfg, kernels) as (config, mesh, tracker, chunk, x, ctx):
+    out = {}
+    with _fake_stage(cfg, kernels) as (config, mesh, tracker, chunk, inputs):
         layer = modules.new_layer(config, mesh, tracker, modules.layer_number(config, moe))
         _to_training_dtype(layer, cfg.train.precision)
         _to_training_dtype(chunk, cfg.train.precision)
-        meter = _meter(layer, chunk, ctx=ctx)
-        handles = []
-        for name, m in layer.named_modules():
-            tag = name or LAYER
-            handles.append(m.register_forward_pre_hook(lambda *_, t=tag: meter._push(t)))
-            handles.append(m.register_forward_hook(lambda *_: meter._pop()))
-        try:
-            with meter:
-                layer(x, ctx)
-        finally:
-            for h in handles:
-                h.remove()
-        norm = _meter(chunk)
-        with norm, norm.label("final_norm"):
-            chunk.final_norm(x)
+        for b in micro_batches:
+            out[b] = _forward(layer, chunk, *inputs(b))
+    return out
+
+
+def _forward(layer: torch.nn.Module, chunk: torch.nn.Module, x, ctx) -> tuple:
+    """One forward of the layer, then of the chunk's final norm, on x, each metered."""
+    meter = _meter(layer, chunk, ctx=ctx)
+    handles = []
+    for name, m in layer.named_modules():
+        tag = name or LAYER
+        handles.append(m.register_forward_pre_hook(lambda *_, t=tag: meter._push(t)))
+        handles.append(m.register_forward_hook(lambda *_: meter._pop()))
+    try:
+        with meter:
+            layer(x, ctx)
+    finally:
+        for h in handles:
+            h.remove()
+    norm = _meter(chunk)
+    with norm, norm.label("final_norm"):
+        chunk.final_norm(x)
     rows = {k: float(v) for k, v in meter.by_label.items()}
     return rows, {"final_norm": float(norm.by_label.get("final_norm", 0))}
 

@@ -145,3 +145,44 @@ def test_micro_batch_fit_is_exact(case, kernels):
         rows, norm = saved._measure_layer(c, moe, kernels, ())
         assert fitted == rows, (case, moe)
         assert saved.final_norm_saves(c, kernels) == norm["final_norm"], case
+
+
+def test_chunk_kinds_built_together_are_each_built_alone():
+    """A miss builds every kind of chunk of a multi-stage pipeline in one fake world: each is
+    what a build of that kind alone (its own world) gives."""
+    cfg = _cfg("gpt-qk-norm-tp2")
+    kinds = [(True, False), (False, False), (False, True), (True, True)]
+    together = modules._build_chunks(cfg, kinds)
+    for kind, built in zip(kinds, together, strict=True):
+        assert modules._build_chunks(cfg, [kind]) == [built], kind
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("case", ["llama3-70b-tp8", "moe-tp2-ep2"])
+def test_rank_params_sum_every_chunk_parameter(case):
+    """rank_params' per-kind sums equal the sum over the rank's chunks' full parameter lists
+    (registration order, one entry per parameter), at vpp 1 and 2."""
+    import dataclasses
+
+    for vpp in (1, 2):
+        cfg = _cfg(case)
+        p = dataclasses.replace(cfg.parallel, vpp=vpp, pp=2)
+        cfg = dataclasses.replace(cfg, parallel=p)
+        for rank in range(p.pp):
+            lists = [q for c in range(vpp) for q in params.chunk_param_list(cfg, rank, c)]
+            want = sum(n for n, e in lists if not e), sum(n for n, e in lists if e)
+            assert params.rank_params(cfg, rank) == want, (case, vpp, rank)
+
+
+def test_per_config_answers_follow_a_replaced_section():
+    """An answer is remembered per config object; a config whose section was replaced (or a
+    new config) is asked again."""
+    import dataclasses
+
+    cfg = _cfg("gpt-tp2")
+    calls = []
+    assert modules.per_config(cfg, ("q",), lambda: calls.append(1) or 1) == 1
+    assert modules.per_config(cfg, ("q",), lambda: calls.append(2) or 2) == 1
+    cfg.parallel = dataclasses.replace(cfg.parallel, tp=1)
+    assert modules.per_config(cfg, ("q",), lambda: calls.append(3) or 3) == 3
+    assert calls == [1, 3]
