@@ -61,6 +61,7 @@ def test_triton_on_cpu_without_interpreter_is_an_error(monkeypatch):
         rms_norm(torch.randn(2, 8), torch.randn(8))
 
 
+@pytest.mark.slow  # in CI's slow tier (bash tests/run.sh -m slow): keeps the suite under 10 min
 def test_interpreter_enabled_after_triton_import_is_an_error():
     """Setting TRITON_INTERPRET after `import triton` cannot work (triton.language's helpers
     are already compiled for a GPU); the error must say so instead of a deep interpreter one."""

@@ -84,6 +84,7 @@ def test_truncated_dataset_is_reported_by_name(tmp_path):
     assert r.returncode == 2 and "docs.bin" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
+@pytest.mark.slow  # in CI's slow tier (bash tests/run.sh -m slow): keeps the suite under 10 min
 def test_quickstart_trains_under_torchrun_and_writes_run_dir(tmp_path):
     """The README's main job, shortened, in one launch: the launcher runs torchrun with the
     quickstart layout's 8 ranks (tp2+SP x pp2 x dp2, ZeRO-1) on the real corpus from the shared

@@ -258,6 +258,7 @@ def test_zero3_collective_timeout_is_a_hang_with_a_dump(tmp_path, where, op):
     assert json.loads(open(path0).read())["last_op"]["kind"] == op
 
 
+@pytest.mark.slow  # in CI's slow tier (bash tests/run.sh -m slow): keeps the suite under 10 min
 def test_stalled_rank_cli_reports_hang_files(tmp_path):
     """The real CLI: rank 1 is frozen (SIGSTOP) mid-run, rank 0's collective times out after
     parallel.timeout_s, it writes hang/rank0.json, names the rank that wrote none, exits 1

@@ -274,6 +274,7 @@ def _slow_writes(rank, world, overrides, out_dir):
     return _train(rank, world, overrides, out_dir, "")
 
 
+@pytest.mark.slow  # in CI's slow tier (bash tests/run.sh -m slow): keeps the suite under 10 min
 def test_async_save_slower_than_the_timeout_completes(tmp_path):
     """An async save whose writing outlasts parallel.timeout_s finishes on every rank (its
     collectives have train.async_save_timeout_s), and the checkpoint verifies and resumes."""

@@ -159,6 +159,7 @@ def _trainer(world: int, overrides: list[str], out_dir: str) -> list[float]:
     return run_ranks(world, _train_trainer, args, out_dir, timeout=240)[0]
 
 
+@pytest.mark.slow  # in CI's slow tier (bash tests/run.sh -m slow): keeps the suite under 10 min
 def test_whole_matrix_optimizer_resumes_resharded(tmp_path):
     """train.optimizer=toy_normalized_sgd: saved at step 10 on ZeRO-1 dp2 (each rank writes
     the momentum of its own parameters), resumed on ZeRO-2 dp2, ZeRO-3 dp2 and one rank:

@@ -54,6 +54,7 @@ def test_zero3_bf16_tracks_the_bf16_single_rank(tmp_path):
     assert diff < 0.1 * band, f"zero3: {diff:.2e} not 10x tighter than bf16 vs fp32 {band:.2e}"
 
 
+@pytest.mark.slow  # in CI's slow tier (bash tests/run.sh -m slow): keeps the suite under 10 min
 def test_zero3_zero_bubble_bf16_accumulates_like_the_interleaved_schedule(tmp_path):
     """zb-v's W writes bf16 weight gradients after FSDP2's hook; each joins FSDP2's fp32
     accumulator as a backward's would (measured: the interleaved schedule's losses exactly;

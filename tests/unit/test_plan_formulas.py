@@ -117,6 +117,7 @@ def test_megatron_theoretical_memory_agrees_for_gpt_and_differs_for_llama_as_doc
     assert ours - theirs == pytest.approx(swiglu + attention + masks + rstd, rel=1e-12)
 
 
+@pytest.mark.slow  # in CI's slow tier (bash tests/run.sh -m slow): keeps the suite under 10 min
 def test_search_skipping_the_walk_changes_nothing(monkeypatch):
     """The search skips the schedule walk where the model states alone exceed the budget and
     cannot beat the smallest peak seen: its counts, smallest peak and finalists equal a search
