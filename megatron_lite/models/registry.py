@@ -47,6 +47,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_lite.registry import Registry
+
 __all__ = [
     "ArchitectureSpec", "FlopsPerToken", "HeadDims", "architecture_names", "get_architecture",
     "hf_architecture", "register_architecture", "unregister_architecture",
@@ -139,25 +141,22 @@ def _load(ref: str) -> Any:
     return obj
 
 
-_ARCHITECTURES: dict[str, ArchitectureSpec] = {}  # name -> record, in registration order
+_ARCHITECTURES: Registry[ArchitectureSpec] = Registry("architecture")
 
 
 def register_architecture(spec: ArchitectureSpec) -> ArchitectureSpec:
     """Add an architecture under `spec.name` (a name taken is an error); returns the spec."""
-    if spec.name in _ARCHITECTURES:
-        raise ValueError(f"architecture {spec.name!r} is already registered")
-    _ARCHITECTURES[spec.name] = spec
-    return spec
+    return _ARCHITECTURES.add(spec)
 
 
 def unregister_architecture(name: str) -> None:
     """Remove a registered architecture (tests that register a toy one)."""
-    del _ARCHITECTURES[name]
+    _ARCHITECTURES.remove(name)
 
 
 def architecture_names() -> tuple[str, ...]:
     """The registered architectures, in registration order."""
-    return tuple(_ARCHITECTURES)
+    return _ARCHITECTURES.names()
 
 
 def get_architecture(name: str) -> ArchitectureSpec:
@@ -167,7 +166,7 @@ def get_architecture(name: str) -> ArchitectureSpec:
     if spec is None:
         raise ValueError(
             f"model.arch={name!r}: not a registered architecture (registered: "
-            f"{', '.join(_ARCHITECTURES)}). Fix: use one of them, or register it with "
+            f"{', '.join(_ARCHITECTURES.names())}). Fix: use one of them, or register it with "
             "megatron_lite.models.registry.register_architecture"
         )
     return spec
@@ -175,4 +174,4 @@ def get_architecture(name: str) -> ArchitectureSpec:
 
 def hf_architecture(family: str) -> str | None:
     """The registered architecture whose `hf_families` holds the HF model type `family`."""
-    return next((n for n, s in _ARCHITECTURES.items() if family in s.hf_families), None)
+    return next((s.name for s in _ARCHITECTURES if family in s.hf_families), None)

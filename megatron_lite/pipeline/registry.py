@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from megatron_lite.pipeline.actions import PLACEMENTS, Action
+from megatron_lite.registry import Registry
 
 __all__ = [
     "ScheduleSpec", "bubble_formula", "check_schedule_args", "default_schedule",
@@ -71,25 +72,22 @@ class ScheduleSpec:
             raise ValueError(f"{self.name}: the V placement holds 2 chunks a rank: vpp=2")
 
 
-_SPECS: dict[str, ScheduleSpec] = {}  # name -> record, in registration order
+_SPECS: Registry[ScheduleSpec] = Registry("pipeline schedule")
 
 
 def register_schedule(spec: ScheduleSpec) -> ScheduleSpec:
     """Add a schedule under `spec.name` (a name taken is an error); returns the spec."""
-    if spec.name in _SPECS:
-        raise ValueError(f"pipeline schedule {spec.name!r} is already registered")
-    _SPECS[spec.name] = spec
-    return spec
+    return _SPECS.add(spec)
 
 
 def unregister_schedule(name: str) -> None:
     """Remove a registered schedule (tests that register a toy one)."""
-    del _SPECS[name]
+    _SPECS.remove(name)
 
 
 def schedule_names() -> tuple[str, ...]:
     """The registered schedules, in registration order."""
-    return tuple(_SPECS)
+    return _SPECS.names()
 
 
 def default_schedule(vpp: int) -> str:
@@ -103,8 +101,8 @@ def resolve_schedule(schedule: str | None, vpp: int = 1) -> str:
     if schedule is None:
         return default_schedule(vpp)
     if schedule not in _SPECS:
-        raise ValueError(f"pipeline schedule {schedule!r} is not one of {sorted(_SPECS)}")
-    need = _SPECS[schedule].vpp
+        raise ValueError(f"pipeline schedule {schedule!r} is not one of {sorted(_SPECS.names())}")
+    need = _SPECS.get(schedule).vpp
     if (need is None and vpp < 2) or (need is not None and vpp != need):
         rule = "vpp >= 2" if need is None else f"vpp={need}"
         raise ValueError(f"pipeline schedule {schedule!r} needs {rule} (model chunks per "
@@ -114,7 +112,7 @@ def resolve_schedule(schedule: str | None, vpp: int = 1) -> str:
 
 def get_schedule_spec(schedule: str | None, vpp: int = 1) -> ScheduleSpec:
     """The record of `schedule` (None: the default by vpp), checked against vpp."""
-    return _SPECS[resolve_schedule(schedule, vpp)]
+    return _SPECS.get(resolve_schedule(schedule, vpp))
 
 
 def schedule_placement(schedule: str | None, vpp: int = 1) -> str:
@@ -243,7 +241,7 @@ def schedules_table() -> str:
         "| schedule | vpp | placement | B/W split | batches | microbatches | what |",
         "|---|---|---|---|---|---|---|",
     ]
-    for s in _SPECS.values():
+    for s in _SPECS:
         count = f"≥ {s.min_formula}" + (", a multiple of pp" if s.multiple_rule else "")
         vpp = "≥ 2" if s.vpp is None else str(s.vpp)
         split = "yes" if s.splits_backward else "no"

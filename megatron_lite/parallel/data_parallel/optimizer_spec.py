@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from megatron_lite.registry import Registry
+
 __all__ = [
     "ADAMW", "NAMED_HYPERPARAMETERS", "OptimizerSpec", "ParamGroup", "SpecOptimizer",
     "StateSpec", "get_optimizer", "hyperparameters", "init_states", "make_optimizer",
@@ -118,31 +120,28 @@ class OptimizerSpec:
         return sum(s.bytes_per_element for s in self.states)
 
 
-_SPECS: dict[str, OptimizerSpec] = {}  # name -> record, in registration order
+_SPECS: Registry[OptimizerSpec] = Registry("optimizer")
 
 
 def register_optimizer(spec: OptimizerSpec) -> OptimizerSpec:
     """Add an optimizer under `spec.name` (a name taken is an error); returns the spec."""
-    if spec.name in _SPECS:
-        raise ValueError(f"optimizer {spec.name!r} is already registered")
-    _SPECS[spec.name] = spec
-    return spec
+    return _SPECS.add(spec)
 
 
 def unregister_optimizer(name: str) -> None:
     """Remove a registered optimizer (tests that register a toy one)."""
-    _SPECS.pop(name, None)
+    _SPECS.remove(name)
 
 
 def optimizer_names() -> tuple[str, ...]:
-    return tuple(_SPECS)
+    return _SPECS.names()
 
 
 def get_optimizer(name: str) -> OptimizerSpec:
     """The registered spec `name`; a KeyError names the registered ones."""
     if name not in _SPECS:
         raise KeyError(f"optimizer {name!r} is not registered; registered: {optimizer_names()}")
-    return _SPECS[name]
+    return _SPECS.get(name)
 
 
 def resolve_optimizer(optimizer: str | OptimizerSpec) -> OptimizerSpec:
