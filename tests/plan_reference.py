@@ -86,6 +86,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_lite.config import Config
+from megatron_lite.plan.activations import LayerShape as PlannerShape
 from megatron_lite.resolve import (
     cp_a2a_size,
     kv_channels,
@@ -102,51 +103,10 @@ SELECTIVE_MODULES = RECOMPUTE_MODULES  # what the model can recompute (validatio
 
 
 @dataclass(frozen=True)
-class LayerShape:
-    """Everything the per-layer formula needs (local sizes derive from these)."""
+class LayerShape(PlannerShape):
+    """The planner's layer sizes plus the architecture these formulas switch on."""
 
-    arch: str  # llama | gpt | paper
-    s: int  # sequence length (full)
-    b: int  # micro batch
-    h: int
-    n: int  # attention heads
-    g: int  # KV groups
-    f: int  # MLP width
-    tp: int = 1
-    sp: bool = False
-    cp: int = 1
-    ring: int = 1  # ring-attention ranks of the cp (p2p: cp; a2a: 1), Ulysses over cp/ring
-    act_bytes: int = 2
-    residual_bytes: int = 4
-    dropout: bool = False  # hidden_dropout > 0
-    kernels: str = "fused"  # fused (Triton, GPU) | torch (plain-torch references, CPU)
-    experts: int = 0  # experts per MoE layer (0: dense model)
-    topk: int = 0  # experts per token
-    moe_f: int = 0  # an expert's MLP width
-    ep: int = 1
-    gated: bool = True  # SwiGLU MLPs (llama); GeLU (gpt)
-    main_grad: bool = True  # ZeRO 0-2: weight gradients go into the buffer's main_grad
-    shared_f: int = 0  # the MoE layer's shared expert width (0: none)
-    grouped_gemm: bool = True  # the local experts as one grouped GEMM (False: a loop)
-    head_dim: int = 0  # model.kv_channels (0: h / n)
-
-    @property
-    def tokens(self) -> float:
-        return self.s / self.cp * self.b
-
-    @property
-    def a2a(self) -> int:
-        """Ranks of one Ulysses all-to-all (1: none)."""
-        return self.cp // self.ring
-
-    @property
-    def d(self) -> int:
-        """The head dimension."""
-        return self.head_dim or self.h // self.n
-
-    @property
-    def u(self) -> float:
-        return 1 / self.tp if self.sp else 1.0
+    arch: str = "llama"  # llama | gpt | paper
 
 
 def norm_bytes(x: LayerShape) -> float:
@@ -261,7 +221,7 @@ def shared_expert_terms(x: LayerShape) -> dict[str, float]:
     }
 
 
-MOE_TERMS = tuple(moe_terms(LayerShape("llama", 1, 1, 1, 1, 1, 1, topk=1)))
+MOE_TERMS = tuple(moe_terms(LayerShape(1, 1, 1, 1, 1, 1, topk=1, arch="llama")))
 
 
 def rope_table_bytes(x: LayerShape) -> float:

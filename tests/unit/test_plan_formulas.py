@@ -28,7 +28,7 @@ SIZES = [
 
 def paper(s, b, h, a, t, sp=False):
     """Their GPT: fp16 everywhere, dropout masks, attention scores materialized, f = 4h."""
-    return LayerShape("paper", s, b, h, a, a, 4 * h, tp=t, sp=sp and t > 1, act_bytes=2,
+    return LayerShape(s, b, h, a, a, 4 * h, arch="paper", tp=t, sp=sp and t > 1, act_bytes=2,
                       residual_bytes=2, dropout=True)  # fmt: skip
 
 
