@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
 from typing import TYPE_CHECKING
 
 # the shipped architectures register in this order (validation's messages list them so)
@@ -20,6 +19,7 @@ from megatron_lite.models import llama  # noqa: F401
 from megatron_lite.models import gpt  # noqa: F401
 
 # isort: on
+from megatron_lite.lazy import lazy_exports
 from megatron_lite.models.registry import (
     ArchitectureSpec,
     architecture_names,
@@ -49,13 +49,7 @@ __all__ = [
 ]  # fmt: skip
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _EXPORTS)
 
 
 def init_parameters(module: torch.nn.Module, seed: int) -> None:

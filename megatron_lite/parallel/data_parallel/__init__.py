@@ -8,8 +8,9 @@ For a plain torch optimizer, `finalize_grads`, `local_grad_square_sum` and `clip
 `DataParallelArgumentError` (arguments.py) before any group is used; the rules are rules.py's,
 which the config path shares."""
 
-import importlib
 from typing import TYPE_CHECKING
+
+from megatron_lite.lazy import lazy_exports
 
 # name -> module: loaded on first use, so that importing the argument rules (rules.py, which
 # config validation reads in every CLI process) does not load the wrappers, FSDP2 and DTensor
@@ -83,10 +84,4 @@ if TYPE_CHECKING:
     )
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _EXPORTS)
