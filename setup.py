@@ -50,7 +50,17 @@ setup(
             "matplotlib>=3.7",
             "transformers>=4.45",  # Hugging Face checkpoint conversion tests
             "safetensors>=0.4",
+            # the tests of the data formats, TensorBoard and HF datasets read back with the
+            # peers' own readers
+            "pyarrow>=14",
+            "zstandard>=0.22",
+            "datasets>=2.16",
+            "tensorboard>=2.14",
         ],
+        # tools/preprocess_data.py's Parquet, .jsonl.zst and saved-HF-dataset inputs
+        "data": ["pyarrow>=14", "zstandard>=0.22"],
+        # log.tensorboard=true
+        "tensorboard": ["tensorboard>=2.14"],
         "gpu": ["flash-attn>=2.6", "transformer-engine[pytorch]>=1.11"],
         # tools/bench_data_parallel.py's DeepSpeed ZeRO peer (skipped, saying why, without it)
         "bench": ["deepspeed==0.19.8"],
