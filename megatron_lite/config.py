@@ -172,6 +172,13 @@ class LogConfig:
     wandb: bool = False
     wandb_project: str = "megatron_lite"
     wandb_mode: str = "offline"  # offline | online | disabled
+    # every numeric field of metrics.jsonl as a TensorBoard scalar (pip install -e ".[tensorboard]")
+    tensorboard: bool = False
+    tensorboard_dir: str = ""  # "" = <train.out_dir>/tensorboard
+
+    def tensorboard_path(self, out_dir: str) -> str:
+        """Where the event files go: tensorboard_dir, or <out_dir>/tensorboard when it is ""."""
+        return self.tensorboard_dir or os.path.join(out_dir, "tensorboard")
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""Rank-0 console progress, metrics.jsonl (one object per optimizer step) and optional wandb."""
+"""Rank-0 console progress and the metrics records (one per optimizer step) in their sinks:
+metrics.jsonl, and optionally wandb and TensorBoard (training/tensorboard.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import os
 import sys
 import time
+from typing import Protocol
 
 from megatron_lite.atomic import write_atomic
 from megatron_lite.checkpoint.run_dir import new_aside_dir
@@ -49,42 +51,38 @@ def reports_at(step: int, cfg: Config) -> bool:
     return done % cfg.log.interval == 0 or done == cfg.train.steps
 
 
-class MetricsLogger:
-    """Writes `<out_dir>/metrics.jsonl` (every step) and prints a progress line every
-    `log.interval` steps with means over the interval; only active on rank 0."""
+class Sink(Protocol):
+    """A destination of the metrics records. `write` gets every record of the run in step
+    order, with the step the run started at (a file sink drops what an earlier run logged for
+    the steps this run redoes); a failed file write raises OSError."""
 
-    def __init__(self, cfg: Config, active: bool):
-        self.cfg, self.active = cfg, active
-        self.start = time.monotonic()
-        self.window: list[dict] = []  # records since the last progress line
-        self.wandb = None
+    path: str  # what a failure names
+
+    def write(self, record: dict, first_step: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class JsonlSink:
+    """`<out_dir>/metrics.jsonl`: one JSON line per record, flushed at once (a crash keeps every
+    step logged so far)."""
+
+    def __init__(self, out_dir: str):
+        self.out_dir, self.path = out_dir, os.path.join(out_dir, "metrics.jsonl")
         self.file = None
-        self.error: OSError | None = None  # a failed write of metrics.jsonl (rank 0)
-        if not active:
-            return
-        os.makedirs(cfg.train.out_dir, exist_ok=True)
-        if cfg.log.wandb and cfg.log.wandb_mode != "disabled":
-            import wandb
-
-            self.wandb = wandb.init(
-                project=cfg.log.wandb_project,
-                mode=cfg.log.wandb_mode,
-                dir=cfg.train.out_dir,
-                config=cfg.to_dict(),
-            )
 
     def _open(self, first_step: int) -> None:
         """Append to metrics.jsonl, first dropping records of steps this run will redo (a
         resume from an earlier checkpoint), so each step appears once. A torn last line (the
         run died mid-write) is dropped with a warning; a run that starts from step 0 moves
         an earlier run's records aside (never truncates them)."""
-        path = os.path.join(self.cfg.train.out_dir, "metrics.jsonl")
+        path = self.path
         if os.path.exists(path):
             records, torn = read_records(path)
             for line_no, text in torn:
                 _warn(f"{path} line {line_no} is not a whole record, dropped: {text[:80]!r}")
             if first_step == 0 and records:
-                aside = new_aside_dir(self.cfg.train.out_dir)
+                aside = new_aside_dir(self.out_dir)
                 os.replace(path, os.path.join(aside, "metrics.jsonl"))
                 print(f"[metrics] this run starts at step 0: moved the earlier {path} to {aside}/")
             else:
@@ -92,33 +90,95 @@ class MetricsLogger:
                 write_atomic(path, "".join(keep))
         self.file = open(path, "a")
 
-    def log(self, record: dict, first_step: int) -> None:
-        if not self.active:
-            return
-        if self.error is None:
-            self._write(record, first_step)
-        if self.wandb is not None:
-            self.wandb.log(record, step=record["step"])
-        self.window.append(record)
-        if self.cfg.log.progress and reports_at(record["step"], self.cfg):
-            self._print(record["step"] + 1, self.cfg.train.steps, first_step)
-            self.window = []
-
-    def _write(self, record: dict, first_step: int) -> None:
-        """Append the record; a failed write (a full disk) is kept in `error`, naming the
-        file, and ends the writing: the trainer stops the run at the next step (trainer.py)."""
-        path = os.path.join(self.cfg.train.out_dir, "metrics.jsonl")
+    def write(self, record: dict, first_step: int) -> None:
         try:
             if self.file is None:
                 self._open(first_step)
             self.file.write(json.dumps(record) + "\n")
             self.file.flush()
-        except OSError as e:
-            self.error = OSError(e.errno, e.strerror, e.filename or path)
+        except OSError:
             if self.file is not None:
                 with contextlib.suppress(OSError):  # its buffer cannot be written either
                     self.file.close()
                 self.file = None
+            raise
+
+    def close(self) -> None:
+        if self.file is not None:
+            file, self.file = self.file, None
+            file.close()  # the last records' flush may fail: MetricsLogger names the file
+
+
+class WandbSink:
+    """A wandb run (log.wandb): each record logged at its step."""
+
+    def __init__(self, cfg: Config):
+        import wandb
+
+        self.path = cfg.train.out_dir
+        self.run = wandb.init(
+            project=cfg.log.wandb_project,
+            mode=cfg.log.wandb_mode,
+            dir=cfg.train.out_dir,
+            config=cfg.to_dict(),
+        )
+
+    def write(self, record: dict, first_step: int) -> None:
+        self.run.log(record, step=record["step"])
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def build_sinks(cfg: Config) -> list[Sink]:
+    """Every destination of the metrics records this config asks for: metrics.jsonl always,
+    wandb (log.wandb) and TensorBoard (log.tensorboard)."""
+    sinks: list[Sink] = [JsonlSink(cfg.train.out_dir)]
+    if cfg.log.wandb and cfg.log.wandb_mode != "disabled":
+        sinks.append(WandbSink(cfg))
+    if cfg.log.tensorboard:
+        from megatron_lite.training.tensorboard import TensorBoardSink
+
+        sinks.append(TensorBoardSink(cfg.log.tensorboard_path(cfg.train.out_dir)))
+    return sinks
+
+
+class MetricsLogger:
+    """Hands each step's record to every sink (build_sinks: metrics.jsonl, wandb, TensorBoard),
+    the same dict to each, so they cannot disagree, and prints a progress line every
+    `log.interval` steps with means over the interval; only active on rank 0."""
+
+    def __init__(self, cfg: Config, active: bool):
+        self.cfg, self.active = cfg, active
+        self.start = time.monotonic()
+        self.window: list[dict] = []  # records since the last progress line
+        self.sinks: list[Sink] = []
+        self.failed: list[Sink] = []  # sinks whose write failed: not written again
+        self.error: OSError | None = None  # the first failed write of a file sink (rank 0)
+        if not active:
+            return
+        os.makedirs(cfg.train.out_dir, exist_ok=True)
+        self.sinks = build_sinks(cfg)
+
+    def log(self, record: dict, first_step: int) -> None:
+        if not self.active:
+            return
+        for sink in self.sinks:
+            if sink not in self.failed:
+                self._guarded(sink.write, sink, record, first_step)
+        self.window.append(record)
+        if self.cfg.log.progress and reports_at(record["step"], self.cfg):
+            self._print(record["step"] + 1, self.cfg.train.steps, first_step)
+            self.window = []
+
+    def _guarded(self, call, sink, *args) -> None:
+        """A failed write (a full disk) is kept in `error`, naming the file, and ends that
+        sink's writing: the trainer stops the run at the next step (trainer.py)."""
+        try:
+            call(*args)
+        except OSError as e:
+            self.failed.append(sink)
+            self.error = self.error or OSError(e.errno, e.strerror, e.filename or sink.path)
 
     def _print(self, step: int, total: int, first_step: int) -> None:
         """One progress line; loss, grad norm and throughput are means over the interval."""
@@ -144,10 +204,6 @@ class MetricsLogger:
         )
 
     def close(self) -> None:
-        if self.file is not None:
-            try:
-                self.file.close()
-            except OSError as e:  # the last records' flush
-                self.error = self.error or OSError(e.errno, e.strerror, self.file.name)
-        if self.wandb is not None:
-            self.wandb.finish()
+        for sink in self.sinks:
+            if sink not in self.failed:
+                self._guarded(sink.close, sink)

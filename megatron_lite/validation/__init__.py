@@ -21,6 +21,7 @@ from megatron_lite.validation.inputs import (
     _validate_documents,
     _validate_eval,
 )
+from megatron_lite.validation.log import _validate_log
 from megatron_lite.validation.moe import _validate_moe
 from megatron_lite.validation.parallel import (
     _validate_batch_sizes,
@@ -71,6 +72,7 @@ def validate(cfg: Config, world_size: int, warn: bool = True) -> Config:
     _validate_documents(r)
     _validate_eval(r)
     _validate_output_paths(r)
+    _validate_log(r)
     _validate_profiling(r)
     if warn:
         show_warnings(config_warnings(r))

@@ -139,12 +139,21 @@ def _train_warnings(cfg: Config) -> list[str]:
 
 
 def _log_warnings(cfg: Config) -> list[str]:
-    if cfg.log.wandb:
-        return []
-    return _each(
-        "log",
-        cfg.log,
-        [f.name for f in dataclasses.fields(cfg.log) if f.name.startswith("wandb_")],
-        "log.wandb is false",
-        "set log.wandb=true, or remove the key",
-    )
+    out = []
+    if not cfg.log.wandb:
+        out += _each(
+            "log",
+            cfg.log,
+            [f.name for f in dataclasses.fields(cfg.log) if f.name.startswith("wandb_")],
+            "log.wandb is false",
+            "set log.wandb=true, or remove the key",
+        )
+    if not cfg.log.tensorboard:
+        out += _each(
+            "log",
+            cfg.log,
+            ["tensorboard_dir"],
+            "log.tensorboard is false",
+            "set log.tensorboard=true, or remove the key",
+        )
+    return out
