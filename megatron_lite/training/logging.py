@@ -11,7 +11,6 @@ import time
 from typing import Protocol
 
 from megatron_lite.atomic import write_atomic
-from megatron_lite.checkpoint.run_dir import new_aside_dir
 from megatron_lite.config import Config
 
 
@@ -82,6 +81,9 @@ class JsonlSink:
             for line_no, text in torn:
                 _warn(f"{path} line {line_no} is not a whole record, dropped: {text[:80]!r}")
             if first_step == 0 and records:
+                # imported here: read_records serves tools/plot_run.py, which needs no torch
+                from megatron_lite.checkpoint.run_dir import new_aside_dir
+
                 aside = new_aside_dir(self.out_dir)
                 os.replace(path, os.path.join(aside, "metrics.jsonl"))
                 print(f"[metrics] this run starts at step 0: moved the earlier {path} to {aside}/")
