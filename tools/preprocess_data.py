@@ -1,15 +1,22 @@
-"""Tokenize text or JSON-lines files into an indexed dataset (.bin/.idx) for data.paths.
+"""Tokenize text, JSON lines, Parquet or saved Hugging Face datasets into an indexed dataset.
 
     python tools/preprocess_data.py --input plays/*.txt --tokenizer-model tok.model \\
         --output-prefix data/plays
     python tools/preprocess_data.py --input corpus.jsonl --json-key text \\
         --tokenizer-model llama3/tokenizer.json --workers 8 --output-prefix data/corpus
+    python tools/preprocess_data.py --input 'fineweb/data/*.parquet' --text-column text \\
+        --tokenizer-model llama3/tokenizer.json --workers 8 --output-prefix data/fineweb
 
-Text files are one document each, or one per line (--split-lines), or one per blank-line
-separated paragraph (--split-blank-lines). *.jsonl / *.json files hold one JSON object per line
-whose --json-key field is a document. An EOS token follows every document. The tokenizer is a
-SentencePiece .model or a Hugging Face tokenizer.json; --workers N tokenizes in N processes
-(the output is byte-identical for any N).
+The output is a .bin/.idx pair for data.paths. Inputs are read in the order given, a quoted glob
+pattern's matches sorted by name. The format comes from the name (--input-format overrides it):
+*.jsonl / *.json hold one JSON object per line whose --text-column (alias --json-key) field is a
+document, as do *.jsonl.gz and *.jsonl.zst compressed; *.parquet files and directories written
+by datasets' save_to_disk hold a --text-column column of strings, one document a row (these need
+the [data] extra: pip install -e ".[data]"). Other files are text: one document each, one per
+line (--split-lines), or one per blank-line separated paragraph (--split-blank-lines). An EOS
+token follows every document. The tokenizer is a SentencePiece .model or a Hugging Face
+tokenizer.json; --workers N tokenizes in N processes (the output is byte-identical for any N).
+A corrupt input is named with its line or row, and then nothing is written.
 """
 
 from __future__ import annotations
@@ -24,19 +31,36 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_lite.data.errors import DataFileError  # noqa: E402
 from megatron_lite.data.preprocess import preprocess  # noqa: E402
+from megatron_lite.data.readers import FORMATS  # noqa: E402
 from megatron_lite.validation.paths import output_prefix_problem  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--input", nargs="+", required=True, help="text or .jsonl files")
+    parser.add_argument(
+        "--input",
+        nargs="+",
+        required=True,
+        help="files, quoted glob patterns (sorted matches) or save_to_disk dataset directories",
+    )
+    parser.add_argument(
+        "--input-format",
+        choices=FORMATS,
+        help="read every input as this format (default: by name; a directory is a dataset)",
+    )
     parser.add_argument(
         "--tokenizer-model",
         required=True,
         help="SentencePiece .model or Hugging Face tokenizer.json",
     )
     parser.add_argument("--output-prefix", required=True, help="writes <prefix>.bin/.idx")
-    parser.add_argument("--json-key", default="text", help="JSON field holding the text")
+    parser.add_argument(
+        "--text-column",
+        "--json-key",
+        dest="text_column",
+        default="text",
+        help="the JSON field or Parquet / dataset column holding the text (default text)",
+    )
     split = parser.add_mutually_exclusive_group()
     split.add_argument("--split-lines", action="store_true", help="one document per line")
     split.add_argument(
@@ -69,10 +93,11 @@ def main(argv: list[str] | None = None) -> int:
             args.tokenizer_model,
             args.output_prefix,
             split=mode,
-            json_key=args.json_key,
+            text_key=args.text_column,
             append_eos=not args.no_eos,
             progress=not args.quiet,
             workers=args.workers,
+            input_format=args.input_format,
         )
     except DataFileError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -88,7 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     seconds = time.perf_counter() - start
     print(
         f"wrote {stats.prefix}.bin/.idx: {stats.documents} documents, {stats.tokens:,} tokens "
-        f"in {seconds:.1f} s ({stats.tokens / max(seconds, 1e-9):,.0f} tokens/s, "
+        f"from {stats.inputs} input{'s' if stats.inputs > 1 else ''} "
+        f"({stats.input_bytes / 1e6:,.1f} MB) in {seconds:.1f} s "
+        f"({stats.tokens / max(seconds, 1e-9):,.0f} tokens/s, "
         f"{args.workers} worker{'s' if args.workers > 1 else ''})"
     )
     return 0

@@ -1,8 +1,9 @@
-"""Text or JSON-lines files -> tokenized indexed dataset (.bin/.idx) with EOS after each document.
+"""Input files -> tokenized indexed dataset (.bin/.idx) with EOS after each document.
 
-Document boundaries, per input file:
-  - `*.jsonl` / `*.json`: one JSON object per line, the document is its `json_key` field;
-  - other files, `split="file"`: the whole file is one document;
+The inputs (paths, glob patterns, saved Hugging Face dataset directories; see `readers` for the
+formats) are read in the order given, each pattern's matches sorted by name. Document
+boundaries: a JSON line, a Parquet or dataset row; in text files, per `split`:
+  - `split="file"`: the whole file is one document;
   - `split="line"`: every non-blank line is a document;
   - `split="blank_line"`: paragraphs separated by blank lines are documents.
 Whitespace-only documents are skipped.
@@ -10,8 +11,8 @@ Whitespace-only documents are skipped.
 
 from __future__ import annotations
 
+import collections
 import contextlib
-import json
 import multiprocessing
 import os
 from collections.abc import Iterator
@@ -21,12 +22,20 @@ from tqdm import tqdm
 
 from megatron_lite.data.errors import DataFileError
 from megatron_lite.data.indexed_dataset import IndexedDatasetBuilder, best_dtype
+from megatron_lite.data.readers import (
+    check_dependency,
+    detect_format,
+    expand_inputs,
+    input_size,
+    iter_documents,
+)
 from megatron_lite.data.tokenizer import Tokenizer
 
 SPLITS = ("file", "line", "blank_line")
-JSON_SUFFIXES = (".jsonl", ".json")
-# Texts are encoded in batches (on all cores) of about this many characters.
+# Texts are encoded in batches of about this many characters.
 _BATCH_CHARS = 1 << 20
+# With worker processes, at most this many batches per worker are read ahead of the writer.
+_IN_FLIGHT_PER_WORKER = 2
 
 
 @dataclass
@@ -35,6 +44,8 @@ class PreprocessStats:
     documents: int
     tokens: int  # including one EOS per document
     max_token_id: int
+    inputs: int = 0  # input files and dataset directories read
+    input_bytes: int = 0
 
 
 def preprocess(
@@ -42,19 +53,24 @@ def preprocess(
     tokenizer: Tokenizer | str,
     output_prefix: str,
     split: str = "file",
-    json_key: str = "text",
+    text_key: str = "text",
     append_eos: bool = True,
     progress: bool = True,
     workers: int = 1,
+    input_format: str | None = None,
 ) -> PreprocessStats:
     """Tokenize `files` in order into the indexed dataset `output_prefix` (.bin/.idx).
 
-    The dataset is written atomically (see IndexedDatasetBuilder): if anything fails, an existing
-    dataset at `output_prefix` is left untouched. `progress` shows a tqdm bar over input bytes
-    (on stderr). `workers` > 1 tokenizes batches of about 1 MiB of text in that many processes
-    (an ordered imap: the output is byte-identical for any number of workers); 1 tokenizes in
-    this process on all cores. Inputs without a single token raise DataFileError and write
-    nothing.
+    `files` are paths and glob patterns (see `readers.expand_inputs`); `input_format` forces one
+    format for all of them instead of choosing by name (`readers.FORMATS`); `text_key` is the
+    JSON field or the Parquet / dataset column holding the text. The dataset is written
+    atomically (see IndexedDatasetBuilder): if anything fails, for instance a corrupt input
+    (named with its line or row), nothing is written and an existing dataset at
+    `output_prefix` is left untouched. `progress` shows a tqdm bar over input bytes (on
+    stderr). `workers` > 1 tokenizes batches of about 1 MiB of text in that many processes,
+    at most 2 per worker in flight, written in input order (the output is byte-identical for
+    any number of workers); 1 tokenizes in this process on all cores. Inputs without a single
+    token raise DataFileError and write nothing.
     """
     if split not in SPLITS:
         raise ValueError(f"split={split!r} must be one of {', '.join(SPLITS)}")
@@ -62,9 +78,11 @@ def preprocess(
         raise ValueError(f"workers={workers} must be >= 1")
     if isinstance(tokenizer, str):
         tokenizer = Tokenizer(tokenizer)
-    for path in files:
-        if not os.path.isfile(path):
-            raise DataFileError(f"{path}: input file does not exist. Fix: correct the path")
+    files = expand_inputs(files)
+    formats = [detect_format(path, input_format) for path in files]
+    # a missing optional package fails here, before any work, naming the first file that needs it
+    for path, fmt in zip(files, formats, strict=True):
+        check_dependency(path, fmt)
     if append_eos and tokenizer.eos_id < 0:
         raise DataFileError(
             f"{tokenizer.model_path}: has no end-of-document token (eos id {tokenizer.eos_id}), "
@@ -76,11 +94,12 @@ def preprocess(
             f"{tokenizer.model_path}: ids up to {tokenizer.vocab_size - 1} do not fit the "
             f"dataset's widest token type (int32). Fix: a tokenizer with ids below 2^31"
         )
-    total_bytes = sum(os.path.getsize(p) for p in files)
+    total_bytes = sum(input_size(p, f) for p, f in zip(files, formats, strict=True))
     eos = [tokenizer.eos_id] if append_eos else []
     docs = tokens = 0
+    batches = _batches(files, formats, split, text_key)
     with (
-        _encoded_batches(_batches(files, split, json_key), tokenizer, workers) as encoded,
+        _encoded_batches(batches, tokenizer, workers) as encoded,
         IndexedDatasetBuilder(output_prefix, best_dtype(tokenizer.vocab_size)) as builder,
         tqdm(total=total_bytes, unit="B", unit_scale=True, disable=not progress) as bar,
     ):
@@ -95,11 +114,11 @@ def preprocess(
                 f"{', '.join(files)}: no tokens to write ({docs} documents; empty or "
                 f"whitespace-only input), so no dataset was written to {output_prefix}. Fix: "
                 f"check the input files"
-                + (f" and the JSON key {json_key!r}" if any(_is_json(p) for p in files) else "")
+                + (f" and the text key {text_key!r}" if set(formats) - {"text"} else "")
                 + (" or the split mode" if split != "file" else "")
             )
         max_id = builder.max_token_id
-    return PreprocessStats(output_prefix, docs, tokens, max_id)
+    return PreprocessStats(output_prefix, docs, tokens, max_id, len(files), total_bytes)
 
 
 @contextlib.contextmanager
@@ -111,7 +130,20 @@ def _encoded_batches(batches: Iterator, tokenizer: Tokenizer, workers: int):
     # spawn: safe whatever the parent has started (threads, torch); workers import only data/
     ctx = multiprocessing.get_context("spawn")
     with ctx.Pool(workers, initializer=_init_worker, initargs=(tokenizer.model_path,)) as pool:
-        yield pool.imap(_encode_in_worker, batches)
+        yield _in_order(pool, batches, _IN_FLIGHT_PER_WORKER * workers)
+
+
+def _in_order(pool, batches: Iterator, depth: int) -> Iterator:
+    """The pool's results in input order with at most `depth` batches submitted and not yet
+    taken: pool.imap would read ahead as fast as the input allows, holding the corpus in memory
+    whenever the reader outruns the tokenizers."""
+    pending: collections.deque = collections.deque()
+    for batch in batches:
+        pending.append(pool.apply_async(_encode_in_worker, (batch,)))
+        if len(pending) >= depth:
+            yield pending.popleft().get()
+    while pending:
+        yield pending.popleft().get()
 
 
 # The tokenizer of a preprocessing worker process (set once by the pool's initializer).
@@ -129,16 +161,14 @@ def _encode_in_worker(batch: tuple[list[str], int]) -> tuple[list[list[int]], in
     return _worker_tokenizer.encode_batch(texts, threads=1), nbytes
 
 
-def _is_json(path: str) -> bool:
-    return path.endswith(JSON_SUFFIXES)
-
-
-def _batches(files: list[str], split: str, json_key: str) -> Iterator[tuple[list[str], int]]:
+def _batches(
+    files: list[str], formats: list[str], split: str, text_key: str
+) -> Iterator[tuple[list[str], int]]:
     """Group documents into batches: yields (texts, input bytes consumed since last batch)."""
     texts: list[str] = []
     chars = nbytes = 0
-    for path in files:
-        for text, size in iter_documents(path, split, json_key):
+    for path, fmt in zip(files, formats, strict=True):
+        for text, size in iter_documents(path, fmt, split, text_key):
             nbytes += size
             if not text.strip():
                 continue
@@ -149,64 +179,3 @@ def _batches(files: list[str], split: str, json_key: str) -> Iterator[tuple[list
                 texts, chars, nbytes = [], 0, 0
     if texts or nbytes:
         yield texts, nbytes
-
-
-def iter_documents(path: str, split: str = "file", json_key: str = "text") -> Iterator[tuple]:
-    """Yield (document text, input bytes it came from) for one file; see the module docstring."""
-    with open(path, "rb") as f:
-        if path.endswith(JSON_SUFFIXES):
-            for lineno, line in enumerate(f, 1):
-                if line.strip():
-                    yield _json_text(path, lineno, line, json_key), len(line)
-                else:
-                    yield "", len(line)
-        elif split == "file":
-            data = f.read()
-            yield _decode(path, 1, data), len(data)
-        elif split == "line":
-            for lineno, line in enumerate(f, 1):
-                yield _decode(path, lineno, line).rstrip("\r\n"), len(line)
-        else:
-            yield from _paragraphs(path, f)
-
-
-def _paragraphs(path: str, f) -> Iterator[tuple[str, int]]:
-    lines: list[str] = []
-    size = 0
-    for lineno, line in enumerate(f, 1):
-        size += len(line)
-        text = _decode(path, lineno, line)
-        if text.strip():
-            lines.append(text)
-        elif lines:
-            yield "".join(lines).rstrip("\r\n"), size
-            lines, size = [], 0
-    if lines or size:
-        yield "".join(lines).rstrip("\r\n"), size
-
-
-def _decode(path: str, lineno: int, data: bytes) -> str:
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise DataFileError(
-            f"{path}:{lineno}: not valid UTF-8 ({e.reason} at byte {e.start}). "
-            f"Fix: convert the file to UTF-8, e.g. with iconv"
-        ) from None
-
-
-def _json_text(path: str, lineno: int, line: bytes, key: str) -> str:
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise DataFileError(
-            f"{path}:{lineno}: not a JSON object ({e.msg}). Fix: one JSON "
-            f"object per line (JSON lines)"
-        ) from None
-    if not isinstance(record, dict) or not isinstance(record.get(key), str):
-        keys = ", ".join(record) if isinstance(record, dict) else type(record).__name__
-        raise DataFileError(
-            f"{path}:{lineno}: no string field {key!r} (found: {keys}). Fix: "
-            f"pass --json-key with the field that holds the text"
-        )
-    return record[key]
