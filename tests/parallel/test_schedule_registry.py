@@ -151,8 +151,8 @@ def test_engine_runs_the_toy_to_one_process_losses_and_grads():
         assert held == m, f"rank {rank}: {held} microbatches in flight, GPipe holds all {m}"
 
 
-def test_readme_table_is_the_shipped_records():
+def test_docs_table_is_the_shipped_records():
     assert TOY not in schedule_names()  # the fixture took it out again
-    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
-        readme = f.read()
-    assert schedules_table() in readme, "README's schedules table: paste schedules_table()"
+    with open(os.path.join(ROOT, "docs", "pipeline.md"), encoding="utf-8") as f:
+        page = f.read()
+    assert schedules_table() in page, "docs/pipeline.md's schedules table: paste schedules_table()"

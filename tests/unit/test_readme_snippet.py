@@ -1,4 +1,4 @@
-"""The README's "Using the layers in your own model" snippet runs as printed, on tp2 and on
+"""docs/own_model.md's example ("Using the layers in your own model") runs as printed, on tp2 and on
 tp2 × dp2, and both layouts give the same losses (so the snippet cannot rot)."""
 
 import os
@@ -6,20 +6,22 @@ import re
 
 from tests.dist_harness import run_ranks
 
-README = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "README.md")
+PAGE = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "docs", "own_model.md"
+)
 
 
 def snippet() -> str:
-    with open(README, encoding="utf-8") as f:
+    with open(PAGE, encoding="utf-8") as f:
         text = f.read()
     match = re.search(r"<!-- snippet: own-model .*?-->\n```python\n(.*?)```", text, re.S)
-    assert match, "README lost its own-model snippet"
+    assert match, "docs/own_model.md lost its own-model snippet"
     return match.group(1)
 
 
 def _run(rank, world, code):
     scope = {"__name__": "__main__"}
-    exec(compile(code, "README.md:own-model", "exec"), scope)
+    exec(compile(code, "docs/own_model.md:own-model", "exec"), scope)
     return scope["losses"]
 
 
