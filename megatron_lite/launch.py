@@ -139,7 +139,7 @@ def main(argv=None) -> None:
     if env.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") == "1":
         print(f"[launch] warning: {SHARED_STORE_OFF}", file=sys.stderr, flush=True)
     # SIGTERM / SIGINT / SIGUSR1 here: the ranks checkpoint and stop, exit 0 (supervise.py);
-    # otherwise the ranks' exit code (2 a user error, 3 a non-finite step; README)
+    # otherwise the ranks' exit code (2 a user error, 3 a non-finite step; docs/clusters.md)
     sys.exit(supervise.run(cmd, env))
 
 

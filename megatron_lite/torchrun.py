@@ -3,9 +3,9 @@
     python -m megatron_lite.torchrun [torchrun args ...] -m megatron_lite.train ...
 
 torchrun exits 1 whenever a rank fails, whatever the rank's code, after a `ChildFailedError`
-traceback and report. The ranks' codes mean something here (README, "exit codes": 2 a user
-error, 3 a non-finite step), so this runs torchrun's own agent (`torch.distributed.run`, the
-module behind the `torchrun` command) in this process and exits with the code `exit_code`
+traceback and report. The ranks' codes mean something here (docs/clusters.md, "Exit codes": 2 a
+user error, 3 a non-finite step), so this runs torchrun's own agent (`torch.distributed.run`,
+the module behind the `torchrun` command) in this process and exits with the code `exit_code`
 picks: the first rank to fail decides (what torchrun's report calls the root cause; the ranks
 that fail after it, and those torchrun stops with SIGTERM, follow from it):
 

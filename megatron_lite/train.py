@@ -130,7 +130,7 @@ def cap_eval_iters(cfg: Config, valid) -> None:
     t.eval_iters = min(t.eval_iters, cap)
 
 
-EXIT_NONFINITE = 3  # training stopped on a NaN/Inf loss or gradient (README: exit codes)
+EXIT_NONFINITE = 3  # training stopped on a NaN/Inf loss or gradient (docs/clusters.md: exit codes)
 EXIT_STARTUP = 1  # a rank could not join its process group (its message names what failed)
 
 

@@ -11,7 +11,7 @@ per pipeline stage (`dry_run.default_ranks`), or the layout's chosen subset. Per
 rank the table gives, for every term of `dry_run.PLANNER_TERMS`, the dry run's bytes at the
 step-2 peak, the planner's (`plan.memory.rank_memory`) and their ratio, then the peak's ratio,
 the phase of the peak, the child's wall time and its peak RSS (getrusage of the child itself).
-Writes table.txt, summary.md (one markdown row per layout, the README's table), results.csv
+Writes table.txt, summary.md (one markdown row per layout: docs/benchmarks.md's table), results.csv
 (one row per layout, rank and term) and results.json under --out.
 
 The layouts are full size: Llama-3 8B on 8 GPUs, the shipped Llama-3 70B (and the planner
@@ -223,7 +223,7 @@ def _worst(res: dict) -> tuple[str, float]:
 
 
 def summary(results: list[tuple[Layout, dict]]) -> str:
-    """A markdown table, one row per layout (the README's): its largest dry-run peak and
+    """A markdown table, one row per layout (docs/benchmarks.md's): its largest dry-run peak and
     the planner's, the peak ratio furthest from 1 over its ranks and the worst term; then
     how many layouts have every term (of at least SMALL) and the peak within TOLERANCE."""
     by_layout: dict[str, list] = {}

@@ -24,7 +24,7 @@ speedup 5.3x: target met; time(256)/time(8) = 1.91); with --tokens 4096 too, gro
 alone (torch's CPU _grouped_mm runs one GEMM per expert, 128 rows each at E=256) take 2.73 s
 at E=8 and 4.26 s at E=256 for the same FLOPs, already 1.34x the whole E=8 layer; top-8 also
 moves 4x the token copies of top-2, and E=256 has 8x the expert parameters whose gradients
-are written each step (README "Mixture of experts").
+are written each step (docs/benchmarks.md, "Mixture of experts").
 
 If tools/bench_moe_routing.py exists, its `balancing()` and `group_destinations()` run after
 the table and what they return is printed.

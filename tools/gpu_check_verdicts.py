@@ -14,10 +14,10 @@ Bands (each a claim about the numbers, stated in the report):
   not tell a backend that learns from one that does not (mock data: not asked; the loss cannot
   fall below ln V there). FP8 gets 1% more: real E4M3 GEMMs are unmeasured.
 - MEMORY_BAND: the measured peak within 5% of the dry run's and of the planner's. They agree
-  within 1% at full size (README, "Dry run"); the allocator adds what no tensor shows (cuBLAS
-  workspaces, flash-attention's backward accumulators: tens of MiB) and 512-byte rounding; 5%
-  of the 1B run's ~27 GiB is less than its smallest model-state term (the bf16 weights,
-  ~1.8 GiB), so a missing or doubled term falls outside.
+  within 1% at full size (docs/benchmarks.md, "Planner against the dry run"); the allocator
+  adds what no tensor shows (cuBLAS workspaces, flash-attention's backward accumulators: tens
+  of MiB) and 512-byte rounding; 5% of the 1B run's ~27 GiB is less than its smallest
+  model-state term (the bf16 weights, ~1.8 GiB), so a missing or doubled term falls outside.
 - Resume: the resumed run's losses equal the uninterrupted run's bit for bit (both run with
   torch's deterministic algorithms, so the GPU's atomics cannot blur the comparison).
 """

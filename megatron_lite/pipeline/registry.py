@@ -236,7 +236,7 @@ def check_schedule_args(
 
 
 def schedules_table() -> str:
-    """The docs' table of the registered schedules (README "Pipeline parallelism")."""
+    """The docs' table of the registered schedules (docs/pipeline.md, "Schedules")."""
     rows = [
         "| schedule | vpp | placement | B/W split | batches | microbatches | what |",
         "|---|---|---|---|---|---|---|",

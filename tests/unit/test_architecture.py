@@ -1,5 +1,6 @@
-"""The dependency rules of DESIGN.md, enforced by parsing every import (ast), function-level
-imports included: which package may import which, and no import circles anywhere."""
+"""The dependency rules of docs/extending.md ("Dependency rules"), enforced by parsing every
+import (ast), function-level imports included: which package may import which, and no import
+circles anywhere."""
 
 from __future__ import annotations
 

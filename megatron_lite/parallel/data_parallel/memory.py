@@ -1,5 +1,5 @@
 """Model-state memory, measured by walking the tensors actually allocated (unique storages),
-and the formula it is checked against (README: "ZeRO stages").
+and the formula it is checked against (docs/data_parallel.md, "Model-state memory").
 
 Bytes per parameter held by this rank (its TP/PP/EP shard), with N the sharding degree and K the
 optimizer's state bytes per parameter (`OptimizerSpec.state_bytes`: the sum of its states'
