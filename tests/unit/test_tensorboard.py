@@ -175,3 +175,28 @@ def test_tensorboard_dir_is_checked_and_warned_about(tmp_path, capsys):
     cfg = load_config(SMOKE, [f"log.tensorboard_dir={tmp_path}"])
     assert any("log.tensorboard_dir" in w and "log.tensorboard is false" in w
                for w in config_warnings(validate(cfg, 1, warn=False)))  # fmt: skip
+
+
+def test_failed_event_write_stops_the_run_like_metrics_jsonl(tmp_path):
+    """A full disk under the event files: the logger keeps the error naming the directory (the
+    trainer stops the run on it at the next step, as for metrics.jsonl) and stops writing
+    events; metrics.jsonl goes on."""
+    from megatron_lite.training.logging import MetricsLogger
+
+    cfg = load_config(None, [f"train.out_dir={tmp_path}", "log.tensorboard=true",
+                             "log.progress=false"])  # fmt: skip
+    logger = MetricsLogger(cfg, active=True)
+    logger.log({"step": 0, "loss": 1.0}, first_step=0)
+    (sink,) = [s for s in logger.sinks if isinstance(s, TensorBoardSink)]
+
+    def full(*_):
+        raise OSError(28, "No space left on device")
+
+    sink.writer.flush = full
+    logger.log({"step": 1, "loss": 2.0}, first_step=0)
+    logger.log({"step": 2, "loss": 3.0}, first_step=0)
+    logger.close()
+    e = logger.error
+    assert (e.errno, e.filename) == (28, str(tmp_path / "tensorboard")), e
+    assert logger.failed == [sink]
+    assert [r["step"] for r in read_metrics(str(tmp_path))] == [0, 1, 2]
