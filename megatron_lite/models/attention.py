@@ -6,14 +6,21 @@ full, ordered sequence (v's head width may differ from q/k's: out takes v's), so
 wrapper can run any of them over the context-parallel group. docs [b, s]
 (data.reset_attention_mask): each token's document id; attention then stays inside a document
 (context/documents.py). TE takes no documents (validation rejects the pair).
+
+Generation (megatron_lite/generate.py) hands the layers a `DecodeContext`: the attention then
+writes this step's keys and values into its `KVCache` and attends over all cached positions
+with `cached_attention` (torch SDPA whatever the backend: a few query rows per step).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from megatron_lite.context.documents import causal_document_mask
+from megatron_lite.models.token_context import TokenContext
 
 
 def sdpa_attention(q, k, v, dropout_p: float, docs: torch.Tensor | None = None) -> torch.Tensor:
@@ -102,3 +109,49 @@ def attention_function(
     if backend == "te":
         return TEAttention(n_local, g_local, head_dims, dropout_p)
     return sdpa_attention
+
+
+class KVCache:
+    """Keys and values of every attention layer during generation: per layer [L, b, g, d] k
+    and [L, b, g, dv] v (this TP rank's KV heads; L = max_length, the longest sequence the
+    generation reaches), filled by the prompt's forward, then one position per step.
+    `length` positions are filled in every layer; `advance(s)` after each forward."""
+
+    def __init__(self, max_length: int):
+        self.max_length, self.length = max_length, 0
+        self._layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(attention) -> k, v
+
+    def extend(self, owner: torch.nn.Module, k: torch.Tensor, v: torch.Tensor):
+        """Write k, v [s, b, heads, d] at positions length..length+s of `owner`'s cache (made
+        on first use); returns its k, v [length + s, b, heads, d] (views)."""
+        end = self.length + k.shape[0]
+        if end > self.max_length:
+            raise ValueError(f"KVCache: position {end} is past max_length={self.max_length}")
+        if id(owner) not in self._layers:
+            empty = [t.new_empty((self.max_length, *t.shape[1:])) for t in (k, v)]
+            self._layers[id(owner)] = (empty[0], empty[1])
+        ck, cv = self._layers[id(owner)]
+        ck[self.length : end], cv[self.length : end] = k, v
+        return ck[:end], cv[:end]
+
+    def advance(self, s: int) -> None:
+        self.length += s
+
+
+@dataclass(frozen=True)
+class DecodeContext(TokenContext):
+    """A `TokenContext` for one generation step: rope [s, b, r] at each row's positions,
+    positions [s, b] (learned position tables), the cache, and mask [b, 1, s, length + s]
+    (True: the query may attend to that cached position)."""
+
+    kv_cache: KVCache | None = None
+    mask: torch.Tensor | None = None
+
+
+def cached_attention(q, k, v, mask: torch.Tensor) -> torch.Tensor:
+    """q [s, b, n, d] over the cached k/v [L, b, g, d] (n % g == 0) where mask [b, 1, s, L]
+    allows -> [s, b, n, dv]."""
+    gqa = k.shape[2] != q.shape[2]
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s or L, d]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    return out.permute(2, 0, 1, 3)

@@ -223,11 +223,24 @@ class ModelChunk(nn.Module):
         w = self.output_layer.weight
         return self.embedding.weight if w is None else w
 
-    def loss(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """x [s/cp(/tp), b, h], labels [b, s] -> per-token loss [s/cp, b]."""
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x [s/cp(/tp), b, h] (after the final norm) -> this TP rank's logits [s/cp, b, V/tp],
+        -inf in the vocabulary padding."""
         logits = self.output_layer(x, self.output_weight())  # [s/cp, b, V/tp]
         if self.has_vocab_pad:  # padded vocabulary never takes probability mass
             logits = logits.masked_fill(self.vocab_pad_mask, float("-inf"))
+        return logits
+
+    def rope_at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """RoPE's cos, sin [..., r] at integer `positions` [...] (generation's per-row
+        positions), None when the architecture has no RoPE."""
+        if not self.rotary:
+            return None
+        return rope_tables_at(positions, *self._rope_args)
+
+    def loss(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """x [s/cp(/tp), b, h], labels [b, s] -> per-token loss [s/cp, b]."""
+        logits = self.logits(x)  # [s/cp, b, V/tp]
         labels = self.local_tokens(labels.t())  # [s/cp, b]
         return vocab_parallel_cross_entropy(logits.float(), labels, self.tp_group)
 

@@ -4,7 +4,8 @@ Shapes in comments use local sizes: s/tp under sequence parallelism (sp), n/tp h
 Every module is built from a `TransformerConfig` (resolved sizes and flags, and in `spec` the
 architecture's registry entry), the process groups of a `ParallelMesh` and the RNG tracker. The
 parts here are the shipped entries' (models/llama.py, gpt.py): `Attention` (GPT) and
-`RotaryAttention` (Llama), the dense `MLP` and `MoELayer` builders, and `TransformerLayer`, the
+`RotaryAttention` (Llama; both with the KV-cached decoding of models/attention.py when handed a
+`DecodeContext`), the dense `MLP` and `MoELayer` builders, and `TransformerLayer`, the
 pre-norm sequential residual layer any entry gets unless it names its own; `build_layer` builds
 the entry's layer (the model chunk and the planner call it). The parts' constructor contracts
 are models/registry.py's.
@@ -22,7 +23,7 @@ from megatron_lite import kernels
 from megatron_lite.context.layout import ring_ranges
 from megatron_lite.context.ring import ring_attention
 from megatron_lite.context.ulysses import ulysses_attention, ulysses_kv_heads
-from megatron_lite.models.attention import attention_function
+from megatron_lite.models.attention import DecodeContext, attention_function, cached_attention
 from megatron_lite.models.registry import HeadDims
 from megatron_lite.models.token_context import TokenContext
 from megatron_lite.models.transformer_config import TransformerConfig
@@ -127,10 +128,24 @@ class Attention(nn.Module):
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rope is not None:
             q, k = kernels.apply_rope(q, *rope), kernels.apply_rope(k, *rope)
-        p = self.dropout_p
-        with self.tracker.fork() if p > 0 else contextlib.nullcontext():
-            out = self.attention_over_cp(q, k, v, p, ctx.docs)  # [s, b, n, dv]
+        if isinstance(ctx, DecodeContext):  # generation: over the cached positions too
+            out = self.decode_attention(q, k, v, ctx)  # [s, b, n, dv]
+        else:
+            p = self.dropout_p
+            with self.tracker.fork() if p > 0 else contextlib.nullcontext():
+                out = self.attention_over_cp(q, k, v, p, ctx.docs)  # [s, b, n, dv]
         return self.linear_proj(out.reshape(s, b, n * dv))  # [s(/tp), b, h]
+
+    def decode_attention(self, q, k, v, ctx: DecodeContext) -> torch.Tensor:
+        """This step's k/v [s, b, g, d] join the cache; q attends over every cached position
+        the mask allows (no dropout) -> [s, b, n, dv]. Whole sequences only: no CP."""
+        if self.ring_ranges is not None or mappings.size(self.a2a_group) > 1:
+            raise ValueError(
+                "KV-cached decoding runs on a model built with cp=1 (each rank holds the whole "
+                "sequence). Fix: build the generation model with parallel.cp=1"
+            )
+        k, v = ctx.kv_cache.extend(self, k, v)  # [length + s, b, g, d]
+        return cached_attention(q, k, v, ctx.mask)
 
     def attention_over_cp(self, q, k, v, dropout_p: float, docs=None) -> torch.Tensor:
         """Local attention (or the ring over cp_ring), inside Ulysses' all-to-all over cp_a2a
