@@ -285,11 +285,13 @@ def _parquet_documents(path: str, key: str) -> Iterator[tuple[str, int]]:
             f"{path}: not a readable Parquet file ({_reason(e)}). Fix: re-download or re-write "
             f"the file"
         ) from None
-    column = _check_text_column(path, pf.schema_arrow, key)
+    _check_text_column(path, pf.schema_arrow, key)
+    # the Parquet leaf column of the text (a nested column before it has several leaves)
+    leaf = next(i for i in range(len(pf.schema)) if pf.schema.column(i).path == key)
     row = 0
     for group in range(pf.num_row_groups):
         meta = pf.metadata.row_group(group)
-        rows, size = meta.num_rows, meta.column(column).total_compressed_size
+        rows, size = meta.num_rows, meta.column(leaf).total_compressed_size
         done = shared = 0
         try:
             for batch in pf.iter_batches(
@@ -361,8 +363,8 @@ def _hf_documents(path: str, key: str) -> Iterator[tuple[str, int]]:
             ) from None
 
 
-def _check_text_column(path: str, schema, key: str) -> int:
-    """The index of the string column `key` in an Arrow schema (DataFileError if there is none)."""
+def _check_text_column(path: str, schema, key: str) -> None:
+    """DataFileError unless an Arrow schema has a string column `key`."""
     import pyarrow as pa
 
     index = schema.get_field_index(key)
@@ -379,7 +381,6 @@ def _check_text_column(path: str, schema, key: str) -> int:
             f"{path}: column {key!r} holds {kind}, not strings (in every row, from row 0). "
             f"Fix: pass --text-column with the column of the text"
         )
-    return index
 
 
 def _is_view(pa, kind) -> bool:
