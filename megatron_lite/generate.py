@@ -172,9 +172,10 @@ def _tokenizer(args, source):
     if not fits:
         rule = "at most" if source.hf_tokenizer_padding else "exactly"
         raise GenerateError(
-            f"{flag} has {tok.vocab_size} token ids; the model's embedding has {model_vocab} "
-            f"rows (model.vocab_size), and must have {rule} the tokenizer's: its ids would mean "
-            "other tokens. Fix: use the tokenizer the model was trained with"
+            f"{flag} has {tok.vocab_size} token ids, but the model's embedding has "
+            f"{model_vocab} rows (model.vocab_size) and takes a tokenizer of {rule} "
+            f"{model_vocab} ids: other ids would mean other tokens. Fix: use the tokenizer the "
+            "model was trained with"
         )
     return tok
 

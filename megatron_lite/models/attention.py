@@ -128,8 +128,9 @@ class KVCache:
         if end > self.max_length:
             raise ValueError(f"KVCache: position {end} is past max_length={self.max_length}")
         if id(owner) not in self._layers:
-            empty = [t.new_empty((self.max_length, *t.shape[1:])) for t in (k, v)]
-            self._layers[id(owner)] = (empty[0], empty[1])
+            self._layers[id(owner)] = tuple(
+                t.new_empty((self.max_length, *t.shape[1:])) for t in (k, v)
+            )
         ck, cv = self._layers[id(owner)]
         ck[self.length : end], cv[self.length : end] = k, v
         return ck[:end], cv[:end]
