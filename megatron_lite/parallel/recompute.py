@@ -14,6 +14,11 @@ only refills its saved tensors). The recompute repeats the forward bit for bit:
 `is_recomputing()` is true while a recompute runs, for code with side effects (MoE statistics).
 The inputs the checkpoint keeps are saved for backward through an identity autograd Function
 (`_KeepInput`), so saved-tensor hooks (the activation meter) see the bytes it holds.
+
+`regions_run_by(runner)`: inside it, `recompute(fn, *args)` returns `runner(fn, args)` instead
+(no checkpoint). The planner (plan/saved.py) runs each recomputable region as a plain call
+that way, marking what is saved inside it and what it would keep, so one forward gives the
+saved bytes of every `recompute_modules` choice.
 """
 
 from __future__ import annotations
@@ -29,6 +34,10 @@ from megatron_lite.parallel.random import RNGStatesTracker
 
 # a flag of the running thread's context, like torch's grad mode (not shared between threads)
 _RECOMPUTING = contextvars.ContextVar("megatron_lite_recomputing", default=False)
+# regions_run_by's runner, or None (the checkpoint)
+_RUNNER: contextvars.ContextVar[Callable | None] = contextvars.ContextVar(
+    "megatron_lite_region_runner", default=None
+)
 
 
 def is_recomputing() -> bool:
@@ -50,11 +59,27 @@ class _KeepInput(torch.autograd.Function):
         return grad
 
 
+@contextlib.contextmanager
+def regions_run_by(runner: Callable):
+    """`recompute(fn, *args)` is `runner(fn, args)` inside the block (module docstring)."""
+    token = _RUNNER.set(runner)
+    try:
+        yield
+    finally:
+        _RUNNER.reset(token)
+
+
+def keeps(a) -> bool:
+    """Whether `recompute` keeps argument `a` for backward (through `_KeepInput`)."""
+    return isinstance(a, torch.Tensor) and a.requires_grad
+
+
 def recompute(fn: Callable, *args, tracker: RNGStatesTracker) -> torch.Tensor:
     """fn(*args), saving only `args` for backward; fn runs again in backward (module doc)."""
-    args = tuple(
-        _KeepInput.apply(a) if isinstance(a, torch.Tensor) and a.requires_grad else a for a in args
-    )
+    runner = _RUNNER.get()
+    if runner is not None:
+        return runner(fn, args)
+    args = tuple(_KeepInput.apply(a) if keeps(a) else a for a in args)
     at_call: dict[str, tuple] = {}
 
     @contextlib.contextmanager

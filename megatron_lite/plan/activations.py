@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from megatron_lite.config import Config
 from megatron_lite.plan import modules
-from megatron_lite.plan.saved import final_norm_saves, layer_saves, subtree
+from megatron_lite.plan.saved import MLP, final_norm_saves, layer_saves, subtree
 from megatron_lite.resolve import (
     cp_a2a_size,
     kv_channels,
@@ -36,7 +36,6 @@ from megatron_lite.resolve import (
 from megatron_lite.validation.recompute import RECOMPUTE_MODULES
 
 SELECTIVE_MODULES = RECOMPUTE_MODULES  # what the model can recompute (validation's list)
-MLP = "mlp"  # the layer's MLP (or MoE) module path: what recompute of mlp or moe reruns
 
 
 @dataclass(frozen=True)

@@ -112,16 +112,22 @@ def per_config(cfg: Config, question: tuple, answer: Callable[[], object]):
     times. A config is taken as fixed once planned, as model_key takes its model section
     (validate() and the search's layouts make new ones; change a copy, not a planned config):
     a section replaced on it is a new config here."""
-    sections = (cfg.model, cfg.parallel, cfg.train)
     hit = _PER_CONFIG.get(id(cfg))
-    if hit is None or hit[0] is not cfg or hit[1] != sections:  # (`is` first, then ==)
+    if (
+        hit is None
+        or hit[0] is not cfg
+        or hit[1] is not cfg.model
+        or hit[2] is not cfg.parallel
+        or hit[3] is not cfg.train
+    ):
         if len(_PER_CONFIG) >= _PER_CONFIG_ENTRIES:
             _PER_CONFIG.clear()
-        hit = _PER_CONFIG[id(cfg)] = (cfg, sections, {})
-    answers = hit[2]
-    if question not in answers:
-        answers[question] = answer()
-    return answers[question]
+        hit = _PER_CONFIG[id(cfg)] = (cfg, cfg.model, cfg.parallel, cfg.train, {})
+    answers = hit[4]
+    found = answers.get(question, answers)  # (the dict itself: not an answer)
+    if found is answers:
+        found = answers[question] = answer()
+    return found
 
 
 @contextlib.contextmanager
@@ -206,9 +212,13 @@ def _buffer_bytes(module: torch.nn.Module) -> int:
 
 def layer_params(cfg: Config, moe: bool) -> LayerParams:
     """One layer's parameters (an MoE layer's when `moe`) at `cfg`'s layout (cached)."""
-    p = cfg.parallel
-    key = (model_key(cfg), p.tp, sequence_parallel(p), p.ep, moe)
-    return cached(_LAYERS, key, lambda: _build_layer(cfg, moe))
+
+    def shared():  # between configs of one model and local layout
+        p = cfg.parallel
+        key = (model_key(cfg), p.tp, sequence_parallel(p), p.ep, moe)
+        return cached(_LAYERS, key, lambda: _build_layer(cfg, moe))
+
+    return per_config(cfg, ("layer_params", moe), shared)
 
 
 def _build_layer(cfg: Config, moe: bool) -> LayerParams:

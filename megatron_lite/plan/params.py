@@ -44,8 +44,8 @@ def rank_layers(cfg: Config, pp_rank: int) -> list[tuple[int, int]]:
 
 
 def _rank_layers(cfg: Config, pp_rank: int) -> tuple[tuple[int, int], ...]:
-    counts, p = stage_layers(cfg.model, cfg.parallel), cfg.parallel
-    stages = (virtual_stage(pp_rank, c, p.pp, placement(cfg)) for c in range(p.vpp))
+    counts, p, place = stage_layers(cfg.model, cfg.parallel), cfg.parallel, placement(cfg)
+    stages = (virtual_stage(pp_rank, c, p.pp, place) for c in range(p.vpp))
     return tuple((sum(counts[:s]), counts[s]) for s in stages)
 
 
@@ -56,7 +56,7 @@ def chunk_moe(cfg: Config, pp_rank: int, chunk: int) -> list[bool]:
 
 def _chunk_moe(cfg: Config, pp_rank: int, chunk: int) -> tuple[bool, ...]:
     def answer():
-        first, count = _rank_layers(cfg, pp_rank)[chunk]
+        first, count = rank_layers(cfg, pp_rank)[chunk]
         return tuple(moe_layer_pattern(cfg.model)[first : first + count])
 
     return modules.per_config(cfg, ("chunk_moe", pp_rank, chunk), answer)
@@ -179,7 +179,7 @@ def buffer_bytes(cfg: Config, pp_rank: int) -> int:
         for c in range(cfg.parallel.vpp):
             out += _chunk_own(cfg, pp_rank, c).buffer_bytes
             moe = _chunk_moe(cfg, pp_rank, c)
-            out += sum(modules.layer_params(cfg, e).buffer_bytes for e in moe)
+            out += sum(modules.layer_params(cfg, e).buffer_bytes * moe.count(e) for e in set(moe))
         return out
 
     return modules.per_config(cfg, ("buffer_bytes", pp_rank), answer)

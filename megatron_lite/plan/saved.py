@@ -11,9 +11,17 @@ skipped on fake tensors; torch: the plain-torch references), context parallelism
 and ring, the MoE dispatch under a dry run's balanced routing, selective recompute. A fake
 forward costs the Python of its ops (tens of ms for a full-size layer), not its sizes, so it
 runs at full size, once per key (the model section but its recompute fields, the local layout
-tp/sp/cp/Ulysses/ep, kernels, MoE or dense, the selective modules), at micro batches 1 and 2
-(FIT_POINTS) on one fake stage (one process group, chunk and layer for both); the others are
-fitted (layer_saves).
+tp/sp/cp/Ulysses/ep, kernels, MoE or dense), at micro batches 1 and 2 (FIT_POINTS) on one fake
+stage (one process group, chunk and layer for both); the others are fitted (layer_saves).
+
+Selective recompute is derived from the same forward: the layer is built with every module of
+recompute_modules selected and its regions run as plain calls (parallel/recompute.py
+regions_run_by), each save recorded in order with its label and region, each region's entry
+with the inputs the checkpoint would keep. A choice of modules is then that record replayed
+as the meter would have seen it: the saves inside a chosen region dropped (the checkpoint's own
+hooks hide them), its kept inputs saved at its entry under the caller's label, each storage
+counted once, by its first saver (tests/unit/test_plan_modules.py compares every choice with
+a forward under the real checkpoint).
 
 The fake tensors are the CPU's, as plan --dry-run's: an op whose CPU kernel keeps something else
 than the GPU's is counted as the CPU keeps it. The one known: dropout (model.hidden_dropout > 0)
@@ -35,11 +43,16 @@ from megatron_lite.plan import modules
 from megatron_lite.resolve import cp_a2a_size, sequence_parallel
 
 LAYER = "layer"  # the row of the layer's own code
+MLP = "mlp"  # the layer's MLP (or MoE) module path: what recompute of mlp or moe reruns
 # the micro batches measured: the fewest tokens, a slope of integer bytes (the fit exact in
 # floats at every micro batch)
 FIT_POINTS = (1, 2)
-# key -> {micro batch: ({module path: bytes}, {"final_norm": bytes})}
+# the recompute_modules a layer is built with for the measurement (its regions are recorded)
+REGIONS = ("core_attn", "mlp", "moe")
+# key -> {micro batch: (the forward's record, {"final_norm": bytes})}
 _SAVES: dict[tuple, dict[int, tuple]] = {}
+# key + (selective,) -> {micro batch: ({module path: bytes}, {"final_norm": bytes})}
+_ROWS: dict[tuple, dict[int, tuple]] = {}
 
 
 def _key(cfg: Config, kernels: str, *rest) -> tuple:
@@ -70,9 +83,15 @@ def final_norm_saves(cfg: Config, kernels: str = "fused") -> float:
 def _saves(cfg: Config, moe: bool, kernels: str, selective: tuple[str, ...]) -> tuple:
     """(the layer's rows, the final norm's {"final_norm": bytes}) at cfg's micro batch."""
     b = cfg.train.micro_batch_size
-    points = modules.cached(_SAVES, _key(cfg, kernels, moe, selective), dict)
-    if not points:  # the line's two points, on one fake stage
-        points.update(_measure_layers(cfg, moe, kernels, selective, FIT_POINTS))
+    key = _key(cfg, kernels, moe)
+    points = modules.cached(_ROWS, key + (frozenset(selective),), dict)
+    if not points:  # the line's two points, replayed from one record each
+        records = modules.cached(_SAVES, key, dict)
+        if not records:  # on one fake stage
+            records.update(_record_layers(cfg, moe, kernels, FIT_POINTS))
+        for point in FIT_POINTS:
+            record, norm = records[point]
+            points[point] = (replay(record, selective), norm)
     if b not in points:
         points[b] = tuple(_fit(points, i, b) for i in range(2))
     return points[b]
@@ -80,7 +99,7 @@ def _saves(cfg: Config, moe: bool, kernels: str, selective: tuple[str, ...]) -> 
 
 def _fit(points: dict[int, tuple], i: int, b: int) -> dict[str, float]:
     """Each row of part i's line through the two measured micro batches, at b."""
-    (b1, p1), (b2, p2) = list(points.items())[:2]
+    (b1, p1), (b2, p2) = ((point, points[point]) for point in FIT_POINTS)
     r1, r2 = p1[i], p2[i]
     return {k: r1[k] + (b - b1) * (r2[k] - r1[k]) / (b2 - b1) for k in r1}
 
@@ -169,46 +188,137 @@ def _meter(*modules_: torch.nn.Module, ctx=None):
 
 
 def _measure_layer(cfg: Config, moe: bool, kernels: str, selective: tuple[str, ...]) -> tuple:
-    """(the layer's rows, the chunk's final norm's) at cfg's micro batch, measured."""
+    """(the layer's rows, the chunk's final norm's) at cfg's micro batch, measured under the
+    real checkpoint (no record, no replay: what the replay is checked against)."""
     b = cfg.train.micro_batch_size
-    return _measure_layers(cfg, moe, kernels, selective, (b,))[b]
-
-
-def _measure_layers(
-    cfg: Config, moe: bool, kernels: str, selective: tuple[str, ...], micro_batches: tuple
-) -> dict[int, tuple]:
-    """{micro batch: (the layer's rows, the chunk's final norm's)}, each on its own input to
-    one layer on one fake stage."""
     cfg = _with_selective(cfg, selective)
+    with _fake_stage(cfg, kernels) as (config, mesh, tracker, chunk, inputs):
+        layer = modules.new_layer(config, mesh, tracker, modules.layer_number(config, moe))
+        _to_training_dtype(layer, cfg.train.precision)
+        _to_training_dtype(chunk, cfg.train.precision)
+        x, ctx = inputs(b)
+        meter = _labelled(layer, _meter(layer, chunk, ctx=ctx))
+        with meter.meter:
+            layer(x, ctx)
+        meter.remove()
+        rows = {k: float(v) for k, v in meter.meter.by_label.items()}
+        return rows, _final_norm(chunk, x)
+
+
+def _record_layers(cfg: Config, moe: bool, kernels: str, micro_batches: tuple) -> dict:
+    """{micro batch: (the forward's record, the chunk's final norm's)}, each on its own input
+    to one layer (built with every recomputable region) on one fake stage."""
+    from megatron_lite.parallel.recompute import regions_run_by
+
+    cfg = _with_selective(cfg, REGIONS)
     out = {}
     with _fake_stage(cfg, kernels) as (config, mesh, tracker, chunk, inputs):
         layer = modules.new_layer(config, mesh, tracker, modules.layer_number(config, moe))
         _to_training_dtype(layer, cfg.train.precision)
         _to_training_dtype(chunk, cfg.train.precision)
+        regions = {id(m): ("moe" if moe else "mlp") for n, m in layer.named_modules() if n == MLP}
         for b in micro_batches:
-            out[b] = _forward(layer, chunk, *inputs(b))
+            x, ctx = inputs(b)
+            recorder = _Recorder(_meter(layer, chunk, ctx=ctx), regions)
+            labels = _labelled(layer, recorder.meter)
+            with recorder.meter, regions_run_by(recorder.run):
+                layer(x, ctx)
+            labels.remove()
+            out[b] = (tuple(recorder.record), _final_norm(chunk, x))
     return out
 
 
-def _forward(layer: torch.nn.Module, chunk: torch.nn.Module, x, ctx) -> tuple:
-    """One forward of the layer, then of the chunk's final norm, on x, each metered."""
-    meter = _meter(layer, chunk, ctx=ctx)
+class _Labels:
+    def __init__(self, meter, handles):
+        self.meter, self._handles = meter, handles
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+def _labelled(layer: torch.nn.Module, meter) -> _Labels:
+    """The meter's label is the innermost module's path while it runs ("layer": its own code)."""
     handles = []
     for name, m in layer.named_modules():
         tag = name or LAYER
         handles.append(m.register_forward_pre_hook(lambda *_, t=tag: meter._push(t)))
         handles.append(m.register_forward_hook(lambda *_: meter._pop()))
-    try:
-        with meter:
-            layer(x, ctx)
-    finally:
-        for h in handles:
-            h.remove()
+    return _Labels(meter, handles)
+
+
+def _final_norm(chunk: torch.nn.Module, x) -> dict[str, float]:
     norm = _meter(chunk)
     with norm, norm.label("final_norm"):
         chunk.final_norm(x)
-    rows = {k: float(v) for k, v in meter.by_label.items()}
-    return rows, {"final_norm": float(norm.by_label.get("final_norm", 0))}
+    return {"final_norm": float(norm.by_label.get("final_norm", 0))}
+
+
+class _Recorder:
+    """Records a forward's saves in order, (storage, bytes, label, region), and each
+    recomputable region's entry, (None, region, ((storage, bytes), ...) it keeps, label);
+    runs the regions as plain calls (regions_run_by). The meter still counts as usual."""
+
+    def __init__(self, meter, regions: dict[int, str]):
+        self.meter, self.record, self._regions, self._inside = meter, [], regions, []
+        self._entries: dict = {}  # storage key -> the record's id of its current entry
+        pack = meter._pack
+
+        def recording_pack(t):
+            holder = pack(t)
+            key = holder._key
+            if key is not None:
+                holders, nbytes = meter._refs[key]
+                if holders == 1:  # a new entry (the meter counts it): a storage is a key
+                    self._entries[key] = (key, len(self.record))  # only while held
+                label = meter._labels[-1] if meter._labels else None
+                region = self._inside[-1] if self._inside else None
+                self.record.append((self._entries[key], nbytes, label, region))
+            return holder
+
+        meter._pack = recording_pack
+        meter._hooks = torch.autograd.graph.saved_tensors_hooks(recording_pack, meter._unpack)
+
+    def run(self, fn, args):
+        from megatron_lite.parallel.recompute import keeps
+        from megatron_lite.training.activation_memory import _storage_key
+
+        # a module's forward is the MLP/MoE region; the attention's core is a function
+        region = self._regions.get(id(fn), "core_attn")
+        kept = []
+        for a in args:
+            found = _storage_key(a) if keeps(a) else None
+            if found is not None and found[0] not in self.meter._excluded:
+                key, nbytes = found  # its entry if the meter holds it, else a new one
+                held = key in self.meter._refs
+                kept.append((self._entries[key] if held else (key, len(self.record)), nbytes))
+        label = self.meter._labels[-1] if self.meter._labels else None
+        self.record.append((None, region, tuple(kept), label))
+        self._inside.append(region)
+        try:
+            return fn(*args)
+        finally:
+            self._inside.pop()
+
+
+def replay(record: tuple, selective: tuple[str, ...] | frozenset) -> dict[str, float]:
+    """{label: bytes} the meter would count for the forward of `record` (_Recorder) with the
+    regions of `selective` recomputed (module docstring)."""
+    seen, rows = set(), {}
+
+    def save(key, nbytes, label):
+        if key not in seen:
+            seen.add(key)
+            if label is not None:
+                rows[label] = rows.get(label, 0.0) + nbytes
+
+    for key, a, b, c in record:
+        if key is None:  # a region's entry: a, b, c = region, kept inputs, caller's label
+            for k, nbytes in b if a in selective else ():
+                save(k, nbytes, c)
+        elif c is None or c not in selective:  # a save: a, b, c = bytes, label, region
+            save(key, a, b)
+    return rows
 
 
 def subtree(rows: dict[str, float], path: str) -> float:

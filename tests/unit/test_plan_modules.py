@@ -147,6 +147,32 @@ def test_micro_batch_fit_is_exact(case, kernels):
         assert saved.final_norm_saves(c, kernels) == norm["final_norm"], case
 
 
+@pytest.mark.parametrize(
+    "case,kernels",
+    [("llama3-70b-tp8", "fused"), ("llama-cp4-a2a", "fused"), ("moe-shared-ep8", "fused"),
+     ("gpt-tp2", "torch"), ("ring-p2p", "fused")],
+)  # fmt: skip
+def test_selective_rows_replayed_from_one_forward_are_the_checkpoints(case, kernels):
+    """Every recompute_modules choice (none, core_attn, mlp/moe, both), replayed from the one
+    recorded forward, gives each row a forward under the real checkpoint
+    (torch.utils.checkpoint through parallel/recompute.py) measures, at two micro batches."""
+    import dataclasses
+
+    if case == "ring-p2p":  # the ring's core is never recomputed: every choice its own rows
+        over = ["model.vocab_size=4096", "data.reset_attention_mask=false"]
+        cfg = validate(load_config("configs/long_context_ring.yaml", over), 4, warn=False)
+    else:
+        cfg = _cfg(case)
+    for moe in _kinds(cfg):
+        part = "moe" if moe else "mlp"
+        for b in (1, 3):
+            c = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch_size=b))
+            record, _ = saved._record_layers(c, moe, kernels, (b,))[b]
+            for selective in [(), ("core_attn",), (part,), ("core_attn", part)]:
+                rows, _ = saved._measure_layer(c, moe, kernels, selective)
+                assert saved.replay(record, selective) == rows, (case, moe, b, selective)
+
+
 def test_chunk_kinds_built_together_are_each_built_alone():
     """A miss builds every kind of chunk of a multi-stage pipeline in one fake world: each is
     what a build of that kind alone (its own world) gives."""
