@@ -7,8 +7,9 @@ token, on forked gloo ranks:
   forward, no cache);
 - slow tier: a checkpoint trained on tp2·pp2·dp2 (ZeRO-1, sequence parallel, tied embeddings,
   padded vocabulary), resharded on load to 1 rank and to tp 2, equals transformers on the same
-  weights exported by tools/convert_checkpoint.py dcp-to-hf; likewise an MoE checkpoint
-  trained with ep 2 (exported as Mixtral).
+  weights exported by tools/convert_checkpoint.py dcp-to-hf; likewise checkpoints trained
+  with ZeRO-3 on dp 2, in bf16 on tp2·pp2·vpp2, and an MoE one with ep 2 (exported as
+  Mixtral).
 
 Weights are drawn at O(0.1) (norms away from 1) so logits spread over several units: with
 HF's 0.02 init the top two logits of a 2-layer model lie ~1e-4 apart, and float rounding
@@ -51,8 +52,9 @@ def hf_generate(model, prompts, new: int, eos: int | None = None) -> list[list[i
 
 @pytest.fixture(scope="module")
 def hf_llama(tmp_path_factory):
-    """(HF directory, transformers' greedy tokens for PROMPTS) of a tiny random Llama: GQA
-    (4 heads, 2 KV heads), untied output layer, vocabulary 96."""
+    """(HF directory, transformers' greedy tokens for PROMPTS, and for CLI_PROMPT up to its
+    EOS) of a tiny random Llama: GQA (4 heads, 2 KV heads), untied output layer, vocabulary 96,
+    with a word-level tokenizer.json."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -70,15 +72,16 @@ def hf_llama(tmp_path_factory):
     return str(path), hf_generate(model, PROMPTS, NEW), cli
 
 
-EOS = 95  # the tokenizer's "</s>"
+EOS = 23  # the tokenizer's "</s>": the model's greedy continuation of CLI_PROMPT reaches it
 CLI_PROMPT = [5, 17, 3]
 
 
 def write_tokenizer(path) -> None:
-    """tokenizer.json of words w0..w94 and "</s>" (its EOS): text "w5 w17" is ids [5, 17]."""
+    """tokenizer.json of words w<i> for every id i but EOS, which is "</s>": text "w5 w17" is
+    ids [5, 17]."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    vocab = {**{f"w{i}": i for i in range(EOS)}, "</s>": EOS}
+    vocab = {**{f"w{i}": i for i in range(96) if i != EOS}, "</s>": EOS}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="</s>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(os.path.join(path, "tokenizer.json"))
@@ -167,6 +170,7 @@ def test_the_cli_streams_the_text_of_transformers_tokens(hf_llama):
     prompt = " ".join(f"w{i}" for i in CLI_PROMPT)
     argv = ["--hf", path, "--prompt", prompt, "--max-new-tokens", str(NEW)]
     (stdout,) = run_ranks(1, _cli, argv)
+    assert EOS in new[1:], f"HF's continuation {new} stops at no EOS: the test needs one"
     words = [f"w{i}" for i in CLI_PROMPT + new if i != EOS]
     assert stdout == " ".join(words) + "\n", f"{stdout!r} vs HF {words}"
 
@@ -180,27 +184,15 @@ RUN = [
     "train.global_batch_size=4", "train.steps=2", "train.save_interval=2", "train.lr=1e-3",
     "train.warmup_steps=1", "log.progress=false",
 ]  # fmt: skip
-LAYOUTS = {
-    "tp2_pp2_dp2": (
-        8,
-        [
-            "parallel.tp=2",
-            "parallel.pp=2",
-            "parallel.sequence_parallel=true",
-            "parallel.zero_stage=1",
-        ],
-    ),  # fmt: skip
-    "moe_ep2": (
-        2,
-        [
-            "model.num_experts=4",
-            "model.moe_router_topk=2",
-            "parallel.ep=2",
-            "model.moe_router_norm_topk=true",
-            "model.moe_ffn_hidden_size=64",
-        ],
-    ),  # fmt: skip
-}
+LAYOUTS = {  # world size, overrides
+    "tp2_pp2_dp2": (8, ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true",
+                        "parallel.zero_stage=1"]),
+    "zero3_dp2": (2, ["parallel.zero_stage=3"]),  # FSDP2 rows, fp32 masters apart
+    "bf16_tp2_pp2_vpp2": (4, ["parallel.tp=2", "parallel.pp=2", "parallel.vpp=2",
+                              "train.precision=bf16"]),
+    "moe_ep2": (2, ["model.num_experts=4", "model.moe_router_topk=2", "parallel.ep=2",
+                    "model.moe_router_norm_topk=true", "model.moe_ffn_hidden_size=64"]),
+}  # fmt: skip
 
 
 def _train(rank, world, overrides, out_dir):
