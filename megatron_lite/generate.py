@@ -194,7 +194,8 @@ def _prompt_ids(args, tok, source) -> list[list[int]]:
             ) from None
         prompts.append((f"--prompt-ids {text!r}", ids))
     for text in args.prompt:
-        prompts.append((f"--prompt {text!r}", tok.encode(text)))
+        shown = text if len(text) <= 40 else text[:37] + "..."
+        prompts.append((f"--prompt {shown!r}", tok.encode(text)))
     vocab = tok.vocab_size if tok is not None else source.model.vocab_size
     context = source.context
     for flag, ids in prompts:
@@ -206,12 +207,18 @@ def _prompt_ids(args, tok, source) -> list[list[int]]:
                 "the model's tokenizer"
             )
         if len(ids) + args.max_new_tokens > context:
+            room = context - len(ids)
+            fix = (
+                f"lower --max-new-tokens to {room}, or shorten the prompt"
+                if room >= 1
+                else f"shorten the prompt to at most {max(context - args.max_new_tokens, 1)} "
+                f"tokens (with --max-new-tokens {args.max_new_tokens})"
+            )
             raise GenerateError(
                 f"{flag} is {len(ids)} tokens; with --max-new-tokens {args.max_new_tokens} that "
                 f"is {len(ids) + args.max_new_tokens}, longer than the model's context of "
                 f"{context} (model.seq_length, or max_position_embeddings, of {source.flag}). "
-                f"Fix: shorten the prompt or lower --max-new-tokens to "
-                f"{max(context - len(ids), 0)}"
+                f"Fix: {fix}"
             )
     return [ids for _, ids in prompts]
 
