@@ -32,7 +32,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_lite.data.errors import DataFileError  # noqa: E402
 from megatron_lite.data.preprocess import preprocess  # noqa: E402
 from megatron_lite.data.readers import FORMATS  # noqa: E402
-from megatron_lite.validation.paths import output_prefix_problem  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,6 +71,10 @@ def main(argv: list[str] | None = None) -> int:
         "--workers", type=int, default=1, help="tokenizer processes (default 1: all cores)"
     )
     args = parser.parse_args(argv)
+    # imported here, not at the top: validation/ imports torch (~190 MB resident), and every
+    # --workers process (spawned) imports this module again, but never runs main()
+    from megatron_lite.validation.paths import output_prefix_problem
+
     problem = output_prefix_problem(args.output_prefix)
     if problem is not None:
         print(
