@@ -288,7 +288,7 @@ def _parquet_documents(path: str, key: str) -> Iterator[tuple[str, int]]:
     _check_text_column(path, pf.schema_arrow, key)
     # the Parquet leaf column of the text (a nested column before it has several leaves)
     leaf = next(i for i in range(len(pf.schema)) if pf.schema.column(i).path == key)
-    row = 0
+    row = counted = 0
     for group in range(pf.num_row_groups):
         meta = pf.metadata.row_group(group)
         rows, size = meta.num_rows, meta.column(leaf).total_compressed_size
@@ -307,7 +307,8 @@ def _parquet_documents(path: str, key: str) -> Iterator[tuple[str, int]]:
                 f"{path}: row {row + done}: row group {group} (rows {row}..{row + rows - 1}) "
                 f"cannot be read ({_reason(e)}). Fix: re-download or re-write the file"
             ) from None
-        row += rows
+        row, counted = row + rows, counted + size
+    yield "", max(0, os.path.getsize(path) - counted)  # the footer and other columns: bar at 100%
 
 
 def _hf_files(path: str) -> list[str]:
@@ -354,8 +355,7 @@ def _hf_documents(path: str, key: str) -> Iterator[tuple[str, int]]:
                     column = batch.column(batch.schema.get_field_index(key))
                     yield from _column_texts(path, where, column, row, key, nbytes)
                     row += batch.num_rows
-                if f.tell() < f.size():
-                    yield "", f.size() - f.tell()
+                yield "", f.size() - position  # the end-of-stream marker
         except (pa.ArrowException, OSError) as e:
             raise DataFileError(
                 f"{path}: row {row}{where}: cannot be read as an Arrow stream ({_reason(e)}). "

@@ -111,6 +111,9 @@ def test_every_format_gives_the_same_dataset(tok, inputs, tmp_path, monkeypatch)
     out = {}
     for fmt, path in inputs.items():
         assert readers.detect_format(path) == fmt
+        # the progress bar counts every byte of the input once: it ends at 100%
+        counted = sum(n for _, n in readers.iter_documents(path, fmt))
+        assert counted == readers.input_size(path, fmt), f"{fmt}: progress counts {counted} bytes"
         stats = preprocess([path], tok, str(tmp_path / fmt.replace(".", "_")), progress=False)
         out[fmt] = _files(stats.prefix)
     for fmt in inputs:
