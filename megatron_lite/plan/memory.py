@@ -76,6 +76,11 @@ def rank_memory(cfg: Config, world: int, pp_rank: int, kernels: str = "fused") -
     return RankMemory(pp_rank, best.terms, held, per_layer, best.phase)
 
 
+def peak_bytes(cfg: Config, world: int, pp_rank: int, kernels: str = "fused") -> float:
+    """rank_memory(...).total alone (what the search ranks by)."""
+    return peak_moment(resolved(cfg, world), pp_rank, kernels).total
+
+
 def plan_memory(cfg: Config, world: int, kernels: str = "fused") -> list[RankMemory]:
     """Every pipeline rank's memory (index = pp rank)."""
     return [rank_memory(cfg, world, r, kernels) for r in range(cfg.parallel.pp)]

@@ -41,11 +41,11 @@ from megatron_lite.plan.activations import (
     chunk_bytes,
     deferred_wgrad_bytes,
     head_terms,
-    layer_rows,
     layer_shape,
     rebuilt_mlp,
     recompute_settings,
 )
+from megatron_lite.plan.modules import per_config
 from megatron_lite.plan.params import (
     buckets,
     buffer_bytes,
@@ -98,6 +98,10 @@ class _Chunk:
 def static_states(cfg: Config, pp_rank: int) -> dict[str, float]:
     """{weights, grads, master, optimizer} bytes that hold through the step's forward and
     backward: formula_bytes without the transient gradients, and no ZeRO-3 gradient shards."""
+    return dict(per_config(cfg, ("static_states", pp_rank), lambda: _static(cfg, pp_rank)))
+
+
+def _static(cfg: Config, pp_rank: int) -> dict[str, float]:
     p = cfg.parallel
     dense, expert = rank_params(cfg, pp_rank)
     n_dense = p.dp_shard or p.dp * p.cp
@@ -204,9 +208,8 @@ def _moments(cfg: Config, pp_rank: int, kernels: str, pending: list[float]):
     emb_grad = head["embedding_grad"]  # the embedding's weight gradient, [V/tp, h]
     emb_out = shape.tokens * shape.h * A  # its output's gradient, masked
     kinds = (False, True) if shape.experts else (False,)
-    rows = {e: layer_rows(cfg, shape, e) for e in kinds}
-    fwd = {e: forward_working(shape, e, rows[e]) for e in kinds}
-    bwd = {e: backward_moments(shape, e, rows[e]) for e in kinds}
+    fwd = {e: forward_working(cfg, shape, e) for e in kinds}
+    bwd = {e: backward_moments(cfg, shape, e) for e in kinds}
     kept = embedding = grads = 0.0  # saved by the held pairs; gradients beyond the static
     in_flight = [0, 0]  # ZeRO-2: the (dense, expert) buckets the last backward left in flight
     last_chunk = None  # and its chunk
@@ -349,13 +352,15 @@ def moments(cfg: Config, pp_rank: int, kernels: str = "fused") -> list[Moment]:
 
 def peak_moment(cfg: Config, pp_rank: int, kernels: str = "fused") -> Moment:
     """The largest moment of `moments` (the first of equals, as a tracker records a peak)."""
-    walk = _walk(cfg, pp_rank, kernels)
+    pending = [0.0]  # _walk's, inlined: the search walks some 10^6 moments
+    walk = _moments(cfg, pp_rank, kernels, pending)
     _, static = next(walk)
     best, best_total = None, -1.0
-    for phase, dynamic in walk:
-        total = sum(dynamic)
+    for phase, (grads, act, embedding, logits, working) in walk:
+        working += pending[0]
+        total = grads + act + embedding + logits + working  # (sum's order)
         if total > best_total:
-            best, best_total = (phase, dynamic), total
+            best, best_total = (phase, (grads, act, embedding, logits, working)), total
     return Moment(best[0], _terms(static, best[1]))
 
 

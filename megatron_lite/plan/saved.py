@@ -40,6 +40,7 @@ import torch
 
 from megatron_lite.config import Config
 from megatron_lite.plan import modules
+from megatron_lite.plan.layer_trace import LayerTrace
 from megatron_lite.resolve import cp_a2a_size, sequence_parallel
 
 LAYER = "layer"  # the row of the layer's own code
@@ -51,6 +52,8 @@ FIT_POINTS = (1, 2)
 REGIONS = ("core_attn", "mlp", "moe")
 # key -> {micro batch: (the forward's record, {"final_norm": bytes})}
 _SAVES: dict[tuple, dict[int, tuple]] = {}
+# key -> {micro batch: layer_trace's summary}
+_TRACES: dict[tuple, dict[int, tuple]] = {}
 # key + (selective,) -> {micro batch: ({module path: bytes}, {"final_norm": bytes})}
 _ROWS: dict[tuple, dict[int, tuple]] = {}
 
@@ -74,6 +77,43 @@ def layer_saves(
     return _saves(cfg, moe, kernels, tuple(selective))[0]
 
 
+def layer_trace(cfg: Config, moe: bool, kernels: str = "fused") -> tuple:
+    """One layer's plan/layer_trace.py summary (forward, backward states, ZeRO-3 moment) at
+    cfg's micro batch, from the same runs as layer_saves: each figure fitted in the micro
+    batch through the two measured ones (a state's largest moment is one op's at each)."""
+    b = cfg.train.micro_batch_size
+    key = _key(cfg, kernels, moe)
+    records = _records(cfg, moe, kernels)
+    fitted = modules.cached(_TRACES, key, dict)
+    if b not in fitted:
+        fitted[b] = _fit_trace(*(records[point][2] for point in FIT_POINTS), b)
+    return fitted[b]
+
+
+def _records(cfg: Config, moe: bool, kernels: str) -> dict:
+    """{micro batch: _record_layers' result} at FIT_POINTS, measured once per key."""
+    records = modules.cached(_SAVES, _key(cfg, kernels, moe), dict)
+    if not records:  # on one fake stage
+        records.update(_record_layers(cfg, moe, kernels, FIT_POINTS))
+    return records
+
+
+def _fit_trace(one: tuple, two: tuple, b: int) -> tuple:
+    t = (b - FIT_POINTS[0]) / (FIT_POINTS[1] - FIT_POINTS[0])
+
+    def line(u: float, v: float) -> float:
+        return u + t * (v - u)
+
+    states = {}
+    for k in {**one[1], **two[1]}:  # (a state seen at one point only: its figures flat)
+        (w, freed, arriving), (w2, freed2, arriving2) = (
+            p[1].get(k, q[1].get(k)) for p, q in ((one, two), (two, one))
+        )
+        states[k] = (line(w, w2), line(freed, freed2), arriving or arriving2)
+    zero3 = tuple(line(u, v) for u, v in zip(one[2], two[2], strict=True))
+    return line(one[0], two[0]), states, zero3
+
+
 def final_norm_saves(cfg: Config, kernels: str = "fused") -> float:
     """Bytes the last chunk's final norm saves for backward per microbatch, measured beside
     a layer of the model's first kind (the same stage, input and fit)."""
@@ -86,11 +126,9 @@ def _saves(cfg: Config, moe: bool, kernels: str, selective: tuple[str, ...]) -> 
     key = _key(cfg, kernels, moe)
     points = modules.cached(_ROWS, key + (frozenset(selective),), dict)
     if not points:  # the line's two points, replayed from one record each
-        records = modules.cached(_SAVES, key, dict)
-        if not records:  # on one fake stage
-            records.update(_record_layers(cfg, moe, kernels, FIT_POINTS))
+        records = _records(cfg, moe, kernels)
         for point in FIT_POINTS:
-            record, norm = records[point]
+            record, norm, _ = records[point]
             points[point] = (replay(record, selective), norm)
     if b not in points:
         points[b] = tuple(_fit(points, i, b) for i in range(2))
@@ -183,7 +221,7 @@ def _meter(*modules_: torch.nn.Module, ctx=None):
 
     exclude = [t for m in modules_ for t in (*m.parameters(), *m.buffers())]
     if ctx is not None:
-        exclude += [t for t in (*(ctx.rope or ()), ctx.docs, ctx.positions) if t is not None]
+        exclude += _context(ctx)
     return SavedTensorMeter(exclude=exclude)
 
 
@@ -219,13 +257,26 @@ def _record_layers(cfg: Config, moe: bool, kernels: str, micro_batches: tuple) -
         regions = {id(m): ("moe" if moe else "mlp") for n, m in layer.named_modules() if n == MLP}
         for b in micro_batches:
             x, ctx = inputs(b)
+            norm = _final_norm(chunk, x)
             recorder = _Recorder(_meter(layer, chunk, ctx=ctx), regions)
             labels = _labelled(layer, recorder.meter)
-            with recorder.meter, regions_run_by(recorder.run):
-                layer(x, ctx)
-            labels.remove()
-            out[b] = (tuple(recorder.record), _final_norm(chunk, x))
+            trace = LayerTrace(recorder.meter)
+            with trace:
+                trace.prepare(layer, [*chunk.parameters(), *chunk.buffers(), *_context(ctx)])
+                trace.label([x], "activations")
+                with recorder.meter, regions_run_by(recorder.run):
+                    y = layer(x, ctx)
+                del x  # held by what saved it
+                labels.remove()
+                trace.backward(y)
+            record = tuple(recorder.record)
+            saved = sum(replay(record, ()).values())
+            out[b] = (record, norm, trace.summary(saved, cfg.train.precision != "bf16"))
     return out
+
+
+def _context(ctx) -> list:
+    return [t for t in (*(ctx.rope or ()), ctx.docs, ctx.positions) if t is not None]
 
 
 class _Labels:

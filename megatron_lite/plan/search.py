@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from megatron_lite.config import Config, ConfigError
 from megatron_lite.plan.hardware import usable_bytes
-from megatron_lite.plan.memory import rank_memory
+from megatron_lite.plan.memory import peak_bytes, rank_memory
 from megatron_lite.plan.peak import static_states
 from megatron_lite.plan.step_time import StepTime, step_time
 from megatron_lite.validation import validate
@@ -179,7 +179,7 @@ def search(cfg: Config, world: int, gpu, mfu: float, gpus_per_node: int, top: in
         floor = max(sum(static_states(r, k).values()) for k in ranks)
         if floor > budget and counts.smallest_peak is not None and floor >= counts.smallest_peak:
             continue
-        peak = max(rank_memory(r, world, k).total for k in ranks)
+        peak = max(peak_bytes(r, world, k) for k in ranks)
         if peak > budget:
             if counts.smallest_peak is None or peak < counts.smallest_peak:
                 counts.smallest_peak, counts.smallest = peak, o

@@ -302,13 +302,12 @@ def test_plan_and_dry_run_agree_on_the_toys_states_activations_and_peak(toy_plan
         assert any(k.startswith("forward layer ") for k in res["peaks_by_phase"]), res
 
 
-@pytest.mark.xfail(strict=True, reason="plan/working.py's working sets are Llama's formulas")
 def test_plan_and_dry_run_agree_on_the_toys_working_bytes(toy_plan):
-    """The gathered+temporaries term at the peak: plan/working.py's forward/backward working
-    sets are hand formulas of a sequential attention-then-gated-MLP layer, not measured, so
-    for the parallel block the planner's backward working is 25% under the dry run's and its
-    forward working 90% over (the planner's peak falls in the forward, the dry run's in the
-    backward). Passes (and so fails, strict) once the working sets come from the real layer."""
+    """The gathered+temporaries term at the peak, and the activations: plan/working.py
+    measures the working sets on the real layer (plan/layer_trace.py), so the parallel block's
+    (one fused projection in, attention and MLP side by side) is what the dry run holds; the
+    former hand formulas of a sequential attention-then-gated-MLP layer were 25% under in the
+    backward and 90% over in the forward."""
     for res in toy_plan:
         at = f"pp rank {res['coords']['pp']}"
         got, want = res["compared"]["gathered+temporaries"], res["at_phase"]["gathered+temporaries"]

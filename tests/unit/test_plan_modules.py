@@ -167,7 +167,7 @@ def test_selective_rows_replayed_from_one_forward_are_the_checkpoints(case, kern
         part = "moe" if moe else "mlp"
         for b in (1, 3):
             c = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch_size=b))
-            record, _ = saved._record_layers(c, moe, kernels, (b,))[b]
+            record, _, _ = saved._record_layers(c, moe, kernels, (b,))[b]
             for selective in [(), ("core_attn",), (part,), ("core_attn", part)]:
                 rows, _ = saved._measure_layer(c, moe, kernels, selective)
                 assert saved.replay(record, selective) == rows, (case, moe, b, selective)

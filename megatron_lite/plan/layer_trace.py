@@ -1,0 +1,140 @@
+"""What one layer holds for a moment beyond what it saves, measured: its forward and backward
+run on plan/saved.py's fake stage under a `MemoryTracker` (training/memory_tracker.py) that
+samples the bytes alive after every op.
+
+The layer runs as it does under ZeRO-0/1/2: each parameter has an fp32 `main_grad` (outside
+the sample: the planner counts gradient buffers itself) and the hooks of
+data_parallel/buffers.py as far as memory goes — a linear's weight gradient goes into
+main_grad inside its backward (parallel/linear_async.py calls `ensure_main_grad` first, the
+moment ZeRO-2 allocates the bucket), any other gradient reaches main_grad in the pre-hook of
+its AccumulateGrad and autograd keeps nothing. Each sample records that state: the parameter
+group (dense 0, expert 1) of the gradient arriving or last arrived, how many of that group's
+gradients have arrived, the index of the one arriving (None between), and the bytes of the
+arrived and arriving gradients (what ZeRO-3, with no main_grad, holds instead:
+plan/working.py).
+
+The forward's samples are the bytes of activations and temporaries alive (its input
+included); before the backward the layer's output is released, as the pipeline engine does
+once the next stage has it, and the output gradient is made. The backward's samples are the
+bytes alive less the storages the saved-tensor meter still holds (whatever is saved and not
+released yet) and less the output gradient (the planner's received gradient), beside the
+meter's bytes still held.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd.graph import get_gradient_edge
+
+from megatron_lite.pipeline.engine import deallocate_output
+from megatron_lite.training.memory_tracker import MemoryTracker
+
+WORKING = ("activations", "temporaries")  # the tracker's categories the samples count
+
+
+class LayerTrace(MemoryTracker):
+    """See the module docstring: `prepare(layer, others)`, run the forward inside the
+    context, then `backward(output)`."""
+
+    def __init__(self, meter):
+        super().__init__()
+        self.meter = meter  # the forward's SavedTensorMeter (its current_bytes: still held)
+        self.forward_samples: list[int] = []
+        self.backward_samples: list[tuple] = []
+        self.recv = 0
+        self._backward = False
+        self._group, self._arriving = 0, None
+        self._arrived = [0, 0]  # per group
+        self._index: dict[int, tuple[int, int]] = {}  # id(param) -> (group, index in it)
+        self._group_of: dict[int, int] = {}  # id(param) -> its group
+        self._grads = [0, 0]  # (arrived, arriving) gradient bytes
+        self._nodes: list = []
+
+    def prepare(self, layer: torch.nn.Module, others=()) -> None:
+        """Name what exists before the forward (the layer's parameters, buffers and `others`:
+        the chunk's tables, the token context), give each parameter its main_grad and hooks."""
+        from megatron_lite.parallel.params import meta_of
+
+        params = [p for p in layer.parameters() if p.requires_grad]
+        self.label(list(layer.parameters()), "weights")
+        self.label([*layer.buffers(), *others], "buffers")
+        for p in params:
+            p.main_grad = torch.zeros(p.shape, dtype=torch.float32)
+            p.main_grad_placeholder = torch.zeros((), dtype=p.dtype).expand(p.shape)
+            self.label([p.main_grad, p.main_grad_placeholder], "grads")
+            p.ensure_main_grad = lambda p=p: self._arrive(p)
+            group = self._group_of[id(p)] = int(bool(meta_of(p).is_expert))
+            node = get_gradient_edge(p).node
+            node.register_prehook(lambda grads, p=p, g=group: self._on_grad(p, g, grads))
+            self._nodes.append(node)  # autograd holds a leaf's accumulator weakly
+
+    def working(self) -> int:
+        return sum(self.current[c] for c in WORKING)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        self._sample()
+        return out
+
+    def _sample(self) -> None:
+        if not self._backward:
+            self.forward_samples.append(self.working())
+            return
+        held = self.meter.current_bytes
+        g = self._group
+        self.backward_samples.append(
+            (self.working() - held - self.recv, held, g, self._arrived[g], self._arriving,
+             *self._grads)
+        )  # fmt: skip
+
+    def _arrive(self, p: torch.nn.Parameter) -> None:
+        """`p`'s gradient is about to be written (ensure_main_grad, or its pre-hook)."""
+        g = self._group_of[id(p)]
+        if id(p) not in self._index:
+            self._index[id(p)] = (g, sum(1 for k in self._index.values() if k[0] == g))
+        self._group, self._arriving = g, self._index[id(p)][1]
+        self._grads[1] = p.numel() * p.element_size()
+        self._sample()
+
+    def _on_grad(self, p: torch.nn.Parameter, group: int, grads: tuple) -> tuple:
+        grad = grads[0]
+        if grad is not None and grad is not p.main_grad_placeholder:
+            self._arrive(p)
+            p.main_grad.add_(grad)
+        if id(p) not in self._index:  # (no gradient reached it: it arrives all the same)
+            self._index[id(p)] = (group, sum(1 for k in self._index.values() if k[0] == group))
+        self._group, self._arriving = group, None
+        self._arrived[group] += 1
+        self._grads = [self._grads[0] + p.numel() * p.element_size(), 0]
+        self._sample()
+        return (None,)
+
+    def backward(self, output: torch.Tensor) -> None:
+        """Release the output's data, make its gradient, run the backward (samples)."""
+        grad = torch.empty_like(output)
+        self.recv = grad.untyped_storage().nbytes()
+        deallocate_output(output)
+        self._backward = True
+        self._sample()
+        torch.autograd.backward(output, grad)
+
+    def summary(self, saved: float, fp32: bool) -> tuple:
+        """(the forward's largest sample, {(group, arrived): (working, freed, arriving)} the
+        backward's largest sample of each gradient state in arrival order, (working, freed)
+        its largest under ZeRO-3), freed counted against `saved`, the bytes the layer's rows
+        hold (plan/working.py)."""
+        classes: dict[tuple, list] = {}
+        zero3 = None
+        for w, held, g, arrived, arriving, g_arrived, g_arriving in self.backward_samples:
+            freed = saved - held
+            c = classes.get((g, arrived))
+            if c is None or w - freed > c[0] - c[1]:
+                classes[(g, arrived)] = [w, freed, (c is not None and c[2]) or arriving is not None]
+            else:
+                c[2] = c[2] or arriving is not None
+            # without main_grad every gradient made so far is held (fp32: the GEMM's own too)
+            w3 = w + g_arrived + (g_arriving if fp32 else 0)
+            if zero3 is None or w3 - freed > zero3[0] - zero3[1]:
+                zero3 = (w3, freed)
+        forward = max(self.forward_samples, default=0)
+        return forward, {k: tuple(v) for k, v in classes.items()}, zero3 or (0, 0)
