@@ -70,9 +70,13 @@ def exit_code(failures: dict[int, tuple[int, float]]) -> tuple[int, str | None]:
 def main(argv: list[str] | None = None) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousTimeoutError
-    from torch.distributed.run import parse_args, run
+    from torch.distributed.run import get_args_parser, run
 
-    args = parse_args(sys.argv[1:] if argv is None else argv)  # exits 2 on a bad argument
+    # torchrun's parser, without prefix matching: the script's own flags (generate's --run)
+    # are not taken for abbreviations of torchrun's (--run-path)
+    parser = get_args_parser()
+    parser.allow_abbrev = False
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)  # exits 2 on a bad one
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_DropAgentNoise())
     try:
         run(args)
