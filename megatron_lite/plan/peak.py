@@ -30,7 +30,9 @@ The model states change within a step too:
 
 from __future__ import annotations
 
+import bisect
 import functools
+import itertools
 from dataclasses import dataclass
 
 from megatron_lite.config import Config
@@ -88,6 +90,7 @@ class _Chunk:
     layers: int  # its layer count
     params: float  # its parameters (dense + expert)
     cuts: tuple[list, list]  # ZeRO-2: (dense, expert) buckets, (elements, parameters) each
+    ends: tuple[list, list]  # the running sums of their parameters (_live_buckets)
     after: int  # dense parameters after its layers (final norm, output layer)
     deferred: float = 0.0  # a split backward's queued weight GEMMs' bytes, from B to W
     deferred_weights: int = 0  # the elements of the weights whose gradients W computes
@@ -163,6 +166,7 @@ def _chunks(cfg: Config, pp_rank: int, shape) -> list[_Chunk]:
             kept=kept, rebuilt=rebuilt, rerun_offset=offset, last_moe=bool(moe and moe[-1]),
             loss=loss, embedding=stage == 0, root=root,
             layer=max(layers, default=0), layers=len(layers), params=root + sum(layers), cuts=cuts,
+            ends=tuple(list(itertools.accumulate(n for _, n in cut)) for cut in cuts),
             after=len(head_params(cfg, pp_rank, c)[1]),
         ))  # fmt: skip
         if split:
@@ -228,13 +232,14 @@ def _moments(cfg: Config, pp_rank: int, kernels: str, pending: list[float]):
         mine = in_flight[group]
         if ch.cuts[group]:
             same = last_chunk == c and len(ch.cuts[group]) == 1
-            mine = _live_buckets(ch.cuts[group], arrived, arriving, in_flight[group], same)
+            mine = _live_buckets(ch.cuts[group], arrived, arriving, in_flight[group], same,
+                                 ch.ends[group])  # fmt: skip
         other = in_flight[1 - group]
         head = ch.after if ch.loss else 0
         if router and group == 1 and ch.cuts[0] and (head or objective):
             same = last_chunk == c and len(ch.cuts[0]) == 1
             first = head if objective else None
-            other = _live_buckets(ch.cuts[0], head, first, in_flight[0], same)
+            other = _live_buckets(ch.cuts[0], head, first, in_flight[0], same, ch.ends[0])
         return grads + 4 * (mine + other)
 
     seen = set()  # (action, state) already yielded: the steady state repeats itself
@@ -313,25 +318,27 @@ def _moments(cfg: Config, pp_rank: int, kernels: str, pending: list[float]):
         pending[0] += ch.deferred  # B done: its weight GEMMs wait for W
 
 
-def _live_buckets(cut: list, arrived: int, arriving: int | None, prev: int, same: bool) -> int:
+def _live_buckets(cut: list, arrived: int, arriving: int | None, prev: int, same: bool,
+                  ends: list | None = None) -> int:  # fmt: skip
     """Elements of one gradient buffer's ZeRO-2 buckets alive during its chunk's backward
-    (data_parallel/buffers.py): `cut` its buckets, (elements, parameters) in backward order;
-    `arrived` parameters' gradients added (a bucket launched once full, completing the one
-    launched before it); `arriving` the index of the one being added now (its bucket
-    allocated); `prev` the bucket the previous backward left in flight, `same` when that is
-    this buffer's only bucket (waited for and reused)."""
-    alive, start, launched, first_alloc = 0, 0, None, False
-    for i, (n, count) in enumerate(cut):
-        end = start + count
-        if end <= arrived:
-            launched = n
-        elif start < arrived or (arriving is not None and start <= arriving < end):
-            alive += n
-            first_alloc = first_alloc or i == 0
-        start = end
-    if launched is not None:
-        return alive + launched
-    return alive + (0 if same and first_alloc else prev)
+    (data_parallel/buffers.py): `cut` its buckets, (elements, parameters) in backward order
+    (`ends`: the running sums of their parameters, computed if not given); `arrived`
+    parameters' gradients added (a bucket launched once full, completing the one launched
+    before it); `arriving` the index of the one being added now (its bucket allocated); `prev`
+    the bucket the previous backward left in flight, `same` when that is this buffer's only
+    bucket (waited for and reused)."""
+    if ends is None:
+        ends = list(itertools.accumulate(count for _, count in cut))
+    full = bisect.bisect_right(ends, arrived)  # buckets 0..full-1 complete (launched)
+    alive = {full} if full < len(cut) and (ends[full - 1] if full else 0) < arrived else set()
+    if arriving is not None:
+        at = bisect.bisect_right(ends, arriving)  # the bucket holding `arriving`
+        if full <= at < len(cut):
+            alive.add(at)
+    live = sum(cut[i][0] for i in alive)
+    if full:
+        return live + cut[full - 1][0]
+    return live + (0 if same and 0 in alive else prev)
 
 
 def _terms(static: dict[str, float], dynamic: tuple) -> dict[str, float]:

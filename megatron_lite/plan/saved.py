@@ -74,13 +74,19 @@ def layer_saves(
     tokens, or none: the torch kernels' fp32 weight copies, an MoE layer's [E]-sized ones):
     measured at micro batches 1 and 2, fitted for the others (exact:
     tests/unit/test_plan_modules.py)."""
-    return _saves(cfg, moe, kernels, tuple(selective))[0]
+    selective = tuple(selective)
+    question = ("layer_saves", moe, kernels, selective)  # (a search asks it ~10^5 times)
+    return modules.per_config(cfg, question, lambda: _saves(cfg, moe, kernels, selective)[0])
 
 
 def layer_trace(cfg: Config, moe: bool, kernels: str = "fused") -> tuple:
     """One layer's plan/layer_trace.py summary (forward, backward states, ZeRO-3 moment) at
     cfg's micro batch, from the same runs as layer_saves: each figure fitted in the micro
     batch through the two measured ones (a state's largest moment is one op's at each)."""
+    return modules.per_config(cfg, ("layer_trace", moe, kernels), lambda: _trace(cfg, moe, kernels))
+
+
+def _trace(cfg: Config, moe: bool, kernels: str) -> tuple:
     b = cfg.train.micro_batch_size
     key = _key(cfg, kernels, moe)
     records = _records(cfg, moe, kernels)
@@ -117,7 +123,11 @@ def _fit_trace(one: tuple, two: tuple, b: int) -> tuple:
 def final_norm_saves(cfg: Config, kernels: str = "fused") -> float:
     """Bytes the last chunk's final norm saves for backward per microbatch, measured beside
     a layer of the model's first kind (the same stage, input and fit)."""
-    return _saves(cfg, modules.layer_kinds(cfg)[0], kernels, ())[1]["final_norm"]
+
+    def answer():
+        return _saves(cfg, modules.layer_kinds(cfg)[0], kernels, ())[1]["final_norm"]
+
+    return modules.per_config(cfg, ("final_norm_saves", kernels), answer)
 
 
 def _saves(cfg: Config, moe: bool, kernels: str, selective: tuple[str, ...]) -> tuple:

@@ -4,6 +4,7 @@ effect."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import os
@@ -38,6 +39,7 @@ def _choice(key: str, value, choices: tuple) -> None:
     )
 
 
+@functools.lru_cache(maxsize=4096)  # a planner search validates ~10^4 layouts of one config
 def in_dtype(value: float, dtype: torch.dtype) -> float:
     """`value` rounded to `dtype` (round to nearest even; inf beyond its range), as a tensor of
     that dtype holds it."""
@@ -50,8 +52,10 @@ def _stored(key: str, value: float | None, dtype: torch.dtype, why: str, fix: st
     1e-50 is 0 there). Its own range (>= 0, > 0) is the caller's rule."""
     if value is None:
         return
-    name = str(dtype).replace("torch.", "")
     stored = in_dtype(value, dtype)
+    if math.isfinite(stored) and (stored != 0 or value == 0):
+        return  # (the messages below cost more than the check)
+    name = str(dtype).replace("torch.", "")
     _rule(
         math.isfinite(stored),
         key,

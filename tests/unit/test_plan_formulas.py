@@ -127,13 +127,13 @@ def test_search_skipping_the_walk_changes_nothing(monkeypatch):
     cfg = load_config("configs/mixtral_8x7b.yaml")  # nothing fits 4 H100: the smallest is named
     gpu = get_gpu("h100")
     calls = []
-    walked = search_module.rank_memory
+    walked = search_module.peak_bytes
 
     def counting(*args, **kwargs):
         calls.append(1)
         return walked(*args, **kwargs)
 
-    monkeypatch.setattr(search_module, "rank_memory", counting)
+    monkeypatch.setattr(search_module, "peak_bytes", counting)
     pruned = search(cfg, 4, gpu, 0.45, 8, top=2)
     pruned_walks = len(calls)
     monkeypatch.setattr(search_module, "static_states", lambda cfg, rank: {"weights": 0.0})
