@@ -47,7 +47,7 @@ from megatron_lite.plan.activations import (
     rebuilt_mlp,
     recompute_settings,
 )
-from megatron_lite.plan.modules import per_config
+from megatron_lite.plan.modules import layer_kinds, per_config
 from megatron_lite.plan.params import (
     buckets,
     buffer_bytes,
@@ -211,7 +211,7 @@ def _moments(cfg: Config, pp_rank: int, kernels: str, pending: list[float]):
     logits = head["final_norm"] + head["output_in"] + head["logits"]
     emb_grad = head["embedding_grad"]  # the embedding's weight gradient, [V/tp, h]
     emb_out = shape.tokens * shape.h * A  # its output's gradient, masked
-    kinds = (False, True) if shape.experts else (False,)
+    kinds = set(layer_kinds(cfg))  # (measured: only the kinds the model has)
     fwd = {e: forward_working(cfg, shape, e) for e in kinds}
     bwd = {e: backward_moments(cfg, shape, e) for e in kinds}
     kept = embedding = grads = 0.0  # saved by the held pairs; gradients beyond the static

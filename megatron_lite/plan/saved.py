@@ -58,11 +58,13 @@ _TRACES: dict[tuple, dict[int, tuple]] = {}
 _ROWS: dict[tuple, dict[int, tuple]] = {}
 
 
-def _key(cfg: Config, kernels: str, *rest) -> tuple:
-    """The measurement's key but the micro batch (model section, local layout, kernels)."""
+def _key(cfg: Config, kernels: str, moe: bool) -> tuple:
+    """The measurement's key but the micro batch (model section, local layout, kernels, the
+    layer kind); a dense layer's not ep (no part of it reads the expert group: a test compares
+    its figures at every ep)."""
     p = cfg.parallel
-    return (modules.model_key(cfg), p.tp, sequence_parallel(p), p.cp, cp_a2a_size(p), p.ep,
-            kernels, *rest)  # fmt: skip
+    return (modules.model_key(cfg), p.tp, sequence_parallel(p), p.cp, cp_a2a_size(p),
+            p.ep if moe else 1, kernels, moe)  # fmt: skip
 
 
 def layer_saves(

@@ -173,6 +173,25 @@ def test_selective_rows_replayed_from_one_forward_are_the_checkpoints(case, kern
                 assert saved.replay(record, selective) == rows, (case, moe, b, selective)
 
 
+def test_a_dense_layers_figures_do_not_depend_on_ep():
+    """The measurement key leaves ep out for a dense layer: its saved rows (every
+    recompute_modules choice), final norm and working-set trace, measured at ep 1, 2 and 4 of
+    an MoE model with a leading dense layer, are the same (its MoE layer's are not)."""
+    import dataclasses
+
+    cfg = validate(load_config("configs/moe_deepseek_tiny.yaml", ["model.vocab_size=4096"]), 4)
+    assert False in _kinds(cfg) and True in _kinds(cfg)
+    for moe in (False, True):
+        got = []
+        for ep in (1, 2, 4):
+            c = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, ep=ep))
+            record, norm, trace = saved._record_layers(c, moe, "fused", (1,))[1]
+            choices = [(), ("core_attn",), ("moe" if moe else "mlp",)]
+            got.append(([saved.replay(record, choice) for choice in choices], norm, trace))
+        same = got[1] == got[0] and got[2] == got[0]
+        assert same == (not moe), moe
+
+
 def test_chunk_kinds_built_together_are_each_built_alone():
     """A miss builds every kind of chunk of a multi-stage pipeline in one fake world: each is
     what a build of that kind alone (its own world) gives."""
