@@ -102,8 +102,11 @@ def rank_params(cfg: Config, pp_rank: int) -> tuple[int, int]:
         sums = {e: _split(modules.layer_params(cfg, e).params) for e in kinds}
         dense = expert = 0
         for own, moe in chunks:
-            for d, x in [_split(own.before + own.after)] + [sums[e] for e in moe]:
-                dense, expert = dense + d, expert + x
+            d, x = _split(own.before + own.after)
+            dense, expert = dense + d, expert + x
+            for e in kinds:  # (integers: the order of the sum does not matter)
+                n = moe.count(e)
+                dense, expert = dense + sums[e][0] * n, expert + sums[e][1] * n
         return dense, expert
 
     return modules.per_config(cfg, ("rank_params", pp_rank), answer)
