@@ -67,6 +67,7 @@ class LayerTrace(MemoryTracker):
             node = get_gradient_edge(p).node
             node.register_prehook(lambda grads, p=p, g=group: self._on_grad(p, g, grads))
             self._nodes.append(node)  # autograd holds a leaf's accumulator weakly
+        self.forward_samples.clear()  # (the main_grads' allocation, before their label)
 
     def working(self) -> int:
         return sum(self.current[c] for c in WORKING)
