@@ -122,10 +122,11 @@ class LayerTrace(MemoryTracker):
     def summary(self, saved: float, fp32: bool) -> tuple:
         """(the forward's largest sample, {(group, arrived): (working, freed, arriving)} the
         backward's largest sample of each gradient state in arrival order, (working, freed)
-        its largest under ZeRO-3), freed counted against `saved`, the bytes the layer's rows
-        hold (plan/working.py)."""
+        its largest under ZeRO-3 with every gradient made so far held, then (working, freed)
+        with only the arriving one's: a later microbatch's), freed counted against `saved`,
+        the bytes the layer's rows hold (plan/working.py)."""
         classes: dict[tuple, list] = {}
-        zero3 = None
+        zero3 = later = None
         for w, held, g, arrived, arriving, g_arrived, g_arriving in self.backward_samples:
             freed = saved - held
             c = classes.get((g, arrived))
@@ -134,8 +135,14 @@ class LayerTrace(MemoryTracker):
             else:
                 c[2] = c[2] or arriving is not None
             # without main_grad every gradient made so far is held (fp32: the GEMM's own too)
-            w3 = w + g_arrived + (g_arriving if fp32 else 0)
+            own = g_arriving if fp32 else 0  # (bf16: the GEMM's product is in w already)
+            w3 = w + g_arrived + own
             if zero3 is None or w3 - freed > zero3[0] - zero3[1]:
                 zero3 = (w3, freed)
+            # a later microbatch adds into the unsharded gradients (the planner's grads term):
+            # only the arriving one's own is made
+            if later is None or w + own - freed > later[0] - later[1]:
+                later = (w + own, freed)
         forward = max(self.forward_samples, default=0)
-        return forward, {k: tuple(v) for k, v in classes.items()}, zero3 or (0, 0)
+        states = {k: tuple(v) for k, v in classes.items()}
+        return forward, states, (*(zero3 or (0, 0)), *(later or (0, 0)))

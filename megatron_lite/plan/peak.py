@@ -214,6 +214,8 @@ def _moments(cfg: Config, pp_rank: int, kernels: str, pending: list[float]):
     kinds = set(layer_kinds(cfg))  # (measured: only the kinds the model has)
     fwd = {e: forward_working(cfg, shape, e) for e in kinds}
     bwd = {e: backward_moments(cfg, shape, e) for e in kinds}
+    # ZeRO-3 with M > 1: a chunk's later backwards add into its unsharded gradients
+    later = {e: backward_moments(cfg, shape, e, accumulated=True) for e in kinds}
     kept = embedding = grads = 0.0  # saved by the held pairs; gradients beyond the static
     in_flight = [0, 0]  # ZeRO-2: the (dense, expert) buckets the last backward left in flight
     last_chunk = None  # and its chunk
@@ -289,7 +291,8 @@ def _moments(cfg: Config, pp_rank: int, kernels: str, pending: list[float]):
             if ch.last_moe and objective:  # then the router's gradient first (see above)
                 g = zero2(ch, c, 1, 0, None, router=True)
                 yield "backward", (g, kept + recv * (not ch.loss), embedding, 0.0, rerun)
-        for w, freed, group, arrived, arriving in bwd[ch.last_moe]:
+        accumulated = p.zero_stage == 3 and m > 1 and ch.backwarded
+        for w, freed, group, arrived, arriving in (later if accumulated else bwd)[ch.last_moe]:
             if ch.rebuilt:  # what the backward frees is of the rebuilt part first
                 w, freed = w + max(ch.rebuilt - freed, 0.0), max(freed - ch.rebuilt, 0.0)
             act = kept + (0.0 if ch.loss else recv) - min(freed, ch.kept)

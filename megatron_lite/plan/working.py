@@ -34,14 +34,17 @@ def forward_working(cfg: Config, x: LayerShape, moe: bool = False) -> float:
     return forward - sum(layer_saves(cfg, moe, x.kernels).values())
 
 
-def backward_moments(cfg: Config, x: LayerShape, moe: bool = False) -> list[tuple]:
+def backward_moments(cfg: Config, x: LayerShape, moe: bool = False,
+                     accumulated: bool = False) -> list[tuple]:  # fmt: skip
     """(working bytes, saved bytes freed by then, gradient buffer (0 dense, 1 experts), how
     many of that buffer's parameters of the layer have their gradients in, the index of the
-    one being added or None) at the moments a layer's backward can peak (module docstring)."""
+    one being added or None) at the moments a layer's backward can peak (module docstring);
+    `accumulated`: ZeRO-3's unsharded gradients exist already (a later microbatch: each new
+    gradient is added into them, the walk counts them in its grads term)."""
     _, states, zero3 = layer_trace(cfg, moe, x.kernels)
     zero = cfg.parallel.zero_stage
     if zero == 3:
-        return [(*zero3, 0, 0, None)]
+        return [(*zero3[2:4], 0, 0, None)] if accumulated else [(*zero3[:2], 0, 0, None)]
     moments = [(w, freed, g, n, n if arriving else None)
                for (g, n), (w, freed, arriving) in states.items()]  # fmt: skip
     if zero == 2:
