@@ -65,7 +65,8 @@ class LayerTrace(MemoryTracker):
             p.ensure_main_grad = lambda p=p: self._arrive(p)
             group = self._group_of[id(p)] = int(bool(meta_of(p).is_expert))
             node = get_gradient_edge(p).node
-            node.register_prehook(lambda grads, p=p, g=group: self._on_grad(p, g, grads))
+            hook = node.register_prehook(lambda grads, p=p, g=group: self._on_grad(p, g, grads))
+            self._handles.append(hook)  # removed on exit (a later trace of the layer has its own)
             self._nodes.append(node)  # autograd holds a leaf's accumulator weakly
         self.forward_samples.clear()  # (the main_grads' allocation, before their label)
 

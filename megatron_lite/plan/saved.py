@@ -256,8 +256,9 @@ def _measure_layer(cfg: Config, moe: bool, kernels: str, selective: tuple[str, .
 
 
 def _record_layers(cfg: Config, moe: bool, kernels: str, micro_batches: tuple) -> dict:
-    """{micro batch: (the forward's record, the chunk's final norm's)}, each on its own input
-    to one layer (built with every recomputable region) on one fake stage."""
+    """{micro batch: (the forward's record, the chunk's final norm's, the layer's
+    LayerTrace summary)}, each on its own input to one layer (built with every recomputable
+    region) on one fake stage, forward and backward."""
     from megatron_lite.parallel.recompute import regions_run_by
 
     cfg = _with_selective(cfg, REGIONS)
