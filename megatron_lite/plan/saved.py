@@ -326,22 +326,13 @@ class _Recorder:
     def __init__(self, meter, regions: dict[int, str]):
         self.meter, self.record, self._regions, self._inside = meter, [], regions, []
         self._entries: dict = {}  # storage key -> the record's id of its current entry
-        pack = meter._pack
+        meter.on_save = self._saved
 
-        def recording_pack(t):
-            holder = pack(t)
-            key = holder._key
-            if key is not None:
-                holders, nbytes = meter._refs[key]
-                if holders == 1:  # a new entry (the meter counts it): a storage is a key
-                    self._entries[key] = (key, len(self.record))  # only while held
-                label = meter._labels[-1] if meter._labels else None
-                region = self._inside[-1] if self._inside else None
-                self.record.append((self._entries[key], nbytes, label, region))
-            return holder
-
-        meter._pack = recording_pack
-        meter._hooks = torch.autograd.graph.saved_tensors_hooks(recording_pack, meter._unpack)
+    def _saved(self, key, nbytes: int, label: str | None, new: bool) -> None:
+        if new:  # a new entry (the meter counts it): a storage is a key only while held
+            self._entries[key] = (key, len(self.record))
+        region = self._inside[-1] if self._inside else None
+        self.record.append((self._entries[key], nbytes, label, region))
 
     def run(self, fn, args):
         from megatron_lite.parallel.recompute import keeps
@@ -354,10 +345,9 @@ class _Recorder:
             found = _storage_key(a) if keeps(a) else None
             if found is not None and found[0] not in self.meter._excluded:
                 key, nbytes = found  # its entry if the meter holds it, else a new one
-                held = key in self.meter._refs
-                kept.append((self._entries[key] if held else (key, len(self.record)), nbytes))
-        label = self.meter._labels[-1] if self.meter._labels else None
-        self.record.append((None, region, tuple(kept), label))
+                entry = self._entries[key] if self.meter.held(key) else (key, len(self.record))
+                kept.append((entry, nbytes))
+        self.record.append((None, region, tuple(kept), self.meter.current_label))
         self._inside.append(region)
         try:
             return fn(*args)

@@ -79,7 +79,10 @@ class SavedTensorMeter:
     use_reentrant=False holds its recomputed tensors that way; its saved inputs are counted).
     """
 
-    def __init__(self, exclude: Iterable[torch.Tensor] = ()):
+    def __init__(self, exclude: Iterable[torch.Tensor] = (), on_save=None):
+        # on_save(key, nbytes, label, new): called for every counted save, in order (`new`:
+        # the storage's entry was made by this save; label the active one, or None)
+        self.on_save = on_save
         self._excluded = {k[0] for k in map(_storage_key, exclude) if k is not None}
         self._refs: dict[_Key, list[int]] = {}  # key -> [holders alive, bytes]
         self._lock = threading.RLock()  # holders are released on autograd's threads too
@@ -138,6 +141,15 @@ class SavedTensorMeter:
             self._handles.append(after)
         return self
 
+    @property
+    def current_label(self) -> str | None:
+        """The label forward saves go to now (None: none active)."""
+        return self._labels[-1] if self._labels else None
+
+    def held(self, key: _Key) -> bool:
+        """Whether a saved tensor of storage `key` is held now."""
+        return key in self._refs
+
     def _top(self, name: str) -> None:
         self._labels[:] = [name]
 
@@ -151,8 +163,12 @@ class SavedTensorMeter:
             entry = self._refs.get(key)
             if entry is not None:
                 entry[0] += 1
+                if self.on_save is not None:
+                    self.on_save(key, entry[1], self.current_label, False)
                 return _Saved(t, self, key)
             self._refs[key] = [1, nbytes]
+            if self.on_save is not None:
+                self.on_save(key, nbytes, self.current_label, True)
             self.current_bytes += nbytes
             self.peak_bytes = max(self.peak_bytes, self.current_bytes)
             if in_backward():

@@ -33,7 +33,6 @@ import json
 import os
 import re
 import shlex
-import subprocess
 import sys
 
 import pytest
@@ -256,22 +255,12 @@ CASES = command_cases()
 
 @pytest.fixture(scope="module")
 def command_results(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("docs")
-    spec, result = tmp / "spec.json", tmp / "results.json"
+    from tests.unit.test_every_cli import run_child
+
     commands = {name: check for name, (check, _) in CASES.items()}
     callables = sorted({(m, n) for _, m, n, _ in building_blocks()})
-    spec.write_text(json.dumps({"commands": commands, "callables": callables}))
-    env = dict(os.environ, MEGATRON_LITE_QUIET="1")
-    run = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), str(spec), str(result)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert run.returncode == 0 and result.exists(), run.stdout[-3000:] + run.stderr[-3000:]
-    return json.loads(result.read_text())
+    payload = {"commands": commands, "callables": callables}
+    return run_child(__file__, payload, tmp_path_factory.mktemp("docs"))
 
 
 @pytest.mark.timeout(300)

@@ -147,14 +147,14 @@ def _child(spec_path: str, result_path: str) -> None:
 CASES = commands("<tmp>")
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("every_cli")
+def run_child(script: str, payload, tmp) -> dict:
+    """Run `script` (a test file that is also the child, as this one) on `payload` written
+    as JSON into `tmp`; its JSON results."""
     spec, result = tmp / "spec.json", tmp / "results.json"
-    spec.write_text(json.dumps(commands(str(tmp))))
+    spec.write_text(json.dumps(payload))
     env = dict(os.environ, MEGATRON_LITE_QUIET="1")
     run = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), str(spec), str(result)],
+        [sys.executable, os.path.abspath(script), str(spec), str(result)],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -162,7 +162,13 @@ def results(tmp_path_factory):
         timeout=240,
     )
     assert run.returncode == 0 and result.exists(), run.stdout[-3000:] + run.stderr[-3000:]
-    return tmp, json.loads(result.read_text())
+    return json.loads(result.read_text())
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("every_cli")
+    return tmp, run_child(__file__, commands(str(tmp)), tmp)
 
 
 @pytest.mark.timeout(300)
