@@ -11,7 +11,11 @@ around its layers. What the planner reads of them:
   `wgrad_queue`, parallel/layers.py): their weights' [out, in] local shapes;
 - a chunk's parameters before its layers (registered on the chunk itself or on a child added
   before `layers`) and after them, the tied embedding weights (data_parallel.finalize
-  .tied_params) and its buffers' bytes.
+  .tied_params) and its buffers' bytes;
+- of a chunk with the embedding, which of the parameters before its layers gets its gradient
+  last: `ModelChunk.embed` run forward and backward on the meta device (GPT's learned
+  positions get theirs before the word embedding's, whatever their registration order). Its
+  gradient bucket is the one a backward leaves in flight under ZeRO-2 (plan/peak.py).
 
 Built once per key (functools-style caches below: the one module-level state here, bounded):
 the model section's fields, the local layout (tp, sequence parallelism, ep) and, for a chunk,
@@ -68,6 +72,7 @@ class ChunkParams:
     tied: tuple[int, ...]  # indices into before + after of the tied embedding weights
     buffer_bytes: int  # its buffers' bytes (RoPE tables, the vocabulary padding mask)
     linear_shapes: tuple[tuple[int, int], ...]  # [out, in] of its queueable linear weights
+    last_grad: int | None = None  # index into `before` of the one whose gradient comes last
 
 
 def _frozen(v):
@@ -265,16 +270,48 @@ def _build_chunks(cfg: Config, kinds: list[tuple[bool, bool]]) -> list[ChunkPara
         chunks = [
             ModelChunk(config, mesh, RNGStatesTracker(), [], pre, post) for pre, post in kinds
         ]
-    return [_chunk_params(chunk) for chunk in chunks]
+        return [_chunk_params(chunk, _last_grad(chunk, config)) for chunk in chunks]
 
 
-def _chunk_params(chunk: torch.nn.Module) -> ChunkParams:
+def _last_grad(chunk: torch.nn.Module, config) -> int | None:
+    """Index into the chunk's parameters before its layers (`_chunk_params`'s `before`) of
+    the one whose gradient arrives last in the backward of `chunk.embed` (None without an
+    embedding): measured with hooks after each gradient's accumulation, on the meta device."""
+    if not chunk.pre_process:
+        return None
+    before = _before(chunk)
+    order: list[int] = []
+    hooks = [
+        q.register_post_accumulate_grad_hook(lambda _, i=i: order.append(i))
+        for i, q in enumerate(before)
+        if q.requires_grad
+    ]
+    try:
+        with torch.device("meta"):
+            ids = torch.zeros(1, config.seq_length, dtype=torch.long)
+            chunk.embed(ids).float().sum().backward()
+    finally:
+        for h in hooks:
+            h.remove()
+        for q in before:
+            q.grad = None
+    return order[-1] if order else None
+
+
+def _before(chunk: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The chunk's parameters registered before its layers, in registration order."""
+    children = list(chunk.named_children())
+    cut = [n for n, _ in children].index("layers")
+    first = list(chunk.parameters(recurse=False))
+    return first + [q for _, c in children[:cut] for q in c.parameters()]
+
+
+def _chunk_params(chunk: torch.nn.Module, last_grad: int | None = None) -> ChunkParams:
     from megatron_lite.parallel.data_parallel.finalize import tied_params
 
     children = list(chunk.named_children())
     cut = [n for n, _ in children].index("layers")
-    first = list(chunk.parameters(recurse=False))
-    before = first + [q for _, c in children[:cut] for q in c.parameters()]
+    before = _before(chunk)
     after = [q for _, c in children[cut + 1 :] for q in c.parameters()]
     ordered = [q for q in before + after if q.requires_grad]
     tied = {id(q) for q in tied_params([chunk])}
@@ -284,4 +321,5 @@ def _chunk_params(chunk: torch.nn.Module) -> ChunkParams:
         tied=tuple(i for i, q in enumerate(ordered) if id(q) in tied),
         buffer_bytes=_buffer_bytes(chunk),
         linear_shapes=_linear_shapes(chunk),
+        last_grad=last_grad,
     )

@@ -92,6 +92,13 @@ def _chunk_param_list(cfg: Config, pp_rank: int, chunk: int) -> tuple[Param, ...
     return modules.per_config(cfg, ("chunk_param_list", pp_rank, chunk), answer)
 
 
+def last_embedding_grad(cfg: Config, pp_rank: int, chunk: int) -> int | None:
+    """Index into chunk_param_list of the parameter before the layers whose gradient the
+    embedding's backward makes last (plan/modules.py measures it); None without an
+    embedding."""
+    return _chunk_own(cfg, pp_rank, chunk).last_grad
+
+
 def rank_params(cfg: Config, pp_rank: int) -> tuple[int, int]:
     """(dense, expert) parameters this pipeline rank holds on one TP/EP rank."""
 

@@ -52,8 +52,10 @@ from megatron_lite.plan.params import (
     buckets,
     buffer_bytes,
     chunk_moe,
+    chunk_param_list,
     fsdp_units,
     head_params,
+    last_embedding_grad,
     layer_linear_weights,
     placement,
     rank_params,
@@ -92,6 +94,7 @@ class _Chunk:
     cuts: tuple[list, list]  # ZeRO-2: (dense, expert) buckets, (elements, parameters) each
     ends: tuple[list, list]  # the running sums of their parameters (_live_buckets)
     after: int  # dense parameters after its layers (final norm, output layer)
+    left: tuple[int, int]  # ZeRO-2: the (dense, expert) bucket its backward launches last
     deferred: float = 0.0  # a split backward's queued weight GEMMs' bytes, from B to W
     deferred_weights: int = 0  # the elements of the weights whose gradients W computes
     backwarded: bool = False  # the walk has run a backward of it
@@ -162,16 +165,33 @@ def _chunks(cfg: Config, pp_rank: int, shape) -> list[_Chunk]:
             for expert, n, cut in zip((False, True), shards, cuts, strict=True):
                 cut += buckets(cfg, pp_rank, c, expert, n) if n > 1 else []
         loss = stage == p.pp * p.vpp - 1
+        ends = tuple(list(itertools.accumulate(n for _, n in cut)) for cut in cuts)
         chunks.append(_Chunk(
             kept=kept, rebuilt=rebuilt, rerun_offset=offset, last_moe=bool(moe and moe[-1]),
             loss=loss, embedding=stage == 0, root=root,
             layer=max(layers, default=0), layers=len(layers), params=root + sum(layers), cuts=cuts,
-            ends=tuple(list(itertools.accumulate(n for _, n in cut)) for cut in cuts),
-            after=len(head_params(cfg, pp_rank, c)[1]),
+            ends=ends, after=len(head_params(cfg, pp_rank, c)[1]),
+            left=_left_in_flight(cfg, pp_rank, c, cuts, ends),
         ))  # fmt: skip
         if split:
             chunks[-1].deferred, chunks[-1].deferred_weights = _deferred(cfg, shape, moe, loss)
     return chunks
+
+
+def _left_in_flight(cfg: Config, pp_rank: int, c: int, cuts: tuple, ends: tuple) -> tuple:
+    """ZeRO-2: elements of the (dense, expert) bucket chunk c's backward launches last, which
+    stays in flight until the next backward launches one (data_parallel/buffers.py): the one
+    whose parameter gets its gradient last. That is the last in backward order, except in a
+    chunk with the embedding, where the parameter before the layers whose gradient the
+    embedding's backward makes last (measured: plan/modules.py) decides."""
+    out = [cut[-1][0] if cut else 0 for cut in cuts]
+    last = last_embedding_grad(cfg, pp_rank, c)
+    if last is not None and cuts[0]:
+        params = chunk_param_list(cfg, pp_rank, c)
+        dense = [i for i, (_, expert) in enumerate(params) if not expert]
+        at = len(dense) - 1 - dense.index(last)  # its place in the dense buffer's backward order
+        out[0] = cuts[0][bisect.bisect_right(ends[0], at)][0]
+    return tuple(out)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -274,7 +294,7 @@ def _moments(cfg: Config, pp_rank: int, kernels: str, pending: list[float]):
             pending[0] += ch.deferred
             kept -= ch.kept
             embedding -= head["embedding"] if ch.embedding else 0.0
-            in_flight, last_chunk = [cut[-1][0] if cut else 0 for cut in ch.cuts], c
+            in_flight, last_chunk = list(ch.left), c
             continue
         seen.add(state)
         if ch.loss:  # the root gathered again, then the loss's gradient beside the logits
@@ -314,7 +334,7 @@ def _moments(cfg: Config, pp_rank: int, kernels: str, pending: list[float]):
             g = zero2(ch, c, 0, total - 1, total - 1)
             yield "backward", (g, act, embedding, 0.0, emb_grad + root + queued)
         embedding -= head["embedding"] if ch.embedding else 0.0
-        in_flight, last_chunk = [cut[-1][0] if cut else 0 for cut in ch.cuts], c
+        in_flight, last_chunk = list(ch.left), c
         if p.zero_stage == 3 and m > 1 and not ch.backwarded:
             ch.backwarded = True  # its unsharded gradients from now on (W's from its first W)
             grads += reduce_bytes * (ch.params - ch.deferred_weights)
