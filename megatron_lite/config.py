@@ -30,6 +30,16 @@ class ModelConfig:
     num_query_groups: int | None = None  # None = num_attention_heads (plain multi-head)
     kv_channels: int | None = None  # head dimension; None = hidden_size / num_attention_heads
     qk_layernorm: bool = False  # RMSNorm/LayerNorm on each head's query and key (Qwen3)
+    # multi-head latent attention (DeepSeek-V2/V3; Megatron's flags; docs/deepseek_v3.md)
+    multi_latent_attention: bool = False  # llama: MLA instead of (grouped-query) attention
+    q_lora_rank: int | None = None  # MLA query compression rank; None = one q projection
+    kv_lora_rank: int = 512  # MLA's compressed key/value width
+    qk_head_dim: int = 128  # MLA: the no-RoPE part of each q/k head (HF: qk_nope_head_dim)
+    qk_pos_emb_head_dim: int = 64  # MLA: the decoupled RoPE part (one key for all heads)
+    v_head_dim: int = 128  # MLA: each value head's width
+    # RoPE scaling as in HF's rope_scaling: {type: yarn, factor, original_max_position_embeddings,
+    # beta_fast, beta_slow, mscale, mscale_all_dim}; None = plain RoPE
+    rope_scaling: dict[str, float | str] | None = None
     ffn_hidden_size: int | None = None  # None = 4·h (gpt) or multiple-of-64 8h/3 (llama)
     vocab_size: int | None = None  # None = the tokenizer's vocabulary (mock data: required)
     seq_length: int = 64
@@ -239,7 +249,7 @@ def _coerce(key: str, value, ftype: str, current):
         ftype = ftype.split(" | ", 1)[1] if isinstance(value, list) else "int"
     base = ftype.split(" | ")[0].split("[")[0]
     if base == "dict" and value is not None:  # name -> number (train.optimizer_args)
-        return _coerce_mapping(key, value)
+        return _coerce_mapping(key, value, strings=ftype.startswith("dict[str, float | str]"))
     if value is None:
         if ftype.endswith("| None"):
             return None
@@ -255,15 +265,17 @@ def _coerce(key: str, value, ftype: str, current):
     ]
 
 
-def _coerce_mapping(key: str, value) -> dict:
-    """A mapping of names to finite numbers or booleans."""
+def _coerce_mapping(key: str, value, strings: bool = False) -> dict:
+    """A mapping of names to finite numbers or booleans (`strings`: or strings)."""
     fix = f"give a mapping of names to numbers, e.g. {key}={{momentum: 0.95}}"
+    if strings:
+        fix = f"give a mapping of names to numbers or strings, e.g. {key}={{type: yarn, factor: 40}}"
     if not isinstance(value, dict):
         raise ConfigError(f"{key}={value!r}: expected a mapping, got {type(value).__name__}. "
                           f"Fix: {fix}")  # fmt: skip
     for name, v in value.items():
         number = isinstance(v, int | float) and (isinstance(v, bool) or math.isfinite(v))
-        if not isinstance(name, str) or not number:
+        if not isinstance(name, str) or not (number or (strings and isinstance(v, str))):
             raise ConfigError(f"{key}={value!r}: {name!r}: {v!r} is not a finite number or "
                               f"boolean under a name. Fix: {fix}")  # fmt: skip
     return dict(value)

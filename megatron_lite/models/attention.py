@@ -43,7 +43,13 @@ def sdpa_attention(q, k, v, dropout_p: float, docs: torch.Tensor | None = None) 
 
 def flash_attention(q, k, v, dropout_p: float, docs: torch.Tensor | None = None) -> torch.Tensor:
     """flash-attn (GQA native). [s, b, heads, d] -> [s, b, n, d]; with docs [b, s] the varlen
-    kernel over each row's documents."""
+    kernel over each row's documents. flash-attn 2 takes one head width for q, k and v: a
+    narrower v (multi-head latent attention) is zero-padded to q's width and the output's
+    padding columns dropped, which is exact (unverified here: no GPU in CI)."""
+    dv = v.shape[-1]
+    if dv < q.shape[-1]:
+        v = F.pad(v, (0, q.shape[-1] - dv))
+        return flash_attention(q, k, v, dropout_p, docs)[..., :dv]
     if docs is not None:
         return _flash_documents(q, k, v, dropout_p, docs)
     from flash_attn import flash_attn_func

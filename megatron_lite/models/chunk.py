@@ -87,7 +87,7 @@ class ModelChunk(nn.Module):
         if post_process:
             self._build_output(c, mesh, tied_here=c.tie_embeddings and pre_process)
         self.s_local = s_local
-        self._rope_args = (rotary_dim, c.rope_theta) if self.rotary else None
+        self._rope_args = (rotary_dim, c.rope_theta, c.rope_scaling) if self.rotary else None
         self.reset_attention_mask, self.reset_position_ids = (
             c.reset_attention_mask,
             c.reset_position_ids,

@@ -1,7 +1,7 @@
 """GPT-2-style decoder: LayerNorm, learned absolute positions, GeLU MLP, biases everywhere; MoE
 layers where model.moe_layer_pattern marks them. The registry entry `gpt` (no HF family)."""
 
-from megatron_lite.models.decoder import gelu_flops
+from megatron_lite.models.decoder import check_no_latent_attention, gelu_flops
 from megatron_lite.models.registry import ArchitectureSpec, register_architecture
 
 
@@ -18,9 +18,15 @@ GPT = register_architecture(
         norm="megatron_lite.parallel.norms:LayerNorm",
         ffn_hidden_size=gpt_ffn_hidden_size,
         flops=gelu_flops,
+        validate=check_no_latent_attention,
         unused_keys=(
             (
                 "rope_theta",
+                "model.arch=gpt has learned positions (no rotary embedding)",
+                "remove it (llama's rotary embeddings use it)",
+            ),
+            (
+                "rope_scaling",
                 "model.arch=gpt has learned positions (no rotary embedding)",
                 "remove it (llama's rotary embeddings use it)",
             ),

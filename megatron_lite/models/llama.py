@@ -1,8 +1,9 @@
-"""Llama-style decoder: RMSNorm, rotary embeddings, SwiGLU MLP, grouped-query attention, no
-biases; tied or untied input/output embeddings; MoE layers (Mixtral, Qwen3-MoE, DeepSeek-style
-routing) where model.moe_layer_pattern marks them. The registry entry `llama`."""
+"""Llama-style decoder: RMSNorm, rotary embeddings, SwiGLU MLP, grouped-query attention (or
+multi-head latent attention with model.multi_latent_attention: models/mla.py), no biases; tied
+or untied input/output embeddings; MoE layers (Mixtral, Qwen3-MoE, DeepSeek-style routing)
+where model.moe_layer_pattern marks them. The registry entry `llama`."""
 
-from megatron_lite.models.decoder import check_rotary_head_dim, swiglu_flops
+from megatron_lite.models.decoder import check_llama, swiglu_flops
 from megatron_lite.models.registry import ArchitectureSpec, register_architecture
 
 
@@ -14,13 +15,13 @@ def llama_ffn_hidden_size(hidden_size: int) -> int:
 LLAMA = register_architecture(
     ArchitectureSpec(
         name="llama",
-        attention="megatron_lite.models.transformer:RotaryAttention",
+        attention="megatron_lite.models.mla:LLAMA_ATTENTION",  # MLA with the flag
         mlp="megatron_lite.models.transformer:build_dense_mlp",
         moe="megatron_lite.models.transformer:build_moe",
         norm="megatron_lite.parallel.norms:RMSNorm",
         ffn_hidden_size=llama_ffn_hidden_size,
         flops=swiglu_flops,
-        validate=check_rotary_head_dim,
+        validate=check_llama,
         unused_keys=(
             (
                 "max_position_embeddings",

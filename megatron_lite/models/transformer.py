@@ -24,6 +24,7 @@ from megatron_lite.context.layout import ring_ranges
 from megatron_lite.context.ring import ring_attention
 from megatron_lite.context.ulysses import ulysses_attention, ulysses_kv_heads
 from megatron_lite.models.attention import DecodeContext, attention_function, cached_attention
+from megatron_lite.models import rope_scaling
 from megatron_lite.models.registry import HeadDims
 from megatron_lite.models.token_context import TokenContext
 from megatron_lite.models.transformer_config import TransformerConfig
@@ -36,27 +37,110 @@ from megatron_lite.parallel.random import RNGStatesTracker, dropout
 from megatron_lite.parallel.recompute import recompute
 
 
-def rope_tables_at(positions: torch.Tensor, rotary_dim: int, theta: float):
+def rope_tables_at(
+    positions: torch.Tensor, rotary_dim: int, theta: float, scaling: dict | None = None
+):
     """cos, sin [..., r] (fp32, r = rotary_dim: the attention part's declared rotary width) for
     the integer positions [...] (e.g. [s] or [s, b]), on their device; half-rotation
-    convention."""
-    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float64, device=positions.device)
-    inv_freq = 1.0 / theta ** (exponents / rotary_dim)
+    convention. `scaling`: model.rope_scaling (YaRN's frequencies and its attention factor on
+    cos and sin, models/rope_scaling.py), None for plain RoPE."""
+    inv_freq = rope_scaling.inv_freq(rotary_dim, theta, scaling).to(positions.device)
     freqs = positions.to(torch.float64).unsqueeze(-1) * inv_freq  # [..., d/2]
     emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().float(), emb.sin().float()
+    factor = rope_scaling.attention_factor(scaling)
+    return (emb.cos() * factor).float(), (emb.sin() * factor).float()
 
 
-def rope_tables(seq_length: int, rotary_dim: int, theta: float, offset: int = 0):
+def rope_tables(
+    seq_length: int, rotary_dim: int, theta: float, offset: int = 0, scaling: dict | None = None
+):
     """cos, sin [s, r] for the consecutive positions offset..offset+s-1."""
-    return rope_tables_at(torch.arange(offset, offset + seq_length), rotary_dim, theta)
+    return rope_tables_at(torch.arange(offset, offset + seq_length), rotary_dim, theta, scaling)
 
 
-class Attention(nn.Module):
-    """Self-attention over this rank's n/tp query heads and g/tp KV groups, with context
-    parallelism when cp > 1 (the mesh's cp_a2a and cp_ring groups say which): Ulysses
-    all-to-all over cp_a2a, ring attention over cp_ring, or Ulysses inside and the ring across
-    (a2a+p2p): [s(/tp), b, h] -> [s(/tp), b, h]. No RoPE (GPT's; `RotaryAttention` is Llama's).
+class AttentionCore(nn.Module):
+    """What every attention kind here shares: the local attention of this rank's n/tp query
+    heads over `kv_heads`/tp KV heads, with context parallelism when cp > 1 (the mesh's cp_a2a
+    and cp_ring groups say which): Ulysses all-to-all over cp_a2a, ring attention over cp_ring,
+    or Ulysses inside and the ring across (a2a+p2p), and KV-cached decoding when handed a
+    `DecodeContext`. A subclass builds its projections and calls `attend(q, k, v, ctx)` on
+    q [s, b, n/tp, dk], k [s, b, g/tp, dk], v [s, b, g/tp, dv] (its `head_dims`), which gives
+    [s, b, n/tp, dv]; the softmax scale is 1/sqrt(dk).
+
+    Selective recompute of core_attn recomputes the local attention only (softmax, attention
+    dropout and the weighted sum, after the Ulysses all-to-all): it keeps q, k, v and reruns
+    the attention in backward under the same TP-rank dropout generator; no collective repeats.
+    Ring attention keeps only q, k, v, its output and the log-sum-exp (no s² scores), so it is
+    never recomputed: that would repeat the ring's sends.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        mesh: ParallelMesh,
+        tracker: RNGStatesTracker,
+        kv_heads: int,
+    ):
+        super().__init__()
+        c, tp, dims = config, mesh.tp.size, self.head_dims(config)
+        a2a, ring = mesh.cp_a2a.size, mesh.cp_ring.size
+        self.tracker = tracker
+        self.a2a_group, self.ring_group = mesh.cp_a2a.group, mesh.cp_ring.group
+        self.ring_ranges = ring_ranges(c.seq_length, ring) if ring > 1 else None
+        self.recompute_core = c.recomputes("core_attn") and ring == 1
+        self.dropout_p, self.qk_dim, self.v_dim = c.attention_dropout, dims.qk, dims.v
+        self.n_local, self.g_local = c.num_attention_heads // tp, kv_heads // tp
+        # under Ulysses each rank attends over 1/a2a of its heads (KV heads replicated up to a2a)
+        g_attn = self.g_local if a2a == 1 else ulysses_kv_heads(self.g_local, a2a) // a2a
+        self.core_attention = attention_function(
+            c.attention_backend, self.n_local // a2a, g_attn, (dims.qk, dims.v), c.attention_dropout
+        )
+
+    @classmethod
+    def head_dims(cls, config: TransformerConfig) -> HeadDims:
+        raise NotImplementedError
+
+    def attend(self, q, k, v, ctx: TokenContext) -> torch.Tensor:
+        """Causal attention of q over k, v (class docstring) -> [s, b, n/tp, dv]."""
+        if isinstance(ctx, DecodeContext):  # generation: over the cached positions too
+            return self.decode_attention(q, k, v, ctx)
+        p = self.dropout_p
+        with self.tracker.fork() if p > 0 else contextlib.nullcontext():
+            return self.attention_over_cp(q, k, v, p, ctx.docs)
+
+    def decode_attention(self, q, k, v, ctx: DecodeContext) -> torch.Tensor:
+        """This step's k/v [s, b, g, d] join the cache; q attends over every cached position
+        the mask allows (no dropout) -> [s, b, n, dv]. Whole sequences only: no CP."""
+        if self.ring_ranges is not None or mappings.size(self.a2a_group) > 1:
+            raise ValueError(
+                "KV-cached decoding runs on a model built with cp=1 (each rank holds the whole "
+                "sequence). Fix: build the generation model with parallel.cp=1"
+            )
+        k, v = ctx.kv_cache.extend(self, k, v)  # [length + s, b, g, d]
+        return cached_attention(q, k, v, ctx.mask)
+
+    def attention_over_cp(self, q, k, v, dropout_p: float, docs=None) -> torch.Tensor:
+        """Local attention (or the ring over cp_ring), inside Ulysses' all-to-all over cp_a2a
+        when that group has more than one rank; docs [b, s]: the full sequence's document ids
+        (None: plain causal)."""
+
+        def core(q_, k_, v_, docs=None):
+            if self.ring_ranges is not None:  # dropout_p is 0 (validation)
+                return ring_attention(q_, k_, v_, self.ring_group, self.ring_ranges, docs)
+            args = (q_, k_, v_, dropout_p) + (() if docs is None else (docs,))
+            if self.recompute_core:
+                return recompute(self.core_attention, *args, tracker=self.tracker)
+            return self.core_attention(*args)
+
+        if mappings.size(self.a2a_group) == 1:
+            return core(q, k, v, docs)
+        return ulysses_attention(q, k, v, self.a2a_group, core, docs=docs)
+
+
+class Attention(AttentionCore):
+    """Self-attention (grouped-query when model.num_query_groups < heads) built on
+    `AttentionCore`: [s(/tp), b, h] -> [s(/tp), b, h]. No RoPE (GPT's; `RotaryAttention` is
+    Llama's).
 
     Head widths come from `head_dims(config)`: q/k and v are both config.head_dim
     (model.kv_channels), so the query width n·d may differ from h. With qk_layernorm each
@@ -64,12 +148,6 @@ class Attention(nn.Module):
     weight [d] shared by all heads, Qwen3's q_norm/k_norm) after the projection and before
     RoPE. Those weights are replicated over TP while each TP rank normalizes its own heads, so
     they are marked for the TP gradient sum (as SP norms are).
-
-    Selective recompute of core_attn recomputes the local attention only (softmax, attention
-    dropout and the weighted sum, after the Ulysses all-to-all): it keeps q, k, v and reruns
-    the attention in backward under the same TP-rank dropout generator; no collective repeats.
-    Ring attention keeps only q, k, v, its output and the log-sum-exp (no s² scores), so it is
-    never recomputed: that would repeat the ring's sends.
     """
 
     rotary = False  # whether RoPE rotates each q/k head (over all of its dims)
@@ -81,20 +159,8 @@ class Attention(nn.Module):
         return HeadDims(qk=d, v=d, rotary=d if cls.rotary else 0)
 
     def __init__(self, config: TransformerConfig, mesh: ParallelMesh, tracker: RNGStatesTracker):
-        super().__init__()
-        c, tp, dims = config, mesh.tp.size, self.head_dims(config)
-        a2a, ring = mesh.cp_a2a.size, mesh.cp_ring.size
-        self.tracker = tracker
-        self.a2a_group, self.ring_group = mesh.cp_a2a.group, mesh.cp_ring.group
-        self.ring_ranges = ring_ranges(c.seq_length, ring) if ring > 1 else None
-        self.recompute_core = c.recomputes("core_attn") and ring == 1
-        self.dropout_p, self.qk_dim, self.v_dim = c.attention_dropout, dims.qk, dims.v
-        self.n_local, self.g_local = c.num_attention_heads // tp, c.num_query_groups // tp
-        # under Ulysses each rank attends over 1/a2a of its heads (KV heads replicated up to a2a)
-        g_attn = self.g_local if a2a == 1 else ulysses_kv_heads(self.g_local, a2a) // a2a
-        self.core_attention = attention_function(
-            c.attention_backend, self.n_local // a2a, g_attn, (dims.qk, dims.v), c.attention_dropout
-        )
+        super().__init__(config, mesh, tracker, config.num_query_groups)
+        c, dims = config, self.head_dims(config)
         n, g = c.num_attention_heads, c.num_query_groups
         q, k, v = n * dims.qk, g * dims.qk, g * dims.v
         common = dict(bias=c.spec.bias, sequence_parallel=c.sequence_parallel)
@@ -128,41 +194,8 @@ class Attention(nn.Module):
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rope is not None:
             q, k = kernels.apply_rope(q, *rope), kernels.apply_rope(k, *rope)
-        if isinstance(ctx, DecodeContext):  # generation: over the cached positions too
-            out = self.decode_attention(q, k, v, ctx)  # [s, b, n, dv]
-        else:
-            p = self.dropout_p
-            with self.tracker.fork() if p > 0 else contextlib.nullcontext():
-                out = self.attention_over_cp(q, k, v, p, ctx.docs)  # [s, b, n, dv]
+        out = self.attend(q, k, v, ctx)  # [s, b, n, dv]
         return self.linear_proj(out.reshape(s, b, n * dv))  # [s(/tp), b, h]
-
-    def decode_attention(self, q, k, v, ctx: DecodeContext) -> torch.Tensor:
-        """This step's k/v [s, b, g, d] join the cache; q attends over every cached position
-        the mask allows (no dropout) -> [s, b, n, dv]. Whole sequences only: no CP."""
-        if self.ring_ranges is not None or mappings.size(self.a2a_group) > 1:
-            raise ValueError(
-                "KV-cached decoding runs on a model built with cp=1 (each rank holds the whole "
-                "sequence). Fix: build the generation model with parallel.cp=1"
-            )
-        k, v = ctx.kv_cache.extend(self, k, v)  # [length + s, b, g, d]
-        return cached_attention(q, k, v, ctx.mask)
-
-    def attention_over_cp(self, q, k, v, dropout_p: float, docs=None) -> torch.Tensor:
-        """Local attention (or the ring over cp_ring), inside Ulysses' all-to-all over cp_a2a
-        when that group has more than one rank; docs [b, s]: the full sequence's document ids
-        (None: plain causal)."""
-
-        def core(q_, k_, v_, docs=None):
-            if self.ring_ranges is not None:  # dropout_p is 0 (validation)
-                return ring_attention(q_, k_, v_, self.ring_group, self.ring_ranges, docs)
-            args = (q_, k_, v_, dropout_p) + (() if docs is None else (docs,))
-            if self.recompute_core:
-                return recompute(self.core_attention, *args, tracker=self.tracker)
-            return self.core_attention(*args)
-
-        if mappings.size(self.a2a_group) == 1:
-            return core(q, k, v, docs)
-        return ulysses_attention(q, k, v, self.a2a_group, core, docs=docs)
 
 
 class RotaryAttention(Attention):

@@ -32,6 +32,12 @@ class TransformerConfig:
     num_query_groups: int
     kv_channels: int  # the head dimension, resolved
     qk_layernorm: bool
+    multi_latent_attention: bool  # MLA (models/mla.py) with the five sizes below
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_head_dim: int  # MLA: the no-RoPE part of each q/k head
+    qk_pos_emb_head_dim: int  # MLA: the decoupled RoPE part
+    v_head_dim: int
     ffn_hidden_size: int
     vocab_size: int
     padded_vocab_size: int  # a multiple of make_vocab_size_divisible_by·tp
@@ -40,6 +46,7 @@ class TransformerConfig:
     tie_embeddings: bool
     norm_eps: float
     rope_theta: float
+    rope_scaling: dict | None  # YaRN's parameters (models/rope_scaling.py), None: plain RoPE
     init_method_std: float
     hidden_dropout: float
     attention_dropout: float

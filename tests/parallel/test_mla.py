@@ -1,0 +1,205 @@
+"""Multi-head latent attention (model.multi_latent_attention, models/mla.py).
+
+1. The module against Hugging Face transformers' `DeepseekV3Attention` on the same weights
+   (fp32, one rank): output and every gradient within 1e-5 relative, with q_lora_rank set and
+   null, with plain RoPE and YaRN (factor 40; mscale_all_dim 1: the softmax scale's mscale²;
+   mscale_all_dim 0: the attention factor on cos/sin). Weights are drawn large enough that a
+   wrong softmax scale, a RoPE left interleaved, rotating the wrong dims, or plain RoPE tables
+   in place of YaRN's move the output by more than 1e-2 relative (the test breaks the module
+   each way and checks that).
+2. Loss parity with one rank (the suite's bounds) for an MLA + MoE model (DeepSeek-style:
+   sigmoid routing with expert bias, a shared expert, a first dense layer, YaRN) on tp2+SP,
+   cp2 p2p, cp2 a2a, cp4 a2a+p2p, selective and full recompute, and document masking.
+"""
+
+import pytest
+
+from tests.dist_harness import run_ranks
+from tests.parallel.parity import DOCS, SHORT, assert_parity, reference_losses, train_losses
+
+pytest.importorskip("transformers")
+
+H, N, Q_LORA, KV_LORA, NOPE, ROPE, V, SEQ, BATCH, THETA = 64, 4, 24, 16, 12, 8, 6, 16, 2, 100.0
+YARN = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 64, "beta_fast": 32,
+        "beta_slow": 1, "mscale": 1, "mscale_all_dim": 1}  # fmt: skip
+YARN_FACTOR = {**YARN, "mscale_all_dim": 0}  # no softmax mscale: cos/sin × mscale(40) instead
+CASES = {
+    "q_lora": (Q_LORA, None),
+    "no_q_lora": (None, None),
+    "yarn": (Q_LORA, YARN),
+    "yarn_attention_factor": (None, YARN_FACTOR),
+}
+
+
+def _hf_attention(q_lora, scaling):
+    import torch
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+        DeepseekV3Attention,
+        DeepseekV3RotaryEmbedding,
+    )
+
+    rope = {"rope_type": "default", "rope_theta": THETA}
+    if scaling is not None:
+        rope = {**{k: v for k, v in scaling.items() if k != "type"}, "rope_type": "yarn",
+                "rope_theta": THETA}  # fmt: skip
+    config = DeepseekV3Config(
+        vocab_size=64, hidden_size=H, num_attention_heads=N, num_key_value_heads=N,
+        q_lora_rank=q_lora, kv_lora_rank=KV_LORA, qk_nope_head_dim=NOPE, qk_rope_head_dim=ROPE,
+        v_head_dim=V, rms_norm_eps=1e-6, max_position_embeddings=4 * SEQ, rope_parameters=rope,
+        attn_implementation="sdpa",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    attn = DeepseekV3Attention(config, 0).float()
+    with torch.no_grad():  # logits of a few units, norms away from 1
+        for name, p in attn.named_parameters():
+            p.uniform_(0.5, 1.5) if "norm" in name else p.normal_(0.0, 0.3)
+    return attn, DeepseekV3RotaryEmbedding(config)
+
+
+def _ours(q_lora, scaling):
+    from megatron_lite.config import load_config
+    from megatron_lite.models import TransformerConfig
+    from megatron_lite.models.mla import MLASelfAttention
+    from megatron_lite.parallel.mesh import ParallelMesh
+    from megatron_lite.parallel.random import RNGStatesTracker
+    from megatron_lite.resolve import rank_layout
+
+    overrides = [
+        "model.multi_latent_attention=true", f"model.hidden_size={H}",
+        f"model.num_attention_heads={N}", f"model.q_lora_rank={q_lora or 'null'}",
+        f"model.kv_lora_rank={KV_LORA}", f"model.qk_head_dim={NOPE}",
+        f"model.qk_pos_emb_head_dim={ROPE}", f"model.v_head_dim={V}", "model.norm_eps=1e-6",
+        f"model.rope_theta={THETA}", f"model.seq_length={SEQ}", "model.vocab_size=64",
+        "data.mock=true",
+    ]  # fmt: skip
+    cfg = load_config(None, overrides)
+    cfg.model.rope_scaling = scaling
+    config = TransformerConfig.from_config(cfg, 1)
+    return MLASelfAttention(config, ParallelMesh(rank_layout(cfg.parallel, 1)), RNGStatesTracker())
+
+
+def _compare(rank, world, q_lora, scaling):
+    """Relative differences of our module from HF's: (output, worst gradient), and the output's
+    when the module is broken (softmax scale, interleave, RoPE dims)."""
+    import torch
+
+    from megatron_lite.models import mla
+    from megatron_lite.models.token_context import TokenContext
+    from megatron_lite.models.transformer import rope_tables
+
+    hf, rotary = _hf_attention(q_lora, scaling)
+    ours = _ours(q_lora, scaling)
+    hf_params = dict(hf.named_parameters())
+    with torch.no_grad():
+        for name, p in ours.named_parameters():
+            p.copy_(hf_params[name])
+    assert {n for n, _ in ours.named_parameters()} == set(hf_params)
+
+    torch.manual_seed(1)
+    x = torch.randn(BATCH, SEQ, H, requires_grad=True)
+    pos = torch.arange(SEQ)[None].expand(BATCH, SEQ)
+    ref, _ = hf(x, rotary(x, pos), None)
+    grad_out = torch.randn_like(ref)
+    ref.backward(grad_out)
+
+    def run(module, tables=scaling):
+        xs = x.detach().transpose(0, 1).clone().requires_grad_()  # [s, b, h]
+        ctx = TokenContext(rope_tables(SEQ, ROPE, THETA, scaling=tables))
+        out = module(xs, ctx).transpose(0, 1)
+        return out, xs
+
+    def rel(a, b):
+        return ((a - b).abs().max() / b.abs().max()).item()
+
+    out, xs = run(ours)
+    out.backward(grad_out)
+    grads = [rel(xs.grad.transpose(0, 1), x.grad)]
+    grads += [rel(p.grad, hf_params[n].grad) for n, p in ours.named_parameters()]
+    broken = {}
+    with torch.no_grad():
+        ours.q_scale = 1.0 if ours.q_scale != 1.0 else 1.25  # a wrong softmax scale
+        broken["softmax_scale"] = rel(run(ours)[0], ref)
+        ours.q_scale = mla.rope_scaling.softmax_scale_factor(scaling)
+        if scaling is not None:  # plain RoPE tables: no YaRN frequencies, no attention factor
+            broken["yarn_tables"] = rel(run(ours, None)[0], ref)
+        deinterleave = mla.deinterleave
+        mla.deinterleave = lambda t: t  # RoPE on interleaved pairs as if half-rotation
+        broken["interleave"] = rel(run(ours)[0], ref)
+        mla.deinterleave = deinterleave
+        # the RoPE part read from the wrong dims of each query head: its rows rolled so the
+        # module's [nope | rope] split takes rope + part of nope as "nope"
+        w = (ours.q_proj or ours.q_b_proj).weight
+        heads = w.view(N, NOPE + ROPE, -1)
+        heads.copy_(torch.roll(heads.clone(), ROPE, dims=1))
+        broken["rope_split"] = rel(run(ours)[0], ref)
+    return rel(out, ref), max(grads), broken
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_mla_matches_hf_deepseek_v3_attention(case):
+    out, grad, broken = run_ranks(1, _compare, *CASES[case], timeout=120)[0]
+    print(f"MLA vs HF {case}: output {out:.1e}, gradients {grad:.1e}, broken {broken}")
+    assert out < 1e-5, f"{case}: output differs from HF's by {out:.2e} (relative)"
+    assert grad < 1e-5, f"{case}: a gradient differs from HF's by {grad:.2e} (relative)"
+    for what, diff in broken.items():
+        assert diff > 1e-2, f"{case}: a broken {what} moves the output by only {diff:.1e}"
+
+
+# DeepSeek-like: MLA with YaRN, MoE with sigmoid routing, expert bias, a shared expert, top-2 of
+# 4, the first layer dense; 4 heads (q/k 12 + 8 = 20 wide, v 10: v differs from q/k)
+MLA_MOE = [
+    "model.multi_latent_attention=true", "model.num_query_groups=4", "model.q_lora_rank=32",
+    "model.kv_lora_rank=24", "model.qk_head_dim=12", "model.qk_pos_emb_head_dim=8",
+    "model.v_head_dim=10",
+    "model.rope_scaling={type: yarn, factor: 40, original_max_position_embeddings: 16, "
+    "mscale: 1, mscale_all_dim: 1}",
+    "model.num_experts=4", "model.moe_router_topk=2", "model.moe_ffn_hidden_size=32",
+    "model.moe_shared_expert_ffn_hidden_size=32", "model.moe_first_k_dense_replace=1",
+    "model.moe_router_score_function=sigmoid", "model.moe_router_enable_expert_bias=true",
+    "model.num_layers=2", *SHORT,
+]  # fmt: skip
+SELECTIVE = ["model.recompute_granularity=selective", "model.recompute_modules=[core_attn]"]
+FULL = ["model.recompute_granularity=full", "model.recompute_method=uniform",
+        "model.recompute_num_layers=1"]  # fmt: skip
+EOD = 249
+LAYOUTS = {
+    "tp2_sp_selective": (2, [], ["parallel.tp=2", "parallel.sequence_parallel=true", *SELECTIVE]),
+    "cp2_p2p_full": (2, [], ["parallel.cp=2", "parallel.cp_comm_type=p2p", *FULL]),
+    "cp2_a2a": (2, [], ["parallel.cp=2", "parallel.cp_comm_type=a2a"]),
+    "cp2_p2p_documents": (2, DOCS, ["parallel.cp=2", "parallel.cp_comm_type=p2p"]),
+    "tp2_documents": (2, DOCS, ["parallel.tp=2"]),
+}
+SLOW_LAYOUTS = {
+    "cp4_a2a_p2p": (4, [], ["parallel.cp=4", "parallel.cp_comm_type=a2a+p2p",
+                            "parallel.cp_a2a_size=2"]),
+}  # fmt: skip
+
+
+def _parity(layout, table, tmp_path):
+    world, model, parallel = table[layout]
+    eod = EOD if model else None
+    ref = reference_losses(tuple(MLA_MOE + model), eod=eod)
+    assert ref[-1] < ref[0] - 0.1, f"reference loss did not fall: {list(ref)}"
+    got = train_losses(world, [*MLA_MOE, *model, *parallel], str(tmp_path), eod=eod)
+    assert_parity(got, ref, f"MLA+MoE {layout}")
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_mla_moe_loss_parity(layout, tmp_path):
+    _parity(layout, LAYOUTS, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parity
+@pytest.mark.parametrize("layout", SLOW_LAYOUTS)
+def test_mla_moe_loss_parity_hybrid_cp(layout, tmp_path):
+    _parity(layout, SLOW_LAYOUTS, tmp_path)
+
+
+def test_mla_changes_the_model():
+    """The flag reaches the model: an MLA model's losses differ from the plain one's."""
+    plain = reference_losses(tuple(SHORT))
+    latent = reference_losses(tuple(MLA_MOE[:8] + ["model.num_layers=4", *SHORT]))
+    assert abs(latent[0] - plain[0]) > 1e-4, (list(latent), list(plain))
