@@ -148,58 +148,51 @@ def test_mla_matches_hf_deepseek_v3_attention(case):
 
 # DeepSeek-like: MLA with YaRN, MoE with sigmoid routing, expert bias, a shared expert, top-2 of
 # 4, the first layer dense; 4 heads (q/k 12 + 8 = 20 wide, v 10: v differs from q/k)
-MLA_MOE = [
+MLA = [
     "model.multi_latent_attention=true", "model.num_query_groups=4", "model.q_lora_rank=32",
     "model.kv_lora_rank=24", "model.qk_head_dim=12", "model.qk_pos_emb_head_dim=8",
     "model.v_head_dim=10",
     "model.rope_scaling={type: yarn, factor: 40, original_max_position_embeddings: 16, "
     "mscale: 1, mscale_all_dim: 1}",
-    "model.num_experts=4", "model.moe_router_topk=2", "model.moe_ffn_hidden_size=32",
+    "model.num_layers=2", *SHORT,
+]  # fmt: skip
+MLA_MOE = [
+    *MLA, "model.num_experts=4", "model.moe_router_topk=2", "model.moe_ffn_hidden_size=32",
     "model.moe_shared_expert_ffn_hidden_size=32", "model.moe_first_k_dense_replace=1",
     "model.moe_router_score_function=sigmoid", "model.moe_router_enable_expert_bias=true",
-    "model.num_layers=2", *SHORT,
 ]  # fmt: skip
 SELECTIVE = ["model.recompute_granularity=selective", "model.recompute_modules=[core_attn]"]
 FULL = ["model.recompute_granularity=full", "model.recompute_method=uniform",
         "model.recompute_num_layers=1"]  # fmt: skip
+SP = ["parallel.tp=2", "parallel.sequence_parallel=true"]
 EOD = 249
+# (ranks, model, parallel overrides, whether on documents)
 LAYOUTS = {
-    "tp2_sp_selective": (2, [], ["parallel.tp=2", "parallel.sequence_parallel=true", *SELECTIVE]),
-    "cp2_p2p_full": (2, [], ["parallel.cp=2", "parallel.cp_comm_type=p2p", *FULL]),
-    "cp2_a2a": (2, [], ["parallel.cp=2", "parallel.cp_comm_type=a2a"]),
-    "cp2_p2p_documents": (2, DOCS, ["parallel.cp=2", "parallel.cp_comm_type=p2p"]),
-    "tp2_documents": (2, DOCS, ["parallel.tp=2"]),
-}
-SLOW_LAYOUTS = {
-    "cp4_a2a_p2p": (4, [], ["parallel.cp=4", "parallel.cp_comm_type=a2a+p2p",
-                            "parallel.cp_a2a_size=2"]),
+    "tp2_sp_selective": (2, MLA_MOE, [*SP, *SELECTIVE], False),
+    "cp2_p2p_full": (2, MLA_MOE, ["parallel.cp=2", "parallel.cp_comm_type=p2p", *FULL], False),
+    "cp2_a2a": (2, MLA_MOE, ["parallel.cp=2", "parallel.cp_comm_type=a2a"], False),
+    "cp2_p2p_documents": (2, MLA_MOE, ["parallel.cp=2", "parallel.cp_comm_type=p2p"], True),
+    "tp2_sp_documents": (2, MLA_MOE, SP, True),
+    # dense: TP without SP (MoE needs SP), the down-projections' gradients not summed
+    "tp2_dense": (2, MLA, ["parallel.tp=2"], False),
+    "cp4_a2a_p2p": (4, MLA_MOE, ["parallel.cp=4", "parallel.cp_comm_type=a2a+p2p",
+                                 "parallel.cp_a2a_size=2"], False),
 }  # fmt: skip
-
-
-def _parity(layout, table, tmp_path):
-    world, model, parallel = table[layout]
-    eod = EOD if model else None
-    ref = reference_losses(tuple(MLA_MOE + model), eod=eod)
-    assert ref[-1] < ref[0] - 0.1, f"reference loss did not fall: {list(ref)}"
-    got = train_losses(world, [*MLA_MOE, *model, *parallel], str(tmp_path), eod=eod)
-    assert_parity(got, ref, f"MLA+MoE {layout}")
 
 
 @pytest.mark.parity
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_mla_moe_loss_parity(layout, tmp_path):
-    _parity(layout, LAYOUTS, tmp_path)
-
-
-@pytest.mark.slow
-@pytest.mark.parity
-@pytest.mark.parametrize("layout", SLOW_LAYOUTS)
-def test_mla_moe_loss_parity_hybrid_cp(layout, tmp_path):
-    _parity(layout, SLOW_LAYOUTS, tmp_path)
+def test_mla_loss_parity(layout, tmp_path):
+    world, model, parallel, documents = LAYOUTS[layout]
+    model, eod = (model + DOCS, EOD) if documents else (model, None)
+    ref = reference_losses(tuple(model), eod=eod)
+    assert ref[-1] < ref[0] - 0.1, f"reference loss did not fall: {list(ref)}"
+    got = train_losses(world, [*model, *parallel], str(tmp_path), eod=eod)
+    assert_parity(got, ref, f"MLA {layout}")
 
 
 def test_mla_changes_the_model():
     """The flag reaches the model: an MLA model's losses differ from the plain one's."""
     plain = reference_losses(tuple(SHORT))
-    latent = reference_losses(tuple(MLA_MOE[:8] + ["model.num_layers=4", *SHORT]))
+    latent = reference_losses(tuple(MLA[:8] + list(SHORT)))
     assert abs(latent[0] - plain[0]) > 1e-4, (list(latent), list(plain))
