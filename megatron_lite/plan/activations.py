@@ -25,7 +25,6 @@ from megatron_lite.plan import modules
 from megatron_lite.plan.saved import MLP, final_norm_saves, layer_saves, subtree
 from megatron_lite.resolve import (
     cp_a2a_size,
-    kv_channels,
     moe_ffn_hidden_size,
     num_query_groups,
     padded_vocab_size,
@@ -65,7 +64,8 @@ class LayerShape:
     main_grad: bool = True  # ZeRO 0-2: weight gradients go into the buffer's main_grad
     shared_f: int = 0  # the MoE layer's shared expert width (0: none)
     grouped_gemm: bool = True  # the local experts as one grouped GEMM (False: a loop)
-    head_dim: int = 0  # model.kv_channels (0: h / n)
+    head_dim: int = 0  # each q/k head's width, the attention part's (0: h / n)
+    v_head_dim: int = 0  # each v head's width (0: = the q/k width; MLA's differs)
 
     @property
     def tokens(self) -> float:
@@ -78,8 +78,13 @@ class LayerShape:
 
     @property
     def d(self) -> int:
-        """The head dimension."""
+        """The q/k head dimension."""
         return self.head_dim or self.h // self.n
+
+    @property
+    def dv(self) -> int:
+        """The v head dimension."""
+        return self.v_head_dim or self.d
 
     @property
     def u(self) -> float:
@@ -120,10 +125,21 @@ def resolved(cfg: Config, world: int) -> Config:
     return cfg if done else resolve(cfg, world)
 
 
+def head_dims(cfg: Config):
+    """The attention part's `HeadDims` (q/k, v, rotary widths) of the resolved `cfg`."""
+
+    def read():
+        config = modules.transformer_config(cfg, layers_only=True)
+        return config.spec.head_dims(config)
+
+    return modules.per_config(cfg, ("head_dims",), read)
+
+
 def layer_shape(cfg: Config, kernels: str = "fused") -> LayerShape:
     p = cfg.parallel
     r = resolved(cfg, p.tp * p.pp * p.cp * (p.dp or 1))
     m, gated = r.model, modules.layer_params(r, False).gated
+    dims = head_dims(r)
     return LayerShape(
         s=m.seq_length, b=cfg.train.micro_batch_size, h=m.hidden_size,
         n=m.num_attention_heads, g=num_query_groups(m), f=m.ffn_hidden_size, tp=p.tp,
@@ -132,7 +148,7 @@ def layer_shape(cfg: Config, kernels: str = "fused") -> LayerShape:
         residual_bytes=residual_bytes(cfg), dropout=m.hidden_dropout > 0, kernels=kernels,
         experts=m.num_experts or 0, topk=m.moe_router_topk if m.num_experts else 0,
         moe_f=moe_ffn_hidden_size(m) if m.num_experts else 0, ep=p.ep, gated=gated,
-        main_grad=p.zero_stage < 3, head_dim=kv_channels(m),
+        main_grad=p.zero_stage < 3, head_dim=dims.qk, v_head_dim=dims.v,
         shared_f=m.moe_shared_expert_ffn_hidden_size if m.num_experts else 0,
         grouped_gemm=m.moe_grouped_gemm,
     )  # fmt: skip

@@ -143,12 +143,13 @@ def ep_all_to_all_bytes(cfg: Config, pp_rank: int, microbatches: int) -> float:
 
 def cp_ring_blocks(cfg: Config) -> tuple[float, float]:
     """(bytes of one K/V block, of one dK/dV block) a ring step sends, per layer and microbatch
-    (`cfg` resolved): the ring rank's s/R·b tokens of its 2·g_r KV heads of width d, g_r = g/tp,
-    or max(g/tp, a2a)/a2a after Ulysses; K/V in the compute dtype, dK/dV in the ring's fp32."""
+    (`cfg` resolved): the ring rank's s/R·b tokens of its g_r KV heads of widths dk + dv (the
+    attention part's), g_r = g/tp, or max(g/tp, a2a)/a2a after Ulysses; K/V in the compute
+    dtype, dK/dV in the ring's fp32."""
     shape = layer_shape(cfg)
     a2a, g = shape.a2a, shape.g // shape.tp
     g_r = ulysses_kv_heads(g, a2a) // a2a if a2a > 1 else g
-    elements = shape.tokens * a2a * 2 * g_r * shape.d  # s_r·b = T·a2a tokens
+    elements = shape.tokens * a2a * g_r * (shape.d + shape.dv)  # s_r·b = T·a2a tokens
     return elements * shape.act_bytes, elements * 4
 
 
@@ -176,29 +177,51 @@ def cp_ring_bytes(cfg: Config, pp_rank: int, microbatches: int) -> float:
 def cp_ring_exposed(cfg: Config, link: str, gpu, rate: float) -> tuple[float, float]:
     """(forward, backward) seconds the ring exposes per layer and microbatch (module
     docstring): each step computes two sub-blocks of c = s/(2R) queries against c keys over
-    n/(tp·a2a) heads, 4·b·c²·n·d/(tp·a2a) FLOPs forward (QKᵀ and PV), 2.5× that backward."""
+    n/(tp·a2a) heads, 2·b·c²·n·(dk + dv)/(tp·a2a) FLOPs forward (QKᵀ and PV), 2.5× that
+    backward."""
     shape = layer_shape(cfg)
     ring = shape.ring
     if ring == 1:
         return 0.0, 0.0
     kv, dkv = (collective_time("send", x, ring, link, gpu) for x in cp_ring_blocks(cfg))
     c = shape.s / (2 * ring)
-    step = 2 * 4 * shape.b * c * c * shape.n / (shape.tp * shape.a2a) * shape.d / rate
+    step = 2 * 2 * shape.b * c * c * shape.n / (shape.tp * shape.a2a) * (shape.d + shape.dv) / rate
     fwd = (ring - 1) * max(0.0, kv - step)
     bwd = (ring - 1) * max(0.0, kv + dkv - 2.5 * step) + dkv
     return fwd, bwd
 
 
-def cp_a2a_exposed(cfg: Config, link: str, gpu) -> float:
-    """Seconds of Ulysses' two all-to-alls over the a2a ranks (q, k, v in with the KV heads
-    replicated up to a2a; the output back), per layer and microbatch, one direction."""
+def cp_a2a_blocks(cfg: Config) -> tuple[float, float]:
+    """(bytes of Ulysses' q, k, v all-to-all, of its output's) per layer and microbatch, one
+    direction (`cfg` resolved; 0 without Ulysses): q over n/tp heads of width dk, k and v over
+    max(g/tp, a2a) heads (replicated up to a2a) of widths dk and dv, the output n/tp heads of
+    width dv, for the rank's T tokens."""
     shape = layer_shape(cfg)
     a2a, T, A, t = shape.a2a, shape.tokens, shape.act_bytes, shape.tp
     if a2a == 1:
+        return 0.0, 0.0
+    g = max(shape.g / t, a2a)
+    qkv = T * (shape.n / t * shape.d + g * (shape.d + shape.dv)) * A
+    return qkv, T * shape.n / t * shape.dv * A
+
+
+def cp_a2a_bytes(cfg: Config, pp_rank: int, microbatches: int) -> float:
+    """Bytes of Ulysses' all-to-alls (comm_stats' all_to_all, beside EP's) one rank of
+    pipeline rank `pp_rank` moves in `microbatches` microbatches: forward and backward, and the
+    forward again per full recompute (`cfg` resolved)."""
+    qkv, out = cp_a2a_blocks(cfg)
+    passes = 3 if cfg.model.recompute_granularity == "full" else 2
+    layers = sum(c for _, c in rank_layers(cfg, pp_rank))
+    return microbatches * layers * passes * (qkv + out)
+
+
+def cp_a2a_exposed(cfg: Config, link: str, gpu) -> float:
+    """Seconds of Ulysses' two all-to-alls over the a2a ranks (q, k, v in with the KV heads
+    replicated up to a2a; the output back), per layer and microbatch, one direction."""
+    a2a = layer_shape(cfg).a2a
+    if a2a == 1:
         return 0.0
-    qkv = T * (shape.n / t + 2 * max(shape.g / t, a2a)) * shape.d * A
-    out = T * shape.n / t * shape.d * A
-    return sum(collective_time("all_to_all", x, a2a, link, gpu) for x in (qkv, out))
+    return sum(collective_time("all_to_all", x, a2a, link, gpu) for x in cp_a2a_blocks(cfg))
 
 
 def step_time(cfg: Config, world: int, gpu, mfu: float, gpus_per_node: int,

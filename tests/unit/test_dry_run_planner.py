@@ -32,6 +32,12 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RING = ["model.num_layers=2", "model.seq_length=32768", "parallel.tp=2", "parallel.pp=1",
         "parallel.cp=8", "parallel.dp=1", "train.global_batch_size=1"]  # fmt: skip
+MLA = ["model.multi_latent_attention=true", "model.kv_lora_rank=512", "model.qk_head_dim=128",
+       "model.qk_pos_emb_head_dim=64", "model.v_head_dim=128", "model.num_layers=2",
+       "model.moe_shared_expert_ffn_hidden_size=2816"]  # fmt: skip
+MLA_V3 = ["model.q_lora_rank=1536", "parallel.tp=2", "parallel.sequence_parallel=true",
+          "model.rope_scaling={type: yarn, factor: 40, original_max_position_embeddings: 4096, "
+          "mscale: 1, mscale_all_dim: 1}"]  # fmt: skip
 # name: (config, world, overrides, pipeline ranks the dry run runs)
 LAYOUTS = {
     "70b-tp4-pp2-cp2-zero2": ("configs/llama3_70b.yaml", 32, [
@@ -68,6 +74,16 @@ LAYOUTS = {
     "moe-shared-expert-ep8": ("configs/moe_fine_grained.yaml", 8, [
         "model.num_layers=2", "model.moe_shared_expert_ffn_hidden_size=2816",
     ], [0]),
+    # multi-head latent attention (q/k heads 128 + 64 wide, v 128) on DeepSeek-V2-Lite's
+    # shape (no q compression, the first layer dense), and DeepSeek-V3's q compression and
+    # YaRN on tp2+SP (the replicated down-projections) with Ulysses (its all-to-alls at
+    # the MLA widths) and a ring (its K/V blocks at dk + dv)
+    "mla-moe-v2-lite-ep8": ("configs/moe_fine_grained.yaml", 8, [*MLA, "model.num_layers=2",
+        "model.moe_first_k_dense_replace=1"], [0]),
+    "mla-moe-tp2-sp-cp2-a2a": ("configs/moe_fine_grained.yaml", 8, [*MLA, *MLA_V3,
+        "parallel.cp=2", "parallel.ep=2", "parallel.dp=2"], [0]),
+    "mla-moe-tp2-sp-cp2-p2p": ("configs/moe_fine_grained.yaml", 8, [*MLA, *MLA_V3,
+        "parallel.cp=2", "parallel.cp_comm_type=p2p", "parallel.ep=2", "parallel.dp=2"], [0]),
 }  # fmt: skip
 TOLERANCE = 0.03
 
@@ -80,13 +96,14 @@ from megatron_lite.validation import validate
 
 config, world, overrides = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 cfg = validate(with_vocab(load_config(config, overrides)), world)
-from megatron_lite.plan.step_time import cp_ring_bytes, ep_all_to_all_bytes
+from megatron_lite.plan.step_time import cp_a2a_bytes, cp_ring_bytes, ep_all_to_all_bytes
 
 results = dry_run(cfg, world, None, "steady", workers=1, kernels="fused")  # one rank a stage
 out = [
     dict(j, predicted_phase=r.predicted.phase,
          predicted_a2a=ep_all_to_all_bytes(cfg, j["coords"]["pp"], j["microbatches"]),
-         predicted_ring=cp_ring_bytes(cfg, j["coords"]["pp"], j["microbatches"]))
+         predicted_ring=cp_ring_bytes(cfg, j["coords"]["pp"], j["microbatches"]),
+         predicted_ulysses=cp_a2a_bytes(cfg, j["coords"]["pp"], j["microbatches"]))
     for j, r in zip(to_json(results), results)
 ]
 print(json.dumps(out))
@@ -126,11 +143,12 @@ def test_planner_terms_match_the_dry_run_of_a_full_size_layer(layout):
             )
         got, want = res["peak_bytes"], res["predicted_peak_bytes"]
         assert abs(got - want) <= TOLERANCE * want, f"{at}, peak: dry run {got}, planner {want}"
-        if "moe" in layout:  # the EP token all-to-alls (no CP here: no Ulysses all-to-all)
-            got, want = res["comm"].get("comm_bytes/all_to_all", 0.0), res["predicted_a2a"]
-            print(f"{layout} {at}: EP all-to-all bytes, dry run {got:.0f}, planner {want:.0f}")
+        if "moe" in layout:  # the EP token all-to-alls and Ulysses' (when cp is a2a)
+            got = res["comm"].get("comm_bytes/all_to_all", 0.0)
+            want = res["predicted_a2a"] + res["predicted_ulysses"]
+            print(f"{layout} {at}: all-to-all bytes, dry run {got:.0f}, planner {want:.0f}")
             assert want > 0 and abs(got - want) <= 0.01 * want, (
-                f"{at}, EP all-to-all bytes: dry run {got}, planner {want}"
+                f"{at}, all-to-all bytes: dry run {got}, planner {want}"
             )
         if "p2p" in layout:  # the ring's K/V and dK/dV sends, and as many receives
             for k in ("cp_send", "cp_recv"):
