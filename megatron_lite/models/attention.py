@@ -25,7 +25,15 @@ from megatron_lite.models.token_context import TokenContext
 
 def sdpa_attention(q, k, v, dropout_p: float, docs: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention. q [s, b, n, d], k/v [s, b, g, d] (n % g == 0) -> [s, b, n, d]; with
-    docs [b, s], within each document only (a boolean mask [b, 1, s, s])."""
+    docs [b, s], within each document only (a boolean mask [b, 1, s, s]).
+
+    A v narrower than q/k (multi-head latent attention) is zero-padded to q's width and the
+    output's padding columns dropped (exact): SDPA's flash kernels (CPU and CUDA) take one head
+    width, and its math fallback would keep the s×s probabilities for backward."""
+    dv = v.shape[-1]
+    if dv < q.shape[-1]:
+        v = F.pad(v, (0, q.shape[-1] - dv))
+        return sdpa_attention(q, k, v, dropout_p, docs)[..., :dv]
     gqa = k.shape[2] != q.shape[2]  # each KV head serves n/g query heads, without copies
     q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
     if docs is None:
