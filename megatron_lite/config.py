@@ -269,7 +269,9 @@ def _coerce_mapping(key: str, value, strings: bool = False) -> dict:
     """A mapping of names to finite numbers or booleans (`strings`: or strings)."""
     fix = f"give a mapping of names to numbers, e.g. {key}={{momentum: 0.95}}"
     if strings:
-        fix = f"give a mapping of names to numbers or strings, e.g. {key}={{type: yarn, factor: 40}}"
+        fix = (
+            f"give a mapping of names to numbers or strings, e.g. {key}={{type: yarn, factor: 40}}"
+        )
     if not isinstance(value, dict):
         raise ConfigError(f"{key}={value!r}: expected a mapping, got {type(value).__name__}. "
                           f"Fix: {fix}")  # fmt: skip

@@ -152,9 +152,7 @@ def check_latent_attention(cfg: Config) -> None:
         ("qk_layernorm", "MLA normalizes its compressed q and kv instead (q_a/kv_a_layernorm)"),
     ):
         value = getattr(m, key)
-        _rule(
-            value == getattr(default, key), f"model.{key}", value, why, "remove the key"
-        )
+        _rule(value == getattr(default, key), f"model.{key}", value, why, "remove the key")
     if m.fp8 is not None:  # every local GEMM dimension of MLA's linears
         align, tp = 32 if m.fp8_recipe == "mxfp8" else 16, cfg.parallel.tp
         dn, dr, dv = m.qk_head_dim, m.qk_pos_emb_head_dim, m.v_head_dim

@@ -111,9 +111,7 @@ class MLASelfAttention(AttentionCore):
         n, dn, dr, dv = c.num_attention_heads, c.qk_head_dim, c.qk_pos_emb_head_dim, c.v_head_dim
         self.nope_dim, self.rope_dim, self.kv_lora_rank = dn, dr, c.kv_lora_rank
         self.sp, self.tp_group = c.sequence_parallel, mesh.tp.group
-        tp_common = dict(
-            bias=False, sequence_parallel=c.sequence_parallel, gemm=c.linear_backend
-        )
+        tp_common = dict(bias=False, sequence_parallel=c.sequence_parallel, gemm=c.linear_backend)
         up = dict(init_std=c.init_method_std, **tp_common)
         self.q_proj = self.q_a_proj = self.q_a_layernorm = self.q_b_proj = None
         if c.q_lora_rank is None:

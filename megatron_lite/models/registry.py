@@ -13,7 +13,8 @@ register call at import time fills it; nothing else writes it).
 Constructor contracts of the parts (each a class or a builder function):
 - attention(config, mesh, tracker) -> module; forward(x [s(/tp), b, h], ctx: TokenContext) ->
   [s(/tp), b, h]. It declares its head dims as a classmethod `head_dims(config) -> HeadDims`
-  (q/k and v widths per head, and how many of each q/k head's dims RoPE rotates: 0 = none);
+  (q/k and v widths per head, and how many of each q/k head's dims RoPE rotates: 0 = none;
+  which ones is the part's: all of them for RotaryAttention, the last ones for MLA);
   the model chunk builds RoPE's tables at the rotary dim, context parallelism reads the q/k
   and v widths from the tensors it is handed.
 - mlp(config, mesh) -> module; forward(x [s(/tp), b, h]) -> [s(/tp), b, h]: the dense MLP.
@@ -64,7 +65,7 @@ class HeadDims:
 
     qk: int  # width of each query and key head (the scores' dot product)
     v: int  # width of each value head (and of the attention output per head)
-    rotary: int  # leading dims of each q/k head RoPE rotates: 0 = no RoPE (no tables built)
+    rotary: int  # dims of each q/k head RoPE rotates (the tables' width): 0 = no RoPE
 
 
 @dataclass(frozen=True)

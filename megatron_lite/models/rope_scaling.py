@@ -49,7 +49,11 @@ def attention_factor(scaling: dict[str, Any] | None) -> float:
         return 1.0
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
-    factor, mscale, all_dim = scaling["factor"], scaling.get("mscale"), scaling.get("mscale_all_dim")
+    factor, mscale, all_dim = (
+        scaling["factor"],
+        scaling.get("mscale"),
+        scaling.get("mscale_all_dim"),
+    )
     if mscale and all_dim:
         return yarn_get_mscale(factor, mscale) / yarn_get_mscale(factor, all_dim)
     return yarn_get_mscale(factor)

@@ -23,8 +23,8 @@ from megatron_lite import kernels
 from megatron_lite.context.layout import ring_ranges
 from megatron_lite.context.ring import ring_attention
 from megatron_lite.context.ulysses import ulysses_attention, ulysses_kv_heads
-from megatron_lite.models.attention import DecodeContext, attention_function, cached_attention
 from megatron_lite.models import rope_scaling
+from megatron_lite.models.attention import DecodeContext, attention_function, cached_attention
 from megatron_lite.models.registry import HeadDims
 from megatron_lite.models.token_context import TokenContext
 from megatron_lite.models.transformer_config import TransformerConfig

@@ -52,8 +52,11 @@ def _attention_per_token(m) -> int:
     """Attention FLOPs per token and layer over causal scores (fwd + bwd): 6·s·q for q = n·d,
     3·s·n·(dn + dr + dv) for MLA (Q·Kᵀ over dn + dr, A·V over dv)."""
     if m.multi_latent_attention:
-        return 3 * m.seq_length * m.num_attention_heads * (
-            m.qk_head_dim + m.qk_pos_emb_head_dim + m.v_head_dim
+        return (
+            3
+            * m.seq_length
+            * m.num_attention_heads
+            * (m.qk_head_dim + m.qk_pos_emb_head_dim + m.v_head_dim)
         )
     q = m.num_attention_heads * (m.kv_channels or m.hidden_size // m.num_attention_heads)
     return 6 * m.seq_length * q

@@ -102,9 +102,15 @@ def test_shipped_entries_keep_their_defaults():
 
 
 def test_parts_by_name_load_on_first_use():
+    from types import SimpleNamespace
+
+    from megatron_lite.models.mla import LLAMA_ATTENTION, MLASelfAttention
     from megatron_lite.models.transformer import Attention, RotaryAttention
 
-    assert get_architecture("llama").part("attention") is RotaryAttention
+    # llama's attention: RotaryAttention, or MLA with model.multi_latent_attention
+    assert get_architecture("llama").part("attention") is LLAMA_ATTENTION
+    assert LLAMA_ATTENTION.pick(SimpleNamespace(multi_latent_attention=False)) is RotaryAttention
+    assert LLAMA_ATTENTION.pick(SimpleNamespace(multi_latent_attention=True)) is MLASelfAttention
     assert get_architecture("gpt").part("attention") is Attention
     with pytest.raises(ValueError, match="'gpt' has no layer_norm part|not one of"):
         get_architecture("gpt").part("layer_norm")
