@@ -23,11 +23,14 @@ H, N, Q_LORA, KV_LORA, NOPE, ROPE, V, SEQ, BATCH, THETA = 64, 4, 24, 16, 12, 8, 
 YARN = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 64, "beta_fast": 32,
         "beta_slow": 1, "mscale": 1, "mscale_all_dim": 1}  # fmt: skip
 YARN_FACTOR = {**YARN, "mscale_all_dim": 0}  # no softmax mscale: cos/sin × mscale(40) instead
-CASES = {
-    "q_lora": (Q_LORA, None),
-    "no_q_lora": (None, None),
-    "yarn": (Q_LORA, YARN),
-    "yarn_attention_factor": (None, YARN_FACTOR),
+CASES = {  # (q_lora_rank, rope_scaling, MEGATRON_LITE_KERNELS)
+    "q_lora": (Q_LORA, None, None),
+    "no_q_lora": (None, None, None),
+    "yarn": (Q_LORA, YARN, None),
+    "yarn_attention_factor": (None, YARN_FACTOR, None),
+    # the Triton RMSNorm and RoPE kernels (in the interpreter on CPU) on MLA's latents and
+    # its de-interleaved RoPE dims
+    "yarn_triton": (Q_LORA, YARN, "triton"),
 }
 
 
@@ -79,10 +82,15 @@ def _ours(q_lora, scaling):
     return MLASelfAttention(config, ParallelMesh(rank_layout(cfg.parallel, 1)), RNGStatesTracker())
 
 
-def _compare(rank, world, q_lora, scaling):
+def _compare(rank, world, q_lora, scaling, kernels):
     """Relative differences of our module from HF's: (output, worst gradient), and the output's
     when the module is broken (softmax scale, interleave, RoPE dims)."""
+    import os
+
     import torch
+
+    if kernels is not None:
+        os.environ["MEGATRON_LITE_KERNELS"] = kernels  # read at each call
 
     from megatron_lite.models import mla
     from megatron_lite.models.token_context import TokenContext
@@ -144,6 +152,41 @@ def test_mla_matches_hf_deepseek_v3_attention(case):
     assert grad < 1e-5, f"{case}: a gradient differs from HF's by {grad:.2e} (relative)"
     for what, diff in broken.items():
         assert diff > 1e-2, f"{case}: a broken {what} moves the output by only {diff:.1e}"
+
+
+def _bf16_errors(rank, world, q_lora, scaling):
+    """Relative errors of HF's module and ours in bf16 (weights and input rounded alike) from
+    HF's in fp32."""
+    import copy
+
+    import torch
+
+    from megatron_lite.models.token_context import TokenContext
+    from megatron_lite.models.transformer import rope_tables
+
+    hf, rotary = _hf_attention(q_lora, scaling)
+    ours = _ours(q_lora, scaling)
+    hf_params = dict(hf.named_parameters())
+    with torch.no_grad():
+        for name, p in ours.named_parameters():
+            p.copy_(hf_params[name])
+        torch.manual_seed(1)
+        x = torch.randn(BATCH, SEQ, H).bfloat16().float()
+        pos = torch.arange(SEQ)[None].expand(BATCH, SEQ)
+        ref = hf(x, rotary(x, pos), None)[0]
+        hf16, x16 = copy.deepcopy(hf).bfloat16(), x.bfloat16()
+        out_hf = hf16(x16, rotary(x16, pos), None)[0].float()
+        ctx = TokenContext(rope_tables(SEQ, ROPE, THETA, scaling=scaling))
+        out = ours.bfloat16()(x16.transpose(0, 1), ctx).transpose(0, 1).float()
+    scale = ref.abs().max()
+    return ((out_hf - ref).abs().max() / scale).item(), ((out - ref).abs().max() / scale).item()
+
+
+def test_mla_bf16_is_as_close_to_fp32_as_hfs():
+    """bf16: our module is no further from HF's fp32 output than HF's own bf16 module is."""
+    err_hf, err_ours = run_ranks(1, _bf16_errors, Q_LORA, YARN, timeout=120)[0]
+    print(f"MLA bf16 vs fp32: HF {err_hf:.1e}, ours {err_ours:.1e}")
+    assert err_ours < max(2 * err_hf, 1e-2), (err_hf, err_ours)
 
 
 # DeepSeek-like: MLA with YaRN, MoE with sigmoid routing, expert bias, a shared expert, top-2 of
