@@ -277,3 +277,19 @@ def test_mla_kv_cached_generation_equals_recomputing():
             assert batch == alone, f"tp{world}: batched {batch} vs each alone {alone}"
             assert batch == full, f"tp{world}: cached {batch} vs recomputed {full}"
             assert len({tuple(row) for row in batch}) > 1, batch
+
+
+def test_mla_on_te_linears(tmp_path):
+    """model.linear_backend=te (a Transformer Engine stand-in on CPU, tests/fake_te): every MLA
+    linear, the replicated down-projections included, runs through TE's GEMM on tp2+SP, and
+    the losses are the local backend's on one rank (test_te_backend's bound)."""
+    from tests.parallel.parity import max_rel_diff
+    from tests.parallel.test_te_backend import _run
+
+    ref = reference_losses(tuple(MLA))
+    got, stats = _run(2, [*MLA, "model.linear_backend=te", *SP], str(tmp_path))
+    diff = max_rel_diff(got, ref)
+    print(f"MLA TE-LINEAR tp2+SP: max rel diff vs local 1 rank {diff:.2e}")
+    assert diff < 1e-4, f"{got}\n{ref}"
+    for s in stats:  # 2 layers × (q_a, q_b, kv_a, kv_b, o_proj, fc1, fc2)
+        assert s["linears"] == 14, s
