@@ -35,6 +35,8 @@ FUNCTION_KEYS = (
     "num_attention_heads",
     "norm_eps",
     "rope_theta",
+    "rope_scaling",
+    "multi_latent_attention",
     "moe_router_topk",
     "moe_router_score_function",
     "moe_router_norm_topk",

@@ -62,13 +62,12 @@ def _validate_fp8(cfg: Config) -> None:
     tp = p.tp
     head_dim = kv_channels(m)
     groups = m.num_query_groups or m.num_attention_heads
-    widths = {
-        "model.hidden_size": m.hidden_size,
-        "heads × head dim / tp (attention output)": m.num_attention_heads * head_dim // tp,
-        "(heads + 2·query groups) × head dim / tp": (m.num_attention_heads + 2 * groups)
-        * head_dim
-        // tp,
-    }
+    widths = {"model.hidden_size": m.hidden_size}
+    if not m.multi_latent_attention:  # MLA's own widths: models/decoder.check_latent_attention
+        widths["heads × head dim / tp (attention output)"] = m.num_attention_heads * head_dim // tp
+        widths["(heads + 2·query groups) × head dim / tp"] = (
+            (m.num_attention_heads + 2 * groups) * head_dim // tp
+        )
     if not all(moe_layer_pattern(m)):  # dense MLPs (experts use local GEMMs)
         widths["model.ffn_hidden_size / tp"] = m.ffn_hidden_size // tp
     if any(moe_layer_pattern(m)) and m.moe_shared_expert_ffn_hidden_size:  # a dense MLP too
