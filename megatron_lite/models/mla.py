@@ -44,13 +44,15 @@ head) and v n heads of width dv, which Ulysses and the ring read from the tensor
 recompute is the chunk's. fp32 and bf16 alike (the norms and RoPE compute in fp32).
 
 Saved for backward (no recompute), per layer and microbatch: the down-projections' input x
-(the layer norm's output, saved by the block anyway), the compressed latents before and after
-their norms ([s/tp, b, q_lora_rank + kv_lora_rank + dr]: the up-projections keep only the
-local shard under SP), and, for the attention, q, k, v at their per-head widths (n/tp·(2·(dn +
-dr) + dv) per token), its output and log-sum-exp, and o_proj's input. So this implementation
-keeps the expanded per-head keys and values, not only the compressed kv and the RoPE key (a
-memory-aware MLA would recompute the up-projections in backward: Megatron's
-recompute_modules=[mla_up_proj], not built here).
+(the input norm's output), the compressed latents before and after their norms
+([s/tp, b, q_lora_rank + kv_lora_rank + dr]: the up-projections keep only the local shard under
+SP), q and k (n/tp·(dn + dr) each per token), v zero-padded to dn + dr and SDPA's output
+(models/attention.py) and its log-sum-exp, and o_proj's input (n/tp·dv). So this
+implementation keeps per-head tensors, not only the compressed kv and the RoPE key (a
+memory-aware MLA would recompute the up-projections and the attention in backward: Megatron's
+recompute_modules=[mla_up_proj], not built here); selective recompute of core_attn keeps q, k
+and the kv up-projection's output (v is a view of it) instead of SDPA's saves.
+docs/deepseek_v3.md has the measured bytes.
 """
 
 from __future__ import annotations
