@@ -122,7 +122,8 @@ def _dry_run(config: str, world: int, overrides: list[str]) -> list[dict]:
 
 # the ring under document masking is the slowest layout: in the slow tier (CI runs it after
 # the suite); docs-cp1 keeps document masking's dry run in the suite
-SLOW_LAYOUTS = {"docs-ring-p2p-cp4"}
+# (and two of the three MLA layouts: the p2p one covers q compression, YaRN, tp2+SP and the ring)
+SLOW_LAYOUTS = {"docs-ring-p2p-cp4", "mla-moe-v2-lite-ep8", "mla-moe-tp2-sp-cp2-a2a"}
 
 
 @pytest.mark.parametrize(
