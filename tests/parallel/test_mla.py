@@ -293,3 +293,29 @@ def test_mla_on_te_linears(tmp_path):
     assert diff < 1e-4, f"{got}\n{ref}"
     for s in stats:  # 2 layers × (q_a, q_b, kv_a, kv_b, o_proj, fc1, fc2)
         assert s["linears"] == 14, s
+
+
+def test_sdpa_with_a_narrower_v_keeps_no_scores():
+    """SDPA on q/k of width 12 and v of width 8 (MLA's shapes): the output is plain softmax
+    attention's (float64 reference), and nothing s×s is kept for backward (v is zero-padded to
+    q's width, so SDPA's flash kernel runs instead of its math path, which keeps the
+    probabilities)."""
+    import torch
+
+    from megatron_lite.models.attention import sdpa_attention
+
+    s, b, n, dk, dv = 64, 2, 4, 12, 8
+    torch.manual_seed(0)
+    q, k = (torch.randn(s, b, n, dk, requires_grad=True) for _ in range(2))
+    v = torch.randn(s, b, n, dv, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(
+        lambda t: saved.append(t.shape) or t, lambda t: t
+    ):
+        out = sdpa_attention(q, k, v, 0.0)
+    assert not [shape for shape in saved if tuple(shape[-2:]) == (s, s)], saved
+    qd, kd, vd = (t.detach().double().permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
+    scores = qd @ kd.transpose(-1, -2) / dk**0.5
+    scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+    ref = (scores.softmax(-1) @ vd).permute(2, 0, 1, 3)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-6)
