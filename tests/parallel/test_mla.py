@@ -319,3 +319,15 @@ def test_sdpa_with_a_narrower_v_keeps_no_scores():
     scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
     ref = (scores.softmax(-1) @ vd).permute(2, 0, 1, 3)
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_mla_bf16_tracks_fp32(tmp_path):
+    """bf16 training of the MLA + MoE model on tp2+SP follows the fp32 single-rank curve to
+    bf16 rounding (test_parity_core's bound)."""
+    from tests.parallel.parity import max_rel_diff
+
+    ref = reference_losses(tuple(MLA_MOE))
+    got = train_losses(2, [*MLA_MOE, *SP, "train.precision=bf16"], str(tmp_path))
+    diff = max_rel_diff(got, ref)
+    print(f"MLA BF16 tp2+SP: max rel diff vs fp32 {diff:.2e}")
+    assert diff < 5e-3, f"bf16 run drifts from fp32: {got} vs {ref}"
