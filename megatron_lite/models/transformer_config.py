@@ -32,6 +32,7 @@ class TransformerConfig:
     num_query_groups: int
     kv_channels: int  # the head dimension, resolved
     qk_layernorm: bool
+    add_qkv_bias: bool
     ffn_hidden_size: int
     vocab_size: int
     padded_vocab_size: int  # a multiple of make_vocab_size_divisible_by·tp
@@ -59,6 +60,7 @@ class TransformerConfig:
     moe_grouped_gemm: bool
     moe_shared_expert_ffn_hidden_size: int
     moe_shared_expert_overlap: bool
+    moe_shared_expert_gate: bool
     moe_router_score_function: str
     moe_router_topk_scaling_factor: float | None
     moe_router_norm_topk: bool | None
@@ -67,6 +69,7 @@ class TransformerConfig:
     moe_aux_loss_type: str
     moe_router_num_groups: int | None
     moe_router_group_topk: int | None
+    moe_router_group_score: str
     moe_layer_pattern: tuple[bool, ...]  # per layer of the whole model: MoE or dense
     moe_aux_loss_scale: float  # 1 / (microbatches · dp · MoE layers), see moe/layer.py
     recompute_granularity: str | None  # None | selective | full
