@@ -11,7 +11,8 @@ N_active: the weights every token multiplies, i.e. per layer the attention proje
 h·(q + 2·kv) + q·h (q = heads·head_dim, kv = query_groups·head_dim with head_dim =
 model.kv_channels, so q may differ from h; grouped-query attention at its real width), the dense
 MLP (3·h·ffn with SwiGLU, 2·h·ffn with GeLU) or for a MoE layer the router h·E plus topk experts'
-MLPs (and the shared expert's, with its gate's h·1), and the output layer h·V (V the unpadded vocabulary; counted when tied too, its GEMM runs).
+MLPs (and the shared expert's, with its gate's h·1), and the output layer h·V (V the unpadded
+vocabulary; counted when tied too, its GEMM runs).
 Not counted: the embedding lookup, biases, norms (qk_layernorm's too), activations, softmax,
 RoPE, the loss, and the vocabulary padding columns; MoE counts topk experts per token whatever
 the capacity drops.
