@@ -306,7 +306,8 @@ def test_saved_qwen2_moe_config_names_every_field(tmp_path):
     dcp_to_hf(str(tmp_path / "ckpt"), str(tmp_path / "hf2"))
     with open(tmp_path / "hf2" / "config.json") as f:
         written = json.load(f)
-    for key in ("num_key_value_heads", "head_dim", "moe_intermediate_size", "qkv_bias",
-                "shared_expert_intermediate_size", "num_experts", "num_experts_per_tok"):  # fmt: skip
+    keys = ["num_key_value_heads", "head_dim", "moe_intermediate_size", "qkv_bias"]
+    keys += ["shared_expert_intermediate_size", "num_experts", "num_experts_per_tok"]
+    for key in keys:
         assert key in written, f"the exported config.json has no {key}"
     assert written["num_key_value_heads"] == 2 and written["qkv_bias"] is True
