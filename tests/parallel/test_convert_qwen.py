@@ -6,8 +6,8 @@ by more than 1e-3 relative):
 - hf-to-dcp, then train.init_from on one rank and on tp2+SP (the Qwen2-MoE with ep2: 4 ranks),
   pp2 and cp2 (p2p ring), three steps of the real Trainer on mock data;
 - the same tokens through the HF model in float64 with plain torch: the mean cross-entropy over
-  the global batch, clip_grad_norm_, torch.optim.AdamW (weight decay on the matrices, the router's and the
-  shared expert gate's included, as ours and Megatron's);
+  the global batch, clip_grad_norm_, torch.optim.AdamW (weight decay on the matrices, the
+  router's and the shared expert gate's included, as ours and Megatron's);
 - step 1's loss (the converted weights) within 1e-5 relative of HF's, and the losses after one
   and two optimizer steps and the three gradient norms within 1e-6 relative.
 
