@@ -1,6 +1,7 @@
 """The shared expert (model.moe_shared_expert_ffn_hidden_size): the MoE layer's output is the
 routed experts' combination plus a dense SwiGLU of every token (times its sigmoid gate with
-model.moe_shared_expert_gate), checked against plain torch in float64; and the layer pattern keys (moe_layer_freq as a list, moe_first_k_dense_replace)."""
+model.moe_shared_expert_gate), checked against plain torch in float64; and the layer pattern
+keys (moe_layer_freq as a list, moe_first_k_dense_replace)."""
 
 import torch
 import torch.nn.functional as F
