@@ -11,12 +11,25 @@ w3 = up, w2 = down; Qwen2/3-MoE gate_proj, up_proj, down_proj). Qwen2-MoE's shar
 
 from __future__ import annotations
 
+import os
+import sys
+
 import torch
 
-from megatron_lite import resolve
-from megatron_lite.checkpoint.errors import CheckpointError
-from megatron_lite.config import ModelConfig
-from tools.hf_checks import check_count, check_expert_count, check_our_model, check_shapes
+# Run as a script from a checkout (`python tools/hf_tensors.py`): make `tools` importable.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.append(_ROOT)
+
+from megatron_lite import resolve  # noqa: E402
+from megatron_lite.checkpoint.errors import CheckpointError  # noqa: E402
+from megatron_lite.config import ModelConfig  # noqa: E402
+from tools.hf_checks import (  # noqa: E402
+    check_count,
+    check_expert_count,
+    check_our_model,
+    check_shapes,
+)
 
 ATTENTION = {  # ours (under layers.<i>.) -> HF (under model.layers.<i>.)
     "input_norm.weight": "input_layernorm.weight",
