@@ -50,7 +50,7 @@ FIELDS = {
     "num_hidden_layers": ("count", True, ()),
     "hidden_size": ("count", True, ()),
     "num_attention_heads": ("count", True, ()),
-    "num_key_value_heads": ("count?", MOE, ()),  # their classes' defaults are not `heads`
+    "num_key_value_heads": ("count?", ("qwen3", *MOE), ()),  # class defaults are not `heads`
     "head_dim": ("count?", False, ()),
     "intermediate_size": ("count", True, ()),
     "vocab_size": ("count", True, ()),

@@ -193,7 +193,7 @@ REFUSED = [  # (family, config changes, what the error names)
     ("qwen2_moe", {"hidden_act": "gelu"}, "hidden_act"),
     ("qwen2_moe", {"shared_expert_intermediate_size": 0}, "shared_expert_intermediate_size=0"),
     ("qwen2_moe", {"qkv_bias": "yes"}, "qkv_bias='yes'"),
-    ("qwen2_moe", {"num_key_value_heads": None, "num_attention_heads": 16}, None),
+    ("qwen2_moe", {"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
 ]
 
 
@@ -203,16 +203,24 @@ def test_unrepresentable_hf_configs_are_errors(family, change, needle):
     from tools.hf_families import from_hf_config
 
     config = {**PUBLISHED[family][0], **change}
-    if needle is None:  # a present null: transformers' own rule (one KV head per head) here
-        assert from_hf_config(config)["num_query_groups"] == 16
-        return
     with pytest.raises(CheckpointError, match=needle.replace("(", r"\(")):
         from_hf_config(config)
-    without = dict(PUBLISHED[family][0])
-    without.pop("num_key_value_heads")
-    if family == "qwen2_moe":  # required: Qwen2-MoE's class default (16) is not one per head
-        with pytest.raises(CheckpointError, match="has no num_key_value_heads"):
-            from_hf_config(without)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_num_key_value_heads_is_required(family):
+    """Their transformers classes' defaults are not one KV head per head (Qwen3's is 32,
+    Qwen2-MoE's 16, Qwen3-MoE's 4, Mixtral's 8; Llama's is): a config.json without the field
+    is refused, not guessed."""
+    from transformers import AutoConfig
+
+    from megatron_lite.checkpoint.errors import CheckpointError
+    from tools.hf_families import from_hf_config
+
+    assert AutoConfig.for_model(family, num_attention_heads=2).num_key_value_heads != 2
+    without = {k: v for k, v in PUBLISHED[family][0].items() if k != "num_key_value_heads"}
+    with pytest.raises(CheckpointError, match="has no num_key_value_heads"):
+        from_hf_config(without)
 
 
 EXPORT_REFUSED = [  # (our model.* keys over a Qwen2-MoE-like model, what the error names)
