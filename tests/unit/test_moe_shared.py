@@ -76,3 +76,18 @@ def test_layer_pattern_keys():
     assert num_moe_layers(first3) == 3
     dense = load_config(None, ["model.num_layers=6"]).model
     assert moe_layer_pattern(dense) == [False] * 6
+
+
+def test_shared_expert_gate_gets_weight_decay_like_the_router():
+    """The gate [1, h] is a matrix: AdamW's spec decays it as it does the router's [E, h] (and
+    as Megatron's default rule, which exempts only biases and 1-D parameters, and HF Trainer's,
+    which exempts biases and norms)."""
+    from megatron_lite.parallel.data_parallel.optimizer_spec import ADAMW, make_optimizer
+
+    layer = _layer(True, gate=True)
+    named = dict(layer.named_parameters())
+    hyper = {**ADAMW.hyperparameters, "weight_decay": 0.1}
+    opt = make_optimizer(ADAMW, [(p, p) for p in named.values()], hyper, False)
+    decayed = {id(p) for g in opt.param_groups if g["weight_decay"] == 0.1 for p in g["params"]}
+    assert id(named["shared_expert_gate"]) in decayed
+    assert id(named["router.weight"]) in decayed
