@@ -40,6 +40,7 @@ class ModelConfig:
     # RoPE scaling as in HF's rope_scaling: {type: yarn, factor, original_max_position_embeddings,
     # beta_fast, beta_slow, mscale, mscale_all_dim}; None = plain RoPE
     rope_scaling: dict[str, float | str] | None = None
+    add_qkv_bias: bool = False  # biases on the q, k and v projections only (Qwen2)
     ffn_hidden_size: int | None = None  # None = 4·h (gpt) or multiple-of-64 8h/3 (llama)
     vocab_size: int | None = None  # None = the tokenizer's vocabulary (mock data: required)
     seq_length: int = 64
@@ -68,6 +69,7 @@ class ModelConfig:
     moe_grouped_gemm: bool = True  # local experts as one grouped GEMM (False: a loop)
     moe_shared_expert_ffn_hidden_size: int = 0  # a dense SwiGLU every token passes (0 = none)
     moe_shared_expert_overlap: bool = False  # the shared expert beside the dispatch all-to-all
+    moe_shared_expert_gate: bool = False  # shared expert output × sigmoid(x·g), g [1, h] (Qwen2)
     moe_router_score_function: str = "softmax"  # softmax | sigmoid
     moe_router_topk_scaling_factor: float | None = None  # top-k weights × this (None = 1)
     moe_router_norm_topk: bool | None = None  # renormalize the top-k (None: sigmoid yes)
@@ -76,6 +78,8 @@ class ModelConfig:
     moe_aux_loss_type: str = "global"  # global (over the microbatch) | seq (per sequence)
     moe_router_num_groups: int | None = None  # group-limited routing: expert groups
     moe_router_group_topk: int | None = None  # groups each token may use
+    # a group's score: the sum of its top topk/group_topk scores (Megatron) | of its top 2 (DSv3)
+    moe_router_group_score: str = "topk_per_group"  # topk_per_group | top2
     # activation recomputation (Megatron's names; parallel/recompute.py)
     recompute_granularity: str | None = None  # None | selective | full
     recompute_modules: list[str] = field(default_factory=lambda: ["core_attn"])  # selective

@@ -1,7 +1,8 @@
-"""Convert between megatron_lite checkpoints and Hugging Face Llama, Mixtral and Qwen3-MoE.
+"""Convert between megatron_lite checkpoints and Hugging Face Llama, Qwen3, Mixtral, Qwen3-MoE
+and Qwen2-MoE.
 
-HF directories hold safetensors + config.json for LlamaForCausalLM, MixtralForCausalLM or
-Qwen3MoeForCausalLM.
+HF directories hold safetensors + config.json for LlamaForCausalLM, Qwen3ForCausalLM,
+MixtralForCausalLM, Qwen3MoeForCausalLM or Qwen2MoeForCausalLM.
 
     python tools/convert_checkpoint.py dcp-to-hf runs/x/checkpoints/step_1000 hf/llama-x
     python tools/convert_checkpoint.py hf-to-dcp hf/llama-x ckpt/llama-x
@@ -11,20 +12,23 @@ Loading never runs code from the files: DCP's pickled `.metadata` is read throug
 allow-list (megatron_lite/checkpoint/dcp_metadata.py) and HF weights only through safetensors.
 
 dcp-to-hf writes model.safetensors (float32, or --dtype bfloat16) and a config.json that
-transformers loads: a dense model as Llama, an MoE model with q/k norms (model.qk_layernorm) as
-Qwen3-MoE (dense layers in mlp_only_layers), one without as Mixtral (every layer MoE,
-moe_router_norm_topk=true). hf-to-dcp reads the family from config.json's model_type and writes
-a model-only checkpoint (kind "model", step 0) that `train.init_from` loads on any layout
+transformers loads, every field it reads written out: a dense model as Llama, or as Qwen3 with
+q/k norms (model.qk_layernorm); an MoE model with a gated shared expert as Qwen2-MoE (q/k/v
+biases per model.add_qkv_bias), with q/k norms as Qwen3-MoE (dense layers in mlp_only_layers),
+else as Mixtral (every layer MoE, moe_router_norm_topk=true). hf-to-dcp reads the family from
+config.json's model_type (a missing field takes its transformers class default) and writes a
+model-only checkpoint (kind "model", step 0) that `train.init_from` loads on any layout
 (tp/pp/cp/ep): weights only, fresh optimizer, step 0; the model.* config keys must match the
 converted model (shown in its metadata.json).
 
-Names map one to one (tools/hf_families.py); fused tensors are stored per segment in our
-checkpoints (q/k/v, gate/up), so no splitting is needed except the stacked experts [E, ...],
-which HF stores one matrix per expert. Rotary embeddings use the same half-rotation convention
-(pairs i and i + d/2, HF's rotate_half), so q/k need no permutation. An architecture converts
+Names map one to one (tools/hf_tensors.py; the configs: tools/hf_families.py); fused tensors
+are stored per segment in our checkpoints (q/k/v weights and biases, gate/up), so no splitting
+is needed except the stacked experts [E, ...], which HF stores one matrix per expert. Rotary
+embeddings use the same half-rotation convention (pairs i and i + d/2, HF's rotate_half), so
+q/k need no permutation. An architecture converts
 when its registry entry names these HF families (models/registry.py `hf_families`: llama does,
-gpt names none); a field we do not implement (rope scaling, biases, sliding windows, sigmoid
-routing, ...) is an error naming it.
+gpt names none); a field we do not implement (rope scaling, o_proj or MLP biases, sliding
+windows, sigmoid routing, ...) is an error naming it.
 
 Inputs are checked before anything is written (tools/hf_checks.py, tools/convert_inputs.py):
 every config.json field read for presence, type and range, every tensor for its shape and
@@ -205,13 +209,16 @@ OVERWRITE_HELP = (
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
-    a = sub.add_parser("dcp-to-hf", help="our checkpoint -> HF Llama/Mixtral/Qwen3-MoE directory")
+    a = sub.add_parser(
+        "dcp-to-hf", help="our checkpoint -> HF Llama/Qwen3/Mixtral/Qwen3-MoE/Qwen2-MoE directory"
+    )
     a.add_argument("checkpoint", help="step_<N> directory (or a folder with `latest`)")
     a.add_argument("out_dir", help="directory to create (new or empty)")
     a.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     a.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     b = sub.add_parser(
-        "hf-to-dcp", help="HF Llama/Mixtral/Qwen3-MoE directory -> model-only checkpoint"
+        "hf-to-dcp",
+        help="HF Llama/Qwen3/Mixtral/Qwen3-MoE/Qwen2-MoE directory -> model-only checkpoint",
     )
     b.add_argument("hf_dir")
     b.add_argument("out", help="checkpoint directory to create (use with train.init_from)")

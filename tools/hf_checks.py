@@ -40,13 +40,17 @@ KINDS = {
     ),
     "window?": (lambda v: v is None or (_is_int(v) and v >= 0), "must be an integer or null"),
 }
-# field: (kind, required, families it is read for; () = all)
+MOE = ("mixtral", "qwen3_moe", "qwen2_moe")
+QWEN = ("qwen3", "qwen3_moe", "qwen2_moe")
+QWEN_MOE = ("qwen3_moe", "qwen2_moe")
+# field: (kind, required (True, or the families that require it), families it is read for;
+# () = all)
 FIELDS = {
     "architectures": ("strs?", False, ()),
     "num_hidden_layers": ("count", True, ()),
     "hidden_size": ("count", True, ()),
     "num_attention_heads": ("count", True, ()),
-    "num_key_value_heads": ("count?", False, ()),
+    "num_key_value_heads": ("count?", ("qwen3", *MOE), ()),  # class defaults are not `heads`
     "head_dim": ("count?", False, ()),
     "intermediate_size": ("count", True, ()),
     "vocab_size": ("count", True, ()),
@@ -59,18 +63,42 @@ FIELDS = {
     "attention_bias": ("bool", False, ()),
     "mlp_bias": ("bool", False, ()),
     "hidden_act": ("str", False, ()),
-    "num_experts_per_tok": ("count", False, ("mixtral", "qwen3_moe")),
-    "router_aux_loss_coef": ("nonneg", False, ("mixtral", "qwen3_moe")),
+    "num_experts_per_tok": ("count", False, MOE),
+    "router_aux_loss_coef": ("nonneg", False, MOE),
     "num_local_experts": ("count", False, ("mixtral",)),
     "sliding_window": ("window?", False, ("mixtral",)),
     "router_jitter_noise": ("nonneg", False, ("mixtral",)),
-    "num_experts": ("count", False, ("qwen3_moe",)),
-    "moe_intermediate_size": ("count", True, ("qwen3_moe",)),
-    "norm_topk_prob": ("bool", False, ("qwen3_moe",)),
-    "use_sliding_window": ("bool", False, ("qwen3_moe",)),
-    "decoder_sparse_step": ("count", False, ("qwen3_moe",)),
-    "mlp_only_layers": ("ints?", False, ("qwen3_moe",)),
+    "num_experts": ("count", False, QWEN_MOE),
+    "moe_intermediate_size": ("count", True, QWEN_MOE),
+    "shared_expert_intermediate_size": ("count", True, ("qwen2_moe",)),
+    "qkv_bias": ("bool", False, ("qwen2_moe",)),
+    "norm_topk_prob": ("bool", False, QWEN_MOE),
+    "use_sliding_window": ("bool", False, QWEN),
+    "layer_types": ("strs?", False, QWEN),
+    "decoder_sparse_step": ("count", False, QWEN_MOE),
+    "mlp_only_layers": ("ints?", False, QWEN_MOE),
 }
+# transformers 5.25's config-class defaults of the optional fields read here (rope_theta: its
+# default rope_parameters' theta; head_dim None: hidden_size / num_attention_heads); the expert
+# widths and, where the class default is not one KV head per head, num_key_value_heads are
+# required (tools/hf_checks.py)
+_COMMON = {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False}
+_QWEN_MOE = {"decoder_sparse_step": 1, "norm_topk_prob": False, "router_aux_loss_coef": 0.001}
+HF_DEFAULTS = {
+    "llama": _COMMON | {"head_dim": None},
+    "qwen3": _COMMON | {"head_dim": 128},
+    "mixtral": _COMMON
+    | {"head_dim": None, "rms_norm_eps": 1e-5, "rope_theta": 1e6, "num_local_experts": 8}
+    | {"num_experts_per_tok": 2, "router_aux_loss_coef": 0.001},
+    "qwen3_moe": _COMMON
+    | _QWEN_MOE
+    | {"head_dim": None, "num_experts": 128, "num_experts_per_tok": 8},
+    "qwen2_moe": _COMMON
+    | _QWEN_MOE
+    | {"head_dim": None, "num_experts": 60, "num_experts_per_tok": 4, "qkv_bias": True},
+}
+
+
 ORIGINAL = "use the config.json the model was published with"
 SAVED = "use a checkpoint that a run (or hf-to-dcp) saved, with its metadata.json as written"
 MAX_LAYERS = 1 << 16  # far beyond any model; bounds the per-layer loops a crafted file drives
@@ -94,7 +122,7 @@ def check_hf_config(c, family: str | None, file: str = "config.json") -> None:
         if families and family not in families:
             continue
         if key not in c:
-            if required:
+            if required is True or (required and family in required):
                 raise CheckpointError(
                     f"{file} has no {key}: a {family} config.json must give it. Fix: add "
                     f'"{key}" (see the model card), or use the model\'s original config.json'
@@ -119,7 +147,7 @@ def _check_consistency(c: dict, family: str, file: str) -> None:
         raise bad(
             file, "num_key_value_heads", kv, f"must divide num_attention_heads={heads}", ORIGINAL
         )
-    head_dim = c.get("head_dim")
+    head_dim = c.get("head_dim", HF_DEFAULTS[family]["head_dim"])
     if head_dim is None and hidden % heads:
         raise bad(
             file,
@@ -131,18 +159,21 @@ def _check_consistency(c: dict, family: str, file: str) -> None:
     head_dim = head_dim or hidden // heads
     if head_dim % 2:
         raise bad(file, "head_dim", head_dim, "rotary embeddings need an even head dim", ORIGINAL)
-    if family == "llama":
+    if family not in MOE:
         return
-    experts = c.get("num_local_experts", 8) if family == "mixtral" else _qwen_experts(c, file)
-    k = c.get("num_experts_per_tok", 2)
+    experts = (
+        c.get("num_local_experts", 8) if family == "mixtral" else _qwen_experts(c, family, file)
+    )
+    k = c.get("num_experts_per_tok", HF_DEFAULTS[family]["num_experts_per_tok"])
     if k > experts:
         raise bad(file, "num_experts_per_tok", k, f"must be <= the {experts} experts", ORIGINAL)
-    if family == "qwen3_moe":
+    if family in QWEN_MOE:
         _check_qwen_layers(c, file)
 
 
-def _qwen_experts(c: dict, file: str) -> int:
-    experts = c.get("num_experts", c.get("num_local_experts"))
+def _qwen_experts(c: dict, family: str, file: str) -> int:
+    """num_experts (HF's attribute map reads num_local_experts as it), or the default."""
+    experts = c.get("num_experts", c.get("num_local_experts", HF_DEFAULTS[family]["num_experts"]))
     if not (_is_int(experts) and experts >= 1):
         raise bad(file, "num_experts", experts, KINDS["count"][1], "give the expert count")
     return experts

@@ -43,6 +43,7 @@ FUNCTION_KEYS = (
     "moe_router_topk_scaling_factor",
     "moe_router_num_groups",
     "moe_router_group_topk",
+    "moe_router_group_score",
 )
 
 

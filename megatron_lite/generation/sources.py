@@ -1,8 +1,9 @@
 """Where generation's weights come from, resolved and checked before any process group exists:
 a training run (`--run DIR`: its newest checkpoint, and the tokenizer its config records), a
-checkpoint directory (`--checkpoint DIR`), or a Hugging Face Llama / Mixtral / Qwen3-MoE
-directory (`--hf DIR`, converted in memory by tools/hf_families.py, the converter's own
-mapping). Every failure is a `GenerateError` naming the flag, the file, the rule and the fix.
+checkpoint directory (`--checkpoint DIR`), or a Hugging Face Llama / Qwen3 / Mixtral /
+Qwen3-MoE / Qwen2-MoE directory (`--hf DIR`, converted in memory by tools/hf_families.py, the
+converter's own mapping). Every failure is a `GenerateError` naming the flag, the file, the
+rule and the fix.
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ N_active: the weights every token multiplies, i.e. per layer the attention proje
 h·(q + 2·kv) + q·h (q = heads·head_dim, kv = query_groups·head_dim with head_dim =
 model.kv_channels, so q may differ from h; grouped-query attention at its real width), the dense
 MLP (3·h·ffn with SwiGLU, 2·h·ffn with GeLU) or for a MoE layer the router h·E plus topk experts'
-MLPs, and the output layer h·V (V the unpadded vocabulary; counted when tied too, its GEMM runs).
+MLPs (and the shared expert's, with its gate's h·1), and the output layer h·V (V the unpadded
+vocabulary; counted when tied too, its GEMM runs).
 Not counted: the embedding lookup, biases, norms (qk_layernorm's too), activations, softmax,
 RoPE, the loss, and the vocabulary padding columns; MoE counts topk experts per token whatever
 the capacity drops.
@@ -68,6 +69,7 @@ def decoder_flops(m: ModelConfig, vocab_size: int, gated: bool) -> FlopsPerToken
         if resolve.is_moe_layer(m, layer):
             expert = mlp_mats * h * resolve.moe_ffn_hidden_size(m)
             shared = mlp_mats * h * m.moe_shared_expert_ffn_hidden_size  # every token's
+            shared += h if m.moe_shared_expert_gate else 0  # its gate's h·1
             n += attention + h * m.num_experts + m.moe_router_topk * expert + shared
         else:
             n += attention + dense_mlp
@@ -106,8 +108,8 @@ MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
 def check_latent_attention(cfg: Config) -> None:
     """model.multi_latent_attention and its sizes (models/mla.py): MLA's keys only with it on;
     with it on, positive sizes, an even RoPE part, every head its own k/v (no query groups),
-    no kv_channels or qk_layernorm (MLA's widths and norms are its own), and FP8-aligned
-    local GEMMs when model.fp8 is set."""
+    no kv_channels, qk_layernorm or add_qkv_bias (MLA's widths, norms and projections are its
+    own), and FP8-aligned local GEMMs when model.fp8 is set."""
     from megatron_lite.config import ModelConfig
     from megatron_lite.validation.rules import _rule  # loaded with validation, its caller
 
@@ -150,6 +152,7 @@ def check_latent_attention(cfg: Config) -> None:
     for key, why in (
         ("kv_channels", "MLA's head widths are qk_head_dim + qk_pos_emb_head_dim and v_head_dim"),
         ("qk_layernorm", "MLA normalizes its compressed q and kv instead (q_a/kv_a_layernorm)"),
+        ("add_qkv_bias", "MLA's projections have no biases (DeepSeek-V2/V3)"),
     ):
         value = getattr(m, key)
         _rule(value == getattr(default, key), f"model.{key}", value, why, "remove the key")

@@ -30,6 +30,11 @@ GPT = register_architecture(
                 "model.arch=gpt has learned positions (no rotary embedding)",
                 "remove it (llama's rotary embeddings use it)",
             ),
+            (
+                "add_qkv_bias",
+                "model.arch=gpt has biases in every linear layer already",
+                "remove it (it adds q/k/v biases to llama, as Qwen2)",
+            ),
         ),
         learned_positions=True,
         bias=True,

@@ -1,7 +1,8 @@
 """Llama-style decoder: RMSNorm, rotary embeddings, SwiGLU MLP, grouped-query attention (or
-multi-head latent attention with model.multi_latent_attention: models/mla.py), no biases; tied
-or untied input/output embeddings; MoE layers (Mixtral, Qwen3-MoE, DeepSeek-style routing)
-where model.moe_layer_pattern marks them. The registry entry `llama`."""
+multi-head latent attention with model.multi_latent_attention: models/mla.py), no biases (q/k/v
+biases with model.add_qkv_bias, as Qwen2); tied or untied input/output embeddings; MoE layers
+(Mixtral, Qwen2/3-MoE, DeepSeek-style routing) where model.moe_layer_pattern marks them. The
+registry entry `llama`."""
 
 from megatron_lite.models.decoder import check_llama, swiglu_flops
 from megatron_lite.models.registry import ArchitectureSpec, register_architecture
@@ -31,6 +32,6 @@ LLAMA = register_architecture(
         ),
         bias=False,
         gated_mlp=True,
-        hf_families=("llama", "mixtral", "qwen3_moe"),
+        hf_families=("llama", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe"),
     )
 )

@@ -142,6 +142,9 @@ class Attention(AttentionCore):
     `AttentionCore`: [s(/tp), b, h] -> [s(/tp), b, h]. No RoPE (GPT's; `RotaryAttention` is
     Llama's).
 
+    With model.add_qkv_bias (Qwen2) the q, k and v projections have biases and the output
+    projection none (Megatron's add_qkv_bias); the entry's `bias` puts them everywhere (GPT).
+
     Head widths come from `head_dims(config)`: q/k and v are both config.head_dim
     (model.kv_channels), so the query width n·d may differ from h. With qk_layernorm each
     query and key head is normalized over d (the entry's norm: RMSNorm, or LayerNorm for GPT;
@@ -170,7 +173,7 @@ class Attention(AttentionCore):
             mesh.tp.group,
             init_std=c.init_method_std,
             gemm=c.linear_backend,
-            **common,
+            **(common | {"bias": c.spec.bias or c.add_qkv_bias}),  # Qwen2: q/k/v only
         )
         # `sequence_parallel=True`: each TP rank's grad covers only its heads, summed over TP
         self.q_layernorm = self.k_layernorm = None
@@ -242,7 +245,8 @@ def build_dense_mlp(config: TransformerConfig, mesh: ParallelMesh) -> nn.Module:
 def build_moe(config: TransformerConfig, mesh: ParallelMesh, layer_number: int) -> nn.Module:
     """The shipped entries' MoE part: routed experts over the EP group (SwiGLU or GeLU as the
     entry's gated_mlp says), plus a shared expert when model.moe_shared_expert_ffn_hidden_size
-    is set (registry contract: config, mesh, layer_number)."""
+    is set, gated with model.moe_shared_expert_gate (registry contract: config, mesh,
+    layer_number)."""
     c, shared = config, config.moe_shared_expert_ffn_hidden_size
     return MoELayer(
         c.hidden_size,
@@ -269,10 +273,12 @@ def build_moe(config: TransformerConfig, mesh: ParallelMesh, layer_number: int) 
             aux_loss_type=c.moe_aux_loss_type,
             num_groups=c.moe_router_num_groups,
             group_topk=c.moe_router_group_topk,
+            group_score=c.moe_router_group_score,
         ),
         grouped_gemm=c.moe_grouped_gemm,
         shared_expert=MLP(c, mesh.tp.group, shared) if shared else None,
         shared_expert_overlap=c.moe_shared_expert_overlap,
+        shared_expert_gate=c.moe_shared_expert_gate,
     )
 
 

@@ -38,6 +38,7 @@ class TransformerConfig:
     qk_head_dim: int  # MLA: the no-RoPE part of each q/k head
     qk_pos_emb_head_dim: int  # MLA: the decoupled RoPE part
     v_head_dim: int
+    add_qkv_bias: bool
     ffn_hidden_size: int
     vocab_size: int
     padded_vocab_size: int  # a multiple of make_vocab_size_divisible_by·tp
@@ -66,6 +67,7 @@ class TransformerConfig:
     moe_grouped_gemm: bool
     moe_shared_expert_ffn_hidden_size: int
     moe_shared_expert_overlap: bool
+    moe_shared_expert_gate: bool
     moe_router_score_function: str
     moe_router_topk_scaling_factor: float | None
     moe_router_norm_topk: bool | None
@@ -74,6 +76,7 @@ class TransformerConfig:
     moe_aux_loss_type: str
     moe_router_num_groups: int | None
     moe_router_group_topk: int | None
+    moe_router_group_score: str
     moe_layer_pattern: tuple[bool, ...]  # per layer of the whole model: MoE or dense
     moe_aux_loss_scale: float  # 1 / (microbatches · dp · MoE layers), see moe/layer.py
     recompute_granularity: str | None  # None | selective | full

@@ -1,16 +1,20 @@
-"""Mixture of experts: top-k router, all-to-all token dispatcher over EP, grouped experts."""
+"""Mixture of experts: top-k router, all-to-all token dispatcher over EP, grouped experts.
 
-from megatron_lite.moe.dispatcher import AllToAllTokenDispatcher
-from megatron_lite.moe.experts import LocalExperts
-from megatron_lite.moe.layer import MoELayer, moe_metrics
-from megatron_lite.moe.router import MoEAuxLossAutoScaler, RouterOptions, TopKRouter
+The exports load on first use (megatron_lite/lazy.py), so config validation can read the
+routing rules of group_score.py without loading the layers (and with them DTensor)."""
 
-__all__ = [
-    "AllToAllTokenDispatcher",
-    "LocalExperts",
-    "MoEAuxLossAutoScaler",
-    "MoELayer",
-    "RouterOptions",
-    "TopKRouter",
-    "moe_metrics",
-]
+from megatron_lite.lazy import lazy_exports
+
+# name -> module: loaded on first use
+_EXPORTS = {
+    "AllToAllTokenDispatcher": "dispatcher",
+    "LocalExperts": "experts",
+    "MoEAuxLossAutoScaler": "router",
+    "MoELayer": "layer",
+    "RouterOptions": "router",
+    "TopKRouter": "router",
+    "moe_metrics": "layer",
+}
+__all__ = sorted(_EXPORTS)
+
+__getattr__ = lazy_exports(__name__, _EXPORTS)

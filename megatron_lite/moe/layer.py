@@ -18,13 +18,14 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from megatron_lite.moe.dispatcher import AllToAllTokenDispatcher
 from megatron_lite.moe.experts import LocalExperts
 from megatron_lite.moe.router import MoEAuxLossAutoScaler, RouterOptions, TopKRouter
 from megatron_lite.parallel import host, mappings
-from megatron_lite.parallel.params import fsdp_rows
+from megatron_lite.parallel.params import fsdp_rows, set_meta
 from megatron_lite.parallel.recompute import is_recomputing
 
 
@@ -40,6 +41,10 @@ class MoELayer(nn.Module):
     `layer_number` keys this layer's statistics in `moe_metrics`: unique across the model.
     Per forward it appends microbatch-global statistics (tokens per expert, aux loss, z-loss,
     dropped assignments) that `moe_metrics` collects.
+
+    `shared_expert_gate` (with a shared expert; Qwen2-MoE, Megatron's moe_shared_expert_gate):
+    the shared expert's output is scaled per token by sigmoid(x·gᵀ), g [1, h] a replicated
+    weight like the router's (its gradient summed over TP under sequence parallelism).
     """
 
     def __init__(
@@ -64,6 +69,7 @@ class MoELayer(nn.Module):
         grouped_gemm: bool = True,
         shared_expert: nn.Module | None = None,
         shared_expert_overlap: bool = False,
+        shared_expert_gate: bool = False,
     ):
         super().__init__()
         ep_size = mappings.size(ep_group)
@@ -96,6 +102,16 @@ class MoELayer(nn.Module):
         # a dense MLP every token passes through, on the dense MLP's TP/SP layout
         self.shared_expert = shared_expert
         self.shared_expert_overlap = shared_expert_overlap
+        self.shared_expert_gate: nn.Parameter | None = None
+        if shared_expert_gate:
+            if shared_expert is None:
+                raise ValueError("MoELayer: shared_expert_gate=True needs a shared_expert")
+            self.shared_expert_gate = set_meta(
+                nn.Parameter(torch.empty(1, hidden_size)),
+                full_shape=(1, hidden_size),
+                std=init_std,
+                sequence_parallel=sequence_parallel,
+            )
         self.dispatcher = AllToAllTokenDispatcher(num_experts, ep_group)
         self.aux_scale = aux_loss_scale
         # per forward since the last pop: float64 [E + 3] and what a dry run assumes it holds
@@ -112,16 +128,24 @@ class MoELayer(nn.Module):
             route.weights,
             route.keep,
             route.nominal_limit,
-            during=(lambda: self.shared_expert(x)) if overlap else None,
+            during=(lambda: self.shared(x)) if overlap else None,
         )
         expert_out = self.experts(expert_in, counts).to(x.dtype)  # [N_recv, h]
         out = self.dispatcher.combine(expert_out, handle).view(s, b, h)
         if self.shared_expert is not None:  # [s(/tp), b, h], beside the all-to-all if overlapped
-            out = out + (handle.during_result if overlap else self.shared_expert(x))
+            out = out + (handle.during_result if overlap else self.shared(x))
         if route.objective is not None and out.requires_grad:
             out = MoEAuxLossAutoScaler.apply(out, route.objective, self.aux_scale)
         if not is_recomputing():  # a backward-time recompute must not count the tokens again
             self.stats.append((route.stats, route.nominal_stats))
+        return out
+
+    def shared(self, x: torch.Tensor) -> torch.Tensor:
+        """The shared expert's output [s(/tp), b, h], times its gate sigmoid(x·gᵀ) [s(/tp), b, 1]
+        when it has one."""
+        out = self.shared_expert(x)
+        if self.shared_expert_gate is not None:
+            out = out * torch.sigmoid(F.linear(x, self.shared_expert_gate.to(x.dtype)))
         return out
 
     def pop_stats(self) -> list[tuple[torch.Tensor, Callable[[], list[float]]]]:

@@ -5,8 +5,11 @@ and capacity dropping.
 DeepSeek-V3 conventions (arXiv 2412.19437, eqs. 12-20; Megatron-Core agrees): selection ranks
 scores + expert_bias (the bias only picks, it never weights); the combine weights are the
 selected unbiased scores (normalized over the top-k for sigmoid, times the scaling factor);
-with groups, each token keeps the group_topk groups whose top (topk // group_topk) selection
-scores sum highest, then takes its top-k inside them. The aux losses read P from the scores
+with groups, each token keeps the group_topk groups whose group scores are highest, then takes
+its top-k inside them. A group's score is the sum of its top (topk // group_topk) selection
+scores (`group_score="topk_per_group"`, Megatron-Core's group_limited_topk) or of its top 2
+(`"top2"`, DeepSeek-V3's released code and HF's DeepseekV3TopkRouter); the two agree when
+topk = 2·group_topk, as in DeepSeek-V3 itself (8 of 4 groups). The aux losses read P from the scores
 normalized per token (softmax: the probabilities; sigmoid: s / Σ_j s_j) and f from the top-k
 of those unbiased scores over all experts (eq. 18's indicator), so neither the bias nor the
 group limit changes them.
@@ -29,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatron_lite.moe.group_score import GROUP_SCORES, group_score_width
 from megatron_lite.parallel import host, mappings
 from megatron_lite.parallel.params import fsdp_rows, set_meta
 
@@ -46,6 +50,7 @@ class RouterOptions:
     aux_loss_type: str = "global"  # global (over the microbatch) | seq (per sequence)
     num_groups: int | None = None  # group-limited routing: experts in this many groups
     group_topk: int | None = None  # groups each token may route to
+    group_score: str = "topk_per_group"  # topk_per_group (Megatron) | top2 (DeepSeek-V3)
 
 
 # ---------------------------------------------------------------- pure functions (unit-tested)
@@ -80,16 +85,22 @@ def aux_loss_scores(scores: torch.Tensor, score_function: str) -> torch.Tensor:
 
 
 def group_limited_mask(
-    select: torch.Tensor, num_groups: int, group_topk: int, topk: int
+    select: torch.Tensor,
+    num_groups: int,
+    group_topk: int,
+    topk: int,
+    group_score: str = "topk_per_group",
 ) -> torch.Tensor:
     """Group-limited routing (DeepSeek-V3 node-limited routing): the experts are num_groups
-    contiguous groups; a group's score for a token is the sum of its top (topk // group_topk)
-    selection scores; each token keeps its group_topk best groups.
+    contiguous groups; a group's score for a token is the sum of its top n selection scores
+    (n = `group_score_width`: topk // group_topk, or 2 for DeepSeek-V3's rule); each token
+    keeps its group_topk best groups.
 
     select [T, E] -> mask [T, E] bool, True where the token may pick the expert."""
     T, E = select.shape
     per_group = E // num_groups
-    group_scores = select.view(T, num_groups, per_group).topk(topk // group_topk, dim=-1)
+    n = group_score_width(group_score, topk, group_topk)
+    group_scores = select.view(T, num_groups, per_group).topk(n, dim=-1)  # [T, G, n]
     best = group_scores.values.sum(-1).topk(group_topk, dim=-1).indices  # [T, group_topk]
     keep = torch.zeros(T, num_groups, dtype=torch.bool, device=select.device)
     keep.scatter_(1, best, True)
@@ -102,14 +113,16 @@ def select_experts(
     expert_bias: torch.Tensor | None = None,
     num_groups: int | None = None,
     group_topk: int | None = None,
+    group_score: str = "topk_per_group",
 ) -> torch.Tensor:
     """The top-k experts of each token: scores [T, E] (+ expert_bias [E], selection only),
-    limited to its best groups when num_groups is set -> indices [T, k]."""
+    limited to its best groups (scored by `group_score`) when num_groups is set -> indices
+    [T, k]."""
     select = scores.detach()
     if expert_bias is not None:
         select = select + expert_bias.to(select.dtype)
     if num_groups is not None:
-        allowed = group_limited_mask(select, num_groups, group_topk, topk)
+        allowed = group_limited_mask(select, num_groups, group_topk, topk, group_score)
         select = select.masked_fill(~allowed, float("-inf"))
     return torch.topk(select, topk, dim=-1).indices
 
@@ -222,6 +235,10 @@ def _check_options(opt: RouterOptions, num_experts: int, topk: int) -> None:
         )
     if opt.aux_loss_type not in ("global", "seq"):
         raise ValueError(f"RouterOptions.aux_loss_type={opt.aux_loss_type!r}: use global or seq")
+    if opt.group_score not in GROUP_SCORES:
+        raise ValueError(
+            f"RouterOptions.group_score={opt.group_score!r}: use {' or '.join(GROUP_SCORES)}"
+        )
     if (opt.num_groups is None) != (opt.group_topk is None):
         raise ValueError(
             f"RouterOptions num_groups={opt.num_groups}, group_topk={opt.group_topk}: "
@@ -234,6 +251,12 @@ def _check_options(opt: RouterOptions, num_experts: int, topk: int) -> None:
                 f"RouterOptions num_groups={G}, group_topk={M} with {num_experts} experts, "
                 f"top-{topk}: groups must divide the experts and group_topk <= topk <= "
                 "group_topk · experts per group"
+            )
+        if group_score_width(opt.group_score, topk, M) > num_experts // G:
+            raise ValueError(
+                f"RouterOptions group_score={opt.group_score!r} sums a group's top "
+                f"{group_score_width(opt.group_score, topk, M)} scores, but a group holds "
+                f"{num_experts // G} experts: use groups of at least that many experts"
             )
 
 
@@ -291,7 +314,9 @@ class TopKRouter(nn.Module):
         with torch.autocast(x.device.type, enabled=False):
             logits = F.linear(x.to(dtype), self.weight.to(dtype))  # [T, E]
         scores = router_scores(logits, opt.score_function)  # [T, E]
-        indices = select_experts(scores, k, self.expert_bias, opt.num_groups, opt.group_topk)
+        indices = select_experts(
+            scores, k, self.expert_bias, opt.num_groups, opt.group_topk, opt.group_score
+        )
         weights = scale_topk(scores.gather(1, indices), opt, k)  # [T, k] unbiased scores
         probs = aux_loss_scores(scores, opt.score_function)  # [T, E] the aux losses' P
         lse_sq = torch.logsumexp(logits, dim=-1).square()  # [T] for the z-loss

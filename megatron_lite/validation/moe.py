@@ -11,6 +11,7 @@ import dataclasses
 import torch
 
 from megatron_lite.config import Config, ModelConfig
+from megatron_lite.moe.group_score import GROUP_SCORES, group_score_width
 from megatron_lite.parallel.mesh import expert_problem
 from megatron_lite.resolve import num_moe_layers
 from megatron_lite.validation.rules import _choice, _no_effect, _rule, _stored
@@ -101,6 +102,7 @@ def _validate_moe_ranges(m: ModelConfig) -> None:
     )
     _choice("model.moe_router_score_function", m.moe_router_score_function, ("softmax", "sigmoid"))
     _choice("model.moe_aux_loss_type", m.moe_aux_loss_type, ("global", "seq"))
+    _choice("model.moe_router_group_score", m.moe_router_group_score, GROUP_SCORES)
     _rule(
         m.moe_router_topk_scaling_factor is None or m.moe_router_topk_scaling_factor > 0,
         "model.moe_router_topk_scaling_factor",
@@ -128,6 +130,13 @@ def _validate_moe_ranges(m: ModelConfig) -> None:
         m.moe_shared_expert_overlap,
         "needs a shared expert to overlap",
         "set model.moe_shared_expert_ffn_hidden_size or moe_shared_expert_overlap=false",
+    )
+    _rule(
+        not m.moe_shared_expert_gate or m.moe_shared_expert_ffn_hidden_size > 0,
+        "model.moe_shared_expert_gate",
+        m.moe_shared_expert_gate,
+        "gates the shared expert's output, and there is no shared expert",
+        "set model.moe_shared_expert_ffn_hidden_size or moe_shared_expert_gate=false",
     )
     _rule(
         (m.moe_router_num_groups is None) == (m.moe_router_group_topk is None),
@@ -203,7 +212,8 @@ def _validate_moe_widths(cfg: Config) -> None:
 
 def _validate_groups(m: ModelConfig) -> None:
     """Group-limited routing: groups divide the experts, each token picks group_topk groups
-    and its top-k experts inside them (the group score sums its top topk/group_topk)."""
+    and its top-k experts inside them (the group score sums a group's top topk/group_topk, or
+    its top 2: model.moe_router_group_score), so a group must hold that many experts."""
     groups, top = m.moe_router_num_groups, m.moe_router_group_topk
     if groups is None:
         return
@@ -222,6 +232,15 @@ def _validate_groups(m: ModelConfig) -> None:
         f"must be in [1, num_groups={groups}], at most moe_router_topk={k}, and its groups "
         f"must hold k experts ({E // groups} per group)",
         "pick group_topk with group_topk <= topk <= group_topk·experts per group",
+    )
+    width = group_score_width(m.moe_router_group_score, k, top)
+    _rule(
+        width <= E // groups,
+        "model.moe_router_group_score",
+        m.moe_router_group_score,
+        f"scores a group by the sum of its top {width} experts, but each of the {groups} "
+        f"groups holds {E // groups}",
+        "use fewer groups (at least that many experts in each), or the other group score",
     )
 
 
@@ -247,6 +266,15 @@ def moe_warnings(m: ModelConfig) -> list[str]:
                 m.moe_router_bias_update_rate,
                 "model.moe_router_enable_expert_bias is false (no expert bias to update)",
                 "set model.moe_router_enable_expert_bias=true, or remove the key",
+            )
+        )
+    if "moe_router_group_score" in changed and m.moe_router_num_groups is None:
+        out.append(
+            _no_effect(
+                "model.moe_router_group_score",
+                m.moe_router_group_score,
+                "model.moe_router_num_groups is null (no group-limited routing)",
+                "set moe_router_num_groups and moe_router_group_topk, or remove the key",
             )
         )
     if num_moe_layers(m) == 0:

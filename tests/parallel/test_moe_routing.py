@@ -261,3 +261,34 @@ def test_group_limited_routing_reaches_at_most_group_topk_ep_ranks():
     )
     assert min(limited) >= 1 and max(limited) <= 2, f"limited: {sorted(set(limited))}"
     assert max(free) > 2, "without the limit some token should reach more than 2 EP ranks"
+
+
+def test_expert_bias_keeps_updating_after_init_from(tmp_path):
+    """A model-only checkpoint (what hf-to-dcp writes; a converted DeepSeek-V3 carries its
+    e_score_correction_bias as the routers' expert_bias) loads through train.init_from with its
+    bias, and training moves that bias by model.moe_router_bias_update_rate from there."""
+    import torch
+
+    from tools.convert_checkpoint import read_model, write_model
+
+    data = f"data.paths=[{structured_dataset()}]"
+    args = [*TINY, data, *ROUTING]
+    first = [*args, "train.steps=1", "train.save_interval=1"]
+    run_ranks(1, _train, first, str(tmp_path / "a"), None, ("loss",), timeout=120)
+    meta, tensors = read_model(str(tmp_path / "a" / "checkpoints"))
+    g = torch.Generator().manual_seed(0)
+    loaded = {}
+    for name in [n for n in tensors if n.endswith("router.expert_bias")]:
+        tensors[name] = loaded[name] = torch.randn(tensors[name].shape, generator=g) * 0.1
+    assert len(loaded) == NUM_LAYERS
+    write_model(str(tmp_path / "init"), tensors, meta["config"]["model"], source="test")
+    second = [*args, "train.steps=2", f"train.init_from={tmp_path / 'init'}"]
+    steps = run_ranks(1, _biases_per_step, second, str(tmp_path / "b"), timeout=120)[0]
+    rate = 0.01  # ROUTING's model.moe_router_bias_update_rate
+    start = [b.tolist() for b in loaded.values()]  # the layers in order
+    for (_, after), before in zip(steps, [start, steps[0][1]], strict=True):
+        for layer_after, layer_before in zip(after, before, strict=True):
+            moved = torch.tensor(layer_after) - torch.tensor(layer_before)
+            steps_of_rate = moved / rate  # -1, 0 or +1 each (the sign of mean load - load)
+            assert torch.allclose(steps_of_rate, steps_of_rate.round(), atol=1e-4), moved
+            assert steps_of_rate.round().abs().max() == 1, "the bias did not move"

@@ -216,6 +216,7 @@ def test_a_model_checkpoint_may_live_in_any_directory_name(tmp_path):
         ("moe_router_score_function", "sigmoid", "softmax"),
         ("moe_router_topk_scaling_factor", 2.5, None),
         ("moe_router_group_topk", 2, None),
+        ("moe_router_group_score", "top2", "topk_per_group"),
     ],
 )
 def test_routing_settings_must_match_the_checkpoint(key, saved, now):

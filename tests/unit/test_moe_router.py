@@ -332,6 +332,86 @@ def test_group_limited_mask_keeps_best_groups():
     assert mask.tolist() == [[True, True, False, False, True, True, False, False]]
 
 
+def _group_mask_reference(select, groups: int, group_topk: int, width: int) -> list:
+    """Per-token loops: a group's score is the sum of its `width` largest entries; the token
+    keeps its group_topk best groups -> [T][E] bools."""
+    T, E = select.shape
+    per = E // groups
+    out = []
+    for t in range(T):
+        row = select[t].tolist()
+        scores = [sum(sorted(row[g * per : (g + 1) * per])[-width:]) for g in range(groups)]
+        best = sorted(range(groups), key=lambda g: -scores[g])[:group_topk]
+        out.append([e // per in best for e in range(E)])
+    return out
+
+
+def test_group_score_rules_against_plain_torch():
+    """16 experts in 4 groups, top-6 over 2 groups: Megatron's rule sums a group's top 3
+    (topk // group_topk), DeepSeek-V3's its top 2; both against per-token loops, and the two
+    rules keep different groups for some tokens."""
+    select = torch.rand(200, 16, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    masks = {}
+    for rule, width in (("topk_per_group", 3), ("top2", 2)):
+        masks[rule] = group_limited_mask(select, 4, 2, 6, rule)
+        want = _group_mask_reference(select, 4, 2, width)
+        assert masks[rule].tolist() == want, f"group score {rule}: masks differ from the loops"
+    differ = (masks["topk_per_group"] != masks["top2"]).any(1).sum().item()
+    assert differ > 0, "the two group scores kept the same groups for every token"
+    # by hand: group 0 [0.9, 0.5, 0.0, 0.0] top-2 1.4, top-3 1.4; group 1 [0.6, 0.5, 0.45, 0]
+    # top-2 1.1, top-3 1.55; groups 2, 3 lower: top2 keeps group 0, topk_per_group group 1
+    one = torch.tensor([[0.9, 0.5, 0.0, 0.0, 0.6, 0.5, 0.45, 0.0] + [0.1] * 8])
+    assert group_limited_mask(one, 4, 1, 3, "top2")[0, :8].tolist() == [True] * 4 + [False] * 4
+    assert (
+        group_limited_mask(one, 4, 1, 3, "topk_per_group")[0, :8].tolist()
+        == [False] * 4 + [True] * 4
+    )
+
+
+def test_top2_group_score_routes_as_hf_deepseek_v3():
+    """Our sigmoid router with the expert bias, group-limited top-k (group_score=top2), top-k
+    renormalization and the scaling factor picks the experts and weights of transformers'
+    DeepseekV3TopkRouter on the same weights and tokens; Megatron's rule (the default) picks
+    other experts for some of them (top-6 over 2 of 4 groups: a group's top 3, not top 2)."""
+    pytest.importorskip("transformers")
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    E, h, k = 16, 32, 6
+    config = DeepseekV3Config(
+        hidden_size=h, n_routed_experts=E, num_experts_per_tok=k, n_group=4, topk_group=2,
+        routed_scaling_factor=2.5, norm_topk_prob=True,
+    )  # fmt: skip
+    hf = DeepseekV3TopkRouter(config)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        hf.weight.copy_(torch.randn(E, h, generator=g))
+        hf.e_score_correction_bias.copy_(torch.randn(E, generator=g) * 0.3)
+    x = torch.randn(256, h, generator=g)
+    _, hf_weights, hf_indices = hf(x)
+    hf_sets = [set(row) for row in hf_indices.tolist()]
+    chosen = {}
+    for rule in ("top2", "topk_per_group"):
+        options = RouterOptions(
+            score_function="sigmoid", topk_scaling_factor=2.5, norm_topk=True,
+            enable_expert_bias=True, num_groups=4, group_topk=2, group_score=rule,
+        )  # fmt: skip
+        ours = TopKRouter(h, E, k, options=options)
+        with torch.no_grad():
+            ours.weight.copy_(hf.weight)
+            ours.expert_bias.copy_(hf.e_score_correction_bias)
+        route = ours(x)
+        chosen[rule] = [set(row) for row in route.indices.tolist()]
+        if rule == "top2":
+            assert chosen[rule] == hf_sets, "top2: other experts than HF DeepSeek-V3's"
+            order = route.indices.argsort(1), hf_indices.argsort(1)
+            w_ours, w_hf = route.weights.gather(1, order[0]), hf_weights.gather(1, order[1])
+            torch.testing.assert_close(w_ours, w_hf, rtol=1e-6, atol=1e-6)
+    differ = sum(a != b for a, b in zip(chosen["topk_per_group"], hf_sets, strict=True))
+    print(f"topk_per_group picks other experts than DeepSeek-V3 for {differ} of 256 tokens")
+    assert differ > 0, "the default rule should differ from DeepSeek-V3's on this case"
+
+
 def test_dry_run_routes_with_every_router_option():
     """Under a dry run (fake tensors, torch's fake process group, EP rank 1 of 2) a layer with
     sigmoid scores, the expert bias, the sequence-wise aux loss and group-limited routing runs
@@ -377,6 +457,8 @@ def test_dry_run_routes_with_every_router_option():
         dict(num_groups=4),
         dict(num_groups=3, group_topk=1),  # 3 does not divide 8
         dict(num_groups=4, group_topk=2, enable_expert_bias=True),  # k=1 < group_topk
+        dict(group_score="max"),
+        dict(num_groups=8, group_topk=2, group_score="top2"),  # a group of 1 has no top 2
     ],
 )
 def test_router_rejects_inconsistent_options(kw):
