@@ -226,7 +226,8 @@ def kv_channels(m: ModelConfig) -> int:
 
 def moe_aux_loss_scale(cfg: Config, dp: int) -> float:
     """Gradient of each microbatch's aux term: 1 / (microbatches · dp · MoE layers, the MTP
-    modules' included), a constant of the config, so the trained objective is the same on every layout (see moe/layer.py)."""
+    modules' included), a constant of the config, so the trained objective is the same on
+    every layout (see moe/layer.py)."""
     n_layers = num_moe_layers(cfg.model) + sum(mtp_moe_pattern(cfg.model))
     if n_layers == 0:
         return 0.0
