@@ -18,7 +18,8 @@ The norms are the architecture's norm part (RMSNorm for llama, LayerNorm for gpt
 transformer layer is the architecture's layer built by `models.transformer.build_layer` with
 global number num_layers + k - 1, dense or MoE as the main model's LAST layer is (Megatron
 builds its MTP layer from the decoder's last layer spec; DeepSeek-V3's MTP layer is MoE). Only
-the word embedding is looked up (DeepSeek's Emb(t)): GPT's learned positions are not added.
+the word embedding is looked up (DeepSeek's Emb(t)): validation refuses MTP on an architecture
+with learned absolute positions, as Megatron-Core does.
 
 Targets (pure functions of the full [b, s] tokens and labels, before each CP rank keeps its
 own positions, so every CP layout sees the same shift): the input token of position i is

@@ -38,6 +38,18 @@ CASES = {
         "model.moe_shared_expert_ffn_hidden_size=40",
         "model.ffn_hidden_size=64",
     ],  # fmt: skip
+    # multi-token prediction: a dense MTP layer (the last main layer is dense), then two MoE
+    # ones after an MoE last layer (DeepSeek-V3's), with the shared expert
+    "llama_mtp": ["model.num_query_groups=2", "model.ffn_hidden_size=64", "model.mtp_num_layers=1"],
+    "moe_mtp": [
+        "model.num_experts=4",
+        "model.moe_router_topk=2",
+        "model.moe_ffn_hidden_size=48",
+        "model.moe_first_k_dense_replace=1",
+        "model.moe_shared_expert_ffn_hidden_size=40",
+        "model.ffn_hidden_size=64",
+        "model.mtp_num_layers=2",
+    ],  # fmt: skip
 }
 
 
@@ -90,7 +102,8 @@ def test_matches_counted_matmuls(case, tmp_path):
     matmul = sum(v for k, v in by_op.items() if k not in attention)
     m = cfg.model
     q = m.num_attention_heads * (m.kv_channels or m.hidden_size // m.num_attention_heads)
-    causal = 6 * m.num_layers * m.seq_length * q * tokens
+    layers = m.num_layers + m.mtp_num_layers  # each MTP module runs one layer
+    causal = 6 * layers * m.seq_length * q * tokens
     assert matmul + causal == model_flops_per_token(cfg) * tokens, by_op
     if attention:  # SDPA is counted on CUDA, not for the CPU kernel: full s×s scores
         assert sum(attention.values()) == 2 * causal, by_op
