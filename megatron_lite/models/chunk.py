@@ -216,6 +216,13 @@ class ModelChunk(nn.Module):
         loss = self.loss(self.final_norm(x), labels)
         if self.mtp is None:
             return loss
+        return loss, self.run_mtp(x, tokens, labels, ctx)
+
+    def run_mtp(
+        self, x: torch.Tensor, tokens: torch.Tensor | None, labels: torch.Tensor, ctx
+    ) -> torch.Tensor:
+        """The MTP modules (models/mtp.py) on the main model's last hidden state x
+        [s/cp(/tp), b, h] (before the final norm) -> per-token MTP losses [D, s/cp, b]."""
         if tokens is None:
             raise ValueError(
                 "ModelChunk: multi-token prediction (model.mtp_num_layers) needs the token "
@@ -223,7 +230,7 @@ class ModelChunk(nn.Module):
             )
         weight = self.mtp_embedding_weight()
         with self.fp8():
-            mtp = self.mtp(
+            return self.mtp(
                 x,
                 tokens,
                 labels,
@@ -232,7 +239,6 @@ class ModelChunk(nn.Module):
                 logits=self.logits,
                 local=self.local_tokens,
             )
-        return loss, mtp
 
     def token_context(self, tokens: torch.Tensor | None = None) -> TokenContext:
         """The layers' context of one microbatch: RoPE's tables, and under document masking

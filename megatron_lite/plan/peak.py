@@ -10,9 +10,11 @@ the full step's steady state (min(M, 2·pp), what plan --dry-run runs), counting
 - backward: the start of a chunk's backward (the held pairs and the received output gradient),
   then its first layer's backward moments (under full recompute, beside the group it rebuilds);
 - loss backward (the last virtual stage): the held pairs, the logits and the loss's fp32
-  gradient beside them; with gradient buffers, the output layer's weight gradient [V/tp, h]
-  and its input's gradient as the layer's bucket arrives (the logits freed, the final norm's
-  saved input alive); then the layers' backward as above.
+  gradient beside them (with multi-token prediction, the MTP modules' saves are among the
+  held pair's, and their backward runs first: gone after this moment); with gradient
+  buffers, the output layer's weight gradient [V/tp, h] and its input's gradient as the
+  layer's bucket arrives (the logits freed, the final norm's saved input alive); then the
+  layers' backward as above.
 The model states change within a step too:
 - ZeRO-2 (data_parallel/buffers.py): the bucket launched last by the previous backward stays in
   flight until the next backward launches one; a backward's first weight gradient allocates the
@@ -60,6 +62,7 @@ from megatron_lite.plan.params import (
     placement,
     rank_params,
 )
+from megatron_lite.plan.saved import mtp_saves
 from megatron_lite.plan.working import backward_moments, forward_working
 from megatron_lite.resolve import num_microbatches, padded_vocab_size
 
@@ -147,6 +150,7 @@ def _chunks(cfg: Config, pp_rank: int, shape) -> list[_Chunk]:
     split = splits_backward(p.pipeline_schedule, p.vpp)
     shards = (p.dp_shard or p.dp * p.cp, p.dp_shard or max(p.dp * p.cp // p.ep, 1))
     chunks = []
+    mtp = mtp_saves(cfg, shape.kernels)  # the loss chunk's MTP modules, kept with its layers'
     for c in range(p.vpp):
         moe = chunk_moe(cfg, pp_rank, c)
         kept, rebuilt = chunk_bytes(cfg, shape, moe)
@@ -165,6 +169,7 @@ def _chunks(cfg: Config, pp_rank: int, shape) -> list[_Chunk]:
             for expert, n, cut in zip((False, True), shards, cuts, strict=True):
                 cut += buckets(cfg, pp_rank, c, expert, n) if n > 1 else []
         loss = stage == p.pp * p.vpp - 1
+        kept += mtp if loss else 0.0
         ends = tuple(list(itertools.accumulate(n for _, n in cut)) for cut in cuts)
         chunks.append(_Chunk(
             kept=kept, rebuilt=rebuilt, rerun_offset=offset, last_moe=bool(moe and moe[-1]),
@@ -300,6 +305,9 @@ def _moments(cfg: Config, pp_rank: int, kernels: str, pending: list[float]):
         if ch.loss:  # the root gathered again, then the loss's gradient beside the logits
             for w, gathered in ((0.0, 2 * root + layer), (head["logits_grad"], root + layer)):
                 yield "loss backward", (now, kept, embedding, logits, w + gathered)
+            # the MTP modules' backward (their ops are the forward's last) runs first: their
+            # saves are gone by the main head's backward and the layers'
+            kept -= head["mtp"]
             if shape.main_grad:  # the output layer's weight gradient as its bucket arrives
                 g, out_grads = zero2(ch, c, 0, 0, 0), head["embedding_grad"] + head["output_in"]
                 yield "loss backward", (g, kept + head["final_norm"], embedding, 0.0, out_grads)
@@ -312,10 +320,11 @@ def _moments(cfg: Config, pp_rank: int, kernels: str, pending: list[float]):
                 g = zero2(ch, c, 1, 0, None, router=True)
                 yield "backward", (g, kept + recv * (not ch.loss), embedding, 0.0, rerun)
         accumulated = p.zero_stage == 3 and m > 1 and ch.backwarded
+        layers_kept = ch.kept - (head["mtp"] if ch.loss else 0.0)  # (the MTP's freed above)
         for w, freed, group, arrived, arriving in (later if accumulated else bwd)[ch.last_moe]:
             if ch.rebuilt:  # what the backward frees is of the rebuilt part first
                 w, freed = w + max(ch.rebuilt - freed, 0.0), max(freed - ch.rebuilt, 0.0)
-            act = kept + (0.0 if ch.loss else recv) - min(freed, ch.kept)
+            act = kept + (0.0 if ch.loss else recv) - min(freed, layers_kept)
             before = ch.after if group == 0 and ch.loss else 0  # the head's, in already
             if arriving is not None:
                 arriving += before
@@ -323,9 +332,9 @@ def _moments(cfg: Config, pp_rank: int, kernels: str, pending: list[float]):
             # the loss chunk's output gradient (the final norm's) is the step's own temporary
             w += recv if ch.loss else 0.0
             # a split backward queues its weight GEMMs' tensors as it frees the saved ones
-            w += ch.deferred * min(freed, ch.kept) / ch.kept if ch.kept else 0.0
+            w += ch.deferred * min(freed, layers_kept) / layers_kept if layers_kept else 0.0
             yield "backward", (g, act, embedding, 0.0, w + root + held * layer)
-        kept -= ch.kept
+        kept -= layers_kept
         if ch.embedding:  # its weight gradient beside the output's, then into its bucket
             act, total = kept + (0.0 if ch.loss else recv), sum(n for _, n in ch.cuts[0])
             g = zero2(ch, c, 0, total - 1)

@@ -68,6 +68,23 @@ LAYOUTS = {
     "moe-shared-expert-ep8": ("configs/moe_fine_grained.yaml", 8, [
         "model.num_layers=2", "model.moe_shared_expert_ffn_hidden_size=2816",
     ], [0]),
+    # multi-token prediction (models/mtp.py) on the loss chunk: its parameters (the last
+    # stage's embedding copy with pp = 2, untied), its saves (embedding lookup, norms,
+    # projection, the layer, logits and loss), freed before the main head's backward; an MoE
+    # MTP layer (the last layer is MoE) with its experts over ep
+    "mtp-8b-tp2-pp1": ("configs/llama3_8b.yaml", 2, [
+        "model.num_layers=2", "model.seq_length=4096", "model.mtp_num_layers=1",
+        "parallel.tp=2", "parallel.pp=1", "parallel.dp=1", "train.global_batch_size=2",
+    ], [0]),
+    "mtp-8b-tp2-sp-pp2-zero1": ("configs/llama3_8b.yaml", 8, [
+        "model.num_layers=4", "model.seq_length=4096", "model.mtp_num_layers=1",
+        "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.pp=2", "parallel.dp=2",
+        "parallel.zero_stage=1", "train.global_batch_size=8",
+    ], [0, 1]),
+    "mtp-moe-ep8": ("configs/moe_fine_grained.yaml", 8, [
+        "model.num_layers=2", "model.moe_shared_expert_ffn_hidden_size=2816",
+        "model.mtp_num_layers=1",
+    ], [0]),
 }  # fmt: skip
 TOLERANCE = 0.03
 
