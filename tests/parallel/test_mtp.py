@@ -257,3 +257,19 @@ def test_mtp_loss_in_metrics_of_a_cli_run(tmp_path):
         assert {"mtp_loss", "mtp_loss_1", "mtp_loss_2"} <= rec.keys(), rec.keys()
         assert 0.0 < rec["mtp_loss"] < 2 * rec["loss"], rec
     assert "mtp_loss" in r.stdout, r.stdout[-1000:]
+
+
+# ---------------------------------------------------------------------------- checkpoints
+def test_mtp_resumes_exactly_and_reshards_to_one_rank(tmp_path):
+    """pp2 with untied embeddings: the last stage's embedding copy (mtp.embed_tokens) is not
+    stored (the first stage writes the embedding) and is loaded from it; the MTP modules'
+    weights are. The same layout resumes bitwise, one rank (no copy) within 1e-4."""
+    from tests.parallel.test_checkpoint import SAVE, check_resume, train
+
+    model = ["model.arch=llama", "model.num_layers=2", "model.mtp_num_layers=1",
+             "model.tie_embeddings=false"]  # fmt: skip
+    layout = [*model, "parallel.pp=2"]
+    base = tmp_path / "pp2"
+    full = train(2, [*layout, *SAVE], base)[0]
+    check_resume((base, full), 2, layout, tmp_path / "same", exact=True)
+    check_resume((base, full), 1, model, tmp_path / "one", exact=False)
