@@ -8,10 +8,12 @@
   head and cross-entropy, written out here);
 - on packed documents no MTP target crosses a document (the positions that would are exactly
   0, every other one is not), and the shifted targets equal a per-position loop;
-- loss parity with one rank (the suite's bounds) on tp2+SP with full recompute, pp2 under 1F1B
-  (untied: the last stage's embedding copy) and ZB-V (the loss chunk is rank 0's second),
-  DualPipeV (tied: the output layer's copy is the lookup), cp2 p2p with document masking and
-  selective recompute, cp2 a2a with document masking;
+- loss parity with one rank (the suite's bounds) on tp2+SP with full recompute; pp2 under
+  1F1B and ZeRO-3 (untied: the last stage's embedding copy), ZB-V (the loss chunk is rank 0's
+  second) and DualPipeV (tied: the output layer's copy is the lookup); MoE MTP layers on
+  tp2+SP·ep2; cp2 p2p with document masking and selective recompute, cp2 a2a with document
+  masking (both fail when the targets are shifted after the CP cut);
+- a pp2 checkpoint resumes bitwise and on one rank;
 - mtp_loss is in metrics.jsonl of a CLI run.
 """
 
@@ -32,6 +34,9 @@ EOD, SEQ, LAMBDA = 249, 32, 0.3
 MTP = ("model.arch=llama", "model.num_layers=2", "model.mtp_num_layers=2", *SHORT)
 UNTIED = (*MTP, "model.tie_embeddings=false")
 V4 = (*MTP, "model.num_layers=4")  # V schedules: pp·vpp = 4 stages
+# the MTP layers MoE (the last layer is), with an aux loss and the expert bias
+MOE = (*MTP, "model.num_experts=4", "model.moe_router_topk=2", "model.moe_aux_loss_coeff=0.01",
+       "model.moe_router_enable_expert_bias=true")  # fmt: skip
 DOCS = ("data.eod_token_id=249", "data.reset_attention_mask=true", "data.reset_position_ids=true")
 
 
@@ -225,6 +230,9 @@ LAYOUTS = {
     "pp2_1f1b_untied": (2, UNTIED, None, ["parallel.pp=2"]),
     "pp2_zb_v_untied": (2, (*V4, "model.tie_embeddings=false"), None, ["parallel.pp=2", *ZB_V]),
     "pp2_dualpipev_tied": (2, V4, None, ["parallel.pp=2", *DUALPIPEV]),
+    "pp2_dp2_zero3_untied": (4, UNTIED, None, ["parallel.pp=2", "parallel.zero_stage=3"]),
+    "moe_tp2_sp_ep2": (4, MOE, None, ["parallel.tp=2", "parallel.sequence_parallel=true",
+                                      "parallel.ep=2"]),
     "cp2_p2p_documents_selective": (2, (*MTP, *DOCS), EOD, [
         "parallel.cp=2", "parallel.cp_comm_type=p2p", "model.recompute_granularity=selective"]),
     "cp2_a2a_documents": (2, (*MTP, *DOCS), EOD, ["parallel.cp=2", "parallel.cp_comm_type=a2a"]),
