@@ -147,14 +147,8 @@ class ModelChunk(nn.Module):
         from megatron_lite.models.mtp import MultiTokenPrediction
 
         full = c.recompute_granularity == "full"
-        self.mtp = MultiTokenPrediction(c, mesh, tracker, recompute_layers=full)
-        if not self.pre_process and not c.tie_embeddings:
-            self.mtp.embed_tokens = VocabParallelEmbedding(
-                c.vocab_size, c.padded_vocab_size, c.hidden_size, mesh.tp.group,
-                init_std=c.init_method_std,
-            )  # fmt: skip
-            meta = self.mtp.embed_tokens.weight.meta
-            meta.tied_copy, meta.init_name = True, "embedding.weight"
+        copy = not self.pre_process and not c.tie_embeddings
+        self.mtp = MultiTokenPrediction(c, mesh, tracker, full, embedding_copy=copy)
 
     def fp8(self):
         """Context for the transformer layers: FP8 GEMMs in TE linears when model.fp8 is set
@@ -190,13 +184,11 @@ class ModelChunk(nn.Module):
         return mappings.reduce_from_tensor_parallel_region(x, self.tp_group)
 
     def mtp_embedding_weight(self) -> torch.Tensor:
-        """The input embedding the MTP modules look up: this chunk's embedding, else the
-        tied output weight (the embedding's copy), else the MTP's own copy."""
-        if self.pre_process:
-            return self.embedding.weight
-        if self.output_layer.weight is not None and not hasattr(self.mtp, "embed_tokens"):
-            return self.output_layer.weight
-        return self.mtp.embed_tokens.weight
+        """The input embedding the MTP modules look up: the MTP's own copy (untied, pp > 1),
+        else this chunk's embedding, else the tied output weight (the embedding's copy)."""
+        if self.mtp.embed_tokens is not None:
+            return self.mtp.embed_tokens.weight
+        return self.embedding.weight if self.pre_process else self.output_layer.weight
 
     def forward(
         self,

@@ -68,7 +68,7 @@ from megatron_lite.models.transformer import build_layer
 from megatron_lite.models.transformer_config import TransformerConfig
 from megatron_lite.parallel import mappings
 from megatron_lite.parallel.cross_entropy import IGNORE_INDEX, vocab_parallel_cross_entropy
-from megatron_lite.parallel.layers import ColumnParallelLinear
+from megatron_lite.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
 from megatron_lite.parallel.mesh import ParallelMesh
 from megatron_lite.parallel.random import RNGStatesTracker
 from megatron_lite.parallel.recompute import is_recomputing, recompute
@@ -139,7 +139,9 @@ class MultiTokenPrediction(nn.Module):
     [s/cp(/tp), b, h]: the shared word embedding; logits(x) -> [s/cp, b, V/tp]: the shared
     output head; local([s, ...]) -> this CP rank's positions. Each forward records its
     per-module loss sums (`pop_stats`, for the logged mtp_loss). `recompute`: run each
-    module's transformer layer under full recompute (model.recompute_granularity=full).
+    module's transformer layer under full recompute (model.recompute_granularity=full);
+    `embedding_copy`: hold a copy of the input embedding (`embed_tokens`, for a chunk without
+    the embedding and without a tied output weight).
     `loss_scale` = λ/D, the weight of Σ_k Σ_i loss_k(i) in the objective (lm_step.py)."""
 
     def __init__(
@@ -148,12 +150,21 @@ class MultiTokenPrediction(nn.Module):
         mesh: ParallelMesh,
         tracker: RNGStatesTracker,
         recompute_layers: bool = False,
+        embedding_copy: bool = False,
     ):
         super().__init__()
         c = config
         self.layers = nn.ModuleList(
             MTPModule(c, mesh, tracker, k) for k in range(1, c.mtp_num_layers + 1)
         )
+        self.embed_tokens = None  # the last stage's copy of the input embedding (module doc)
+        if embedding_copy:
+            self.embed_tokens = VocabParallelEmbedding(
+                c.vocab_size, c.padded_vocab_size, c.hidden_size, mesh.tp.group,
+                init_std=c.init_method_std,
+            )  # fmt: skip
+            meta = self.embed_tokens.weight.meta
+            meta.tied_copy, meta.init_name = True, "embedding.weight"
         self.tp_group, self.tracker = mesh.tp.group, tracker
         self.recompute_layers = recompute_layers
         self.loss_scale = c.mtp_loss_scaling_factor / c.mtp_num_layers  # λ/D
