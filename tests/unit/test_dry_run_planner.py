@@ -164,8 +164,11 @@ def test_planner_terms_match_the_dry_run_of_a_full_size_layer(layout):
     "schedule", [["parallel.pipeline_schedule=zb-h1"],
                  ["parallel.pipeline_schedule=dualpipev", "parallel.vpp=2"],
                  ["parallel.pipeline_schedule=zb-h1", "parallel.zero_stage=3"],
-                 ["parallel.pipeline_schedule=zb-v", "parallel.vpp=2", "parallel.zero_stage=3"]],
-    ids=["zb-h1", "dualpipev", "zb-h1-zero3", "zb-v-zero3"],
+                 ["parallel.pipeline_schedule=zb-v", "parallel.vpp=2", "parallel.zero_stage=3"],
+                 # the MTP modules' weight GEMMs wait for W too (rank 0's second chunk on zb-v)
+                 ["parallel.pipeline_schedule=zb-h1", "model.mtp_num_layers=1"],
+                 ["parallel.pipeline_schedule=zb-v", "parallel.vpp=2", "model.mtp_num_layers=1"]],
+    ids=["zb-h1", "dualpipev", "zb-h1-zero3", "zb-v-zero3", "zb-h1-mtp", "zb-v-mtp"],
 )  # fmt: skip
 def test_planner_peak_of_a_zero_bubble_schedule_counts_what_waits_for_w(schedule):
     """The quickstart layout (tp2+SP pp2 dp2, 4 microbatches): a split backward's queued weight
