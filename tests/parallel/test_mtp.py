@@ -42,7 +42,7 @@ DOCS = ("data.eod_token_id=249", "data.reset_attention_mask=true", "data.reset_p
 
 # ------------------------------------------------------------------ λ = 0: bitwise the same
 def test_zero_factor_is_bitwise_the_model_without_mtp(tmp_path):
-    base = ("model.arch=llama", "model.num_layers=2", "train.steps=3")
+    base = ("model.arch=llama", "model.num_layers=2", "train.steps=2")
     plain = train_losses(1, list(base), str(tmp_path / "a"))
     off = train_losses(
         1, [*base, "model.mtp_num_layers=1", "model.mtp_loss_scaling_factor=0"], str(tmp_path / "b")
@@ -239,8 +239,15 @@ LAYOUTS = {
 }  # fmt: skip
 
 
+# the issue's layouts in the suite; the further ones in the slow tier (CI runs it after)
+SLOW_LAYOUTS = {"pp2_dualpipev_tied", "pp2_dp2_zero3_untied", "moe_tp2_sp_ep2"}
+
+
 @pytest.mark.parity
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize(
+    "layout",
+    [pytest.param(k, marks=pytest.mark.slow) if k in SLOW_LAYOUTS else k for k in LAYOUTS],
+)
 def test_mtp_parity_with_one_rank(layout, tmp_path):
     world, model, eod, overrides = LAYOUTS[layout]
     ref = reference_losses(tuple(model), eod=eod)
@@ -268,6 +275,7 @@ def test_mtp_loss_in_metrics_of_a_cli_run(tmp_path):
 
 
 # ---------------------------------------------------------------------------- checkpoints
+@pytest.mark.slow
 def test_mtp_resumes_exactly_and_reshards_to_one_rank(tmp_path):
     """pp2 with untied embeddings: the last stage's embedding copy (mtp.embed_tokens) is not
     stored (the first stage writes the embedding) and is loaded from it; the MTP modules'

@@ -122,7 +122,7 @@ def _dry_run(config: str, world: int, overrides: list[str]) -> list[dict]:
 
 # the ring under document masking is the slowest layout: in the slow tier (CI runs it after
 # the suite); docs-cp1 keeps document masking's dry run in the suite
-SLOW_LAYOUTS = {"docs-ring-p2p-cp4"}
+SLOW_LAYOUTS = {"docs-ring-p2p-cp4", "mtp-moe-ep8"}  # (the MTP's pp1 and pp2 in the suite)
 
 
 @pytest.mark.parametrize(
@@ -165,9 +165,12 @@ def test_planner_terms_match_the_dry_run_of_a_full_size_layer(layout):
                  ["parallel.pipeline_schedule=dualpipev", "parallel.vpp=2"],
                  ["parallel.pipeline_schedule=zb-h1", "parallel.zero_stage=3"],
                  ["parallel.pipeline_schedule=zb-v", "parallel.vpp=2", "parallel.zero_stage=3"],
-                 # the MTP modules' weight GEMMs wait for W too (rank 0's second chunk on zb-v)
-                 ["parallel.pipeline_schedule=zb-h1", "model.mtp_num_layers=1"],
-                 ["parallel.pipeline_schedule=zb-v", "parallel.vpp=2", "model.mtp_num_layers=1"]],
+                 # the MTP modules' weight GEMMs wait for W too (rank 0's second chunk on zb-v;
+                 # slow tier)
+                 pytest.param(["parallel.pipeline_schedule=zb-h1", "model.mtp_num_layers=1"],
+                              marks=pytest.mark.slow),
+                 pytest.param(["parallel.pipeline_schedule=zb-v", "parallel.vpp=2",
+                               "model.mtp_num_layers=1"], marks=pytest.mark.slow)],
     ids=["zb-h1", "dualpipev", "zb-h1-zero3", "zb-v-zero3", "zb-h1-mtp", "zb-v-mtp"],
 )  # fmt: skip
 def test_planner_peak_of_a_zero_bubble_schedule_counts_what_waits_for_w(schedule):
