@@ -138,7 +138,7 @@ class MultiTokenPrediction(nn.Module):
     before its final norm; tokens, labels [b, s]: the microbatch's; embed(ids [s/cp, b]) ->
     [s/cp(/tp), b, h]: the shared word embedding; logits(x) -> [s/cp, b, V/tp]: the shared
     output head; local([s, ...]) -> this CP rank's positions. Each forward records its
-    per-module loss sums (`pop_stats`, for the logged mtp_loss). `recompute`: run each
+    per-module loss sums (`pop_stats`, for the logged mtp_loss). `recompute_layers`: run each
     module's transformer layer under full recompute (model.recompute_granularity=full);
     `embedding_copy`: hold a copy of the input embedding (`embed_tokens`, for a chunk without
     the embedding and without a tied output weight).
