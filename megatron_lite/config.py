@@ -86,6 +86,9 @@ class ModelConfig:
     recompute_method: str | None = None  # full: uniform | block
     recompute_num_layers: int | None = None  # full: layers per group (uniform) / per stage
     fp32_residual_connection: bool = False  # bf16: keep the residual stream (and P2P) in fp32
+    # multi-token prediction (DeepSeek-V3, Megatron's names; models/mtp.py)
+    mtp_num_layers: int = 0  # D sequential MTP modules on the last stage (0 = off)
+    mtp_loss_scaling_factor: float = 0.1  # λ: the objective adds λ/D · Σ_k MTP loss_k
 
 
 @dataclass

@@ -206,15 +206,29 @@ def num_moe_layers(m: ModelConfig) -> int:
     return sum(_pattern_of(m))
 
 
+def mtp_moe_pattern(m: ModelConfig) -> list[bool]:
+    """Which MTP modules' layers are MoE (models/mtp.py): each is of the kind of the main
+    model's last layer (Megatron builds its MTP layer from the decoder's last layer spec)."""
+    last = bool(_pattern_of(m)[-1]) if m.num_layers > 0 else False
+    return [last] * m.mtp_num_layers
+
+
+def embedding_copy(m: ModelConfig) -> bool:
+    """Whether the last pipeline stage holds a copy of the input embedding (summed over the
+    embedding group when pp > 1): the tied output layer's, or the MTP modules' lookup."""
+    return m.tie_embeddings or m.mtp_num_layers > 0
+
+
 def kv_channels(m: ModelConfig) -> int:
     """The head dimension: model.kv_channels, or hidden_size / num_attention_heads."""
     return m.kv_channels or m.hidden_size // m.num_attention_heads
 
 
 def moe_aux_loss_scale(cfg: Config, dp: int) -> float:
-    """Gradient of each microbatch's aux term: 1 / (microbatches · dp · MoE layers), a constant
-    of the config, so the trained objective is the same on every layout (see moe/layer.py)."""
-    n_layers = num_moe_layers(cfg.model)
+    """Gradient of each microbatch's aux term: 1 / (microbatches · dp · MoE layers, the MTP
+    modules' included), a constant of the config, so the trained objective is the same on
+    every layout (see moe/layer.py)."""
+    n_layers = num_moe_layers(cfg.model) + sum(mtp_moe_pattern(cfg.model))
     if n_layers == 0:
         return 0.0
     return 1.0 / (num_microbatches(cfg.train, dp) * dp * n_layers)

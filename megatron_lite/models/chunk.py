@@ -18,7 +18,11 @@ from megatron_lite.models.transformer import build_layer, rope_tables_at
 from megatron_lite.models.transformer_config import TransformerConfig
 from megatron_lite.parallel import mappings
 from megatron_lite.parallel.cross_entropy import vocab_parallel_cross_entropy
-from megatron_lite.parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
+from megatron_lite.parallel.layers import (
+    ColumnParallelLinear,
+    VocabParallelEmbedding,
+    vocab_parallel_lookup,
+)
 from megatron_lite.parallel.mesh import ParallelMesh
 from megatron_lite.parallel.params import set_meta
 from megatron_lite.parallel.random import RNGStatesTracker, dropout
@@ -32,7 +36,8 @@ class ModelChunk(nn.Module):
 
     forward(x, labels, tokens): x is token ids [b, s] on the first stage, else the hidden state
     [s/cp(/tp), b, h] from the previous stage; returns the per-token loss [s/cp, b] on the last
-    stage, else the hidden state for the next one. tokens: the microbatch's input ids [b, s],
+    stage (with multi-token prediction also the MTP modules' [D, s/cp, b]: models/mtp.py),
+    else the hidden state for the next one. tokens: the microbatch's input ids [b, s],
     which every stage needs under document masking (data.reset_attention_mask,
     reset_position_ids: `token_context`).
 
@@ -86,6 +91,9 @@ class ModelChunk(nn.Module):
         self.layers = nn.ModuleDict({str(i): build_layer(c, mesh, tracker, i) for i in layer_ids})
         if post_process:
             self._build_output(c, mesh, tied_here=c.tie_embeddings and pre_process)
+        self.mtp = None  # multi-token prediction on the loss chunk (models/mtp.py)
+        if post_process and c.mtp_num_layers > 0:
+            self._build_mtp(c, mesh, tracker)
         self.s_local = s_local
         self._rope_args = (rotary_dim, c.rope_theta, c.rope_scaling) if self.rotary else None
         self.reset_attention_mask, self.reset_position_ids = (
@@ -132,6 +140,16 @@ class ModelChunk(nn.Module):
         v_local = c.padded_vocab_size // mesh.tp.size  # padding rows on this rank: a mask
         self.has_vocab_pad = (mesh.tp.rank + 1) * v_local > c.vocab_size
 
+    def _build_mtp(self, c: TransformerConfig, mesh: ParallelMesh, tracker) -> None:
+        """The MTP modules, and where this chunk has no embedding and no tied output weight,
+        a copy of the input embedding for them (same init, gradients summed over the
+        embedding group: ParamMeta.tied_copy, as the tied output layer's)."""
+        from megatron_lite.models.mtp import MultiTokenPrediction
+
+        full = c.recompute_granularity == "full"
+        copy = not self.pre_process and not c.tie_embeddings
+        self.mtp = MultiTokenPrediction(c, mesh, tracker, full, embedding_copy=copy)
+
     def fp8(self):
         """Context for the transformer layers: FP8 GEMMs in TE linears when model.fp8 is set
         (the embedding, output layer and loss stay outside it, in bf16/fp32)."""
@@ -142,12 +160,7 @@ class ModelChunk(nn.Module):
     def embed(self, ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """ids [b, s] -> [s/cp(/tp), b, h]; positions [s/cp, b]: the learned position of each
         local token (TokenContext.positions), None for consecutive ones."""
-        ids = self.local_tokens(ids.t())  # [s/cp, b]
-        x = self.embedding(ids)  # [s/cp, b, h] partial sums over TP
-        if self.sp:
-            x = mappings.reduce_scatter_to_sequence_parallel_region(x, self.tp_group)  # [s/cp/tp]
-        else:
-            x = mappings.reduce_from_tensor_parallel_region(x, self.tp_group)
+        x = self.word_embedding(self.local_tokens(ids.t()), self.embedding.weight)
         if self.learned_positions:
             pe, n = self.local_tokens(self.position_embeddings), x.shape[0]  # [s/cp, h]
             if self.sp:
@@ -162,12 +175,29 @@ class ModelChunk(nn.Module):
             x = x.float()
         return dropout(x, self.hidden_dropout, self.tracker, self.sp)
 
+    def word_embedding(self, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """ids [s/cp, b] -> [s/cp(/tp), b, h]: the vocab-parallel lookup in `weight` (this
+        rank's rows), reduced over TP (reduce-scattered into sequence shards under SP)."""
+        x = vocab_parallel_lookup(ids, weight, self.tp_rank)  # [s/cp, b, h] partial sums
+        if self.sp:
+            return mappings.reduce_scatter_to_sequence_parallel_region(x, self.tp_group)
+        return mappings.reduce_from_tensor_parallel_region(x, self.tp_group)
+
+    def mtp_embedding_weight(self) -> torch.Tensor:
+        """The input embedding the MTP modules look up: the MTP's own copy (untied, pp > 1),
+        else this chunk's embedding, else the tied output weight (the embedding's copy)."""
+        if self.mtp.embed_tokens is not None:
+            return self.mtp.embed_tokens.weight
+        return self.embedding.weight if self.pre_process else self.output_layer.weight
+
     def forward(
         self,
         x: torch.Tensor,
         labels: torch.Tensor | None = None,
         tokens: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Module docstring; with MTP (model.mtp_num_layers > 0) the last stage returns
+        (per-token loss [s/cp, b], per-token MTP losses [D, s/cp, b])."""
         ctx = self.token_context(tokens)
         if self.pre_process:
             x = self.embed(x, ctx.positions)
@@ -175,7 +205,32 @@ class ModelChunk(nn.Module):
             x = self.run_layers(x, ctx)
         if not self.post_process:
             return x
-        return self.loss(self.final_norm(x), labels)
+        loss = self.loss(self.final_norm(x), labels)
+        if self.mtp is None:
+            return loss
+        return loss, self.run_mtp(x, tokens, labels, ctx)
+
+    def run_mtp(
+        self, x: torch.Tensor, tokens: torch.Tensor | None, labels: torch.Tensor, ctx
+    ) -> torch.Tensor:
+        """The MTP modules (models/mtp.py) on the main model's last hidden state x
+        [s/cp(/tp), b, h] (before the final norm) -> per-token MTP losses [D, s/cp, b]."""
+        if tokens is None:
+            raise ValueError(
+                "ModelChunk: multi-token prediction (model.mtp_num_layers) needs the token "
+                "ids on the last stage: call chunk(x, labels, tokens=inputs [b, s])"
+            )
+        weight = self.mtp_embedding_weight()
+        with self.fp8():
+            return self.mtp(
+                x,
+                tokens,
+                labels,
+                ctx,
+                embed=lambda ids: self.word_embedding(ids, weight),
+                logits=self.logits,
+                local=self.local_tokens,
+            )
 
     def token_context(self, tokens: torch.Tensor | None = None) -> TokenContext:
         """The layers' context of one microbatch: RoPE's tables, and under document masking

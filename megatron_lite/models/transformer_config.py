@@ -77,13 +77,17 @@ class TransformerConfig:
     moe_router_num_groups: int | None
     moe_router_group_topk: int | None
     moe_router_group_score: str
-    moe_layer_pattern: tuple[bool, ...]  # per layer of the whole model: MoE or dense
+    # per layer of the whole model, MoE or dense: the num_layers main layers, then the MTP
+    # modules' layers (numbers num_layers .. num_layers + mtp_num_layers - 1)
+    moe_layer_pattern: tuple[bool, ...]
     moe_aux_loss_scale: float  # 1 / (microbatches · dp · MoE layers), see moe/layer.py
     recompute_granularity: str | None  # None | selective | full
     recompute_modules: tuple[str, ...]  # selective: core_attn, mlp, moe (else empty)
     recompute_method: str | None  # full: uniform | block
     recompute_num_layers: int  # full: group size (uniform) / recomputed layers (block)
     fp32_residual_connection: bool  # the embedding output (and so the stream) in fp32
+    mtp_num_layers: int  # multi-token prediction modules on the loss chunk (models/mtp.py)
+    mtp_loss_scaling_factor: float
     # document masking of packed windows (from the data section, resolve.eod_token_id)
     reset_attention_mask: bool = False  # attend within a token's own document only
     reset_position_ids: bool = False  # positions restart at every document start
@@ -139,7 +143,7 @@ class TransformerConfig:
             "moe_layer_freq": tuple(m.moe_layer_freq)
             if isinstance(m.moe_layer_freq, list)
             else m.moe_layer_freq,
-            "moe_layer_pattern": tuple(resolve.moe_layer_pattern(m)),
+            "moe_layer_pattern": tuple(resolve.moe_layer_pattern(m) + resolve.mtp_moe_pattern(m)),
             "kv_channels": resolve.kv_channels(m),
             "moe_aux_loss_scale": resolve.moe_aux_loss_scale(r, p.dp),
             "recompute_modules": resolve.recompute_modules(m),

@@ -218,7 +218,14 @@ class VocabParallelEmbedding(nn.Module):
         )
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        local = ids - self.vocab_start
-        outside = (local < 0) | (local >= self.per_rank)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)  # [s, b, h]
-        return out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return vocab_parallel_lookup(ids, self.weight, self.vocab_start // self.per_rank)
+
+
+def vocab_parallel_lookup(ids: torch.Tensor, weight: torch.Tensor, tp_rank: int) -> torch.Tensor:
+    """ids [...] -> [..., h] partial sums: the rows of `weight` (rank `tp_rank`'s [V/tp, h]
+    shard of a vocab-parallel embedding) for the ids it owns, zeros for the others."""
+    per_rank = weight.shape[0]
+    local = ids - tp_rank * per_rank
+    outside = (local < 0) | (local >= per_rank)
+    out = F.embedding(local.masked_fill(outside, 0), weight)  # [..., h]
+    return out.masked_fill(outside.unsqueeze(-1), 0.0)

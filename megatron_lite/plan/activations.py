@@ -10,10 +10,11 @@ layer at the layout's local shapes (plan/saved.py), then composed by the recompu
   and rebuilds the rest of its layers' activations during its backward.
 
 The embedding, final norm, output layer and loss terms are `head_terms` (the final norm
-measured); what exists only for a moment (working sets) is plan/working.py's; the moment of a
-rank's peak, and every term then, plan/peak.py's. The published formulas (Korthikanti et al.
-2022 Table 2, Megatron-LM's theoretical memory) and the former per-term formulas are
-tests/plan_reference.py's: independent checks of the measured figures.
+and the multi-token prediction modules measured); what exists only for a moment (working
+sets) is plan/working.py's; the moment of a rank's peak, and every term then,
+plan/peak.py's. The published formulas (Korthikanti et al. 2022 Table 2, Megatron-LM's
+theoretical memory) and the former per-term formulas are tests/plan_reference.py's:
+independent checks of the measured figures.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 
 from megatron_lite.config import Config
 from megatron_lite.plan import modules
-from megatron_lite.plan.saved import MLP, final_norm_saves, layer_saves, subtree
+from megatron_lite.plan.saved import MLP, final_norm_saves, layer_saves, mtp_saves, subtree
 from megatron_lite.resolve import (
     cp_a2a_size,
     moe_ffn_hidden_size,
@@ -223,9 +224,9 @@ def chunk_bytes(cfg: Config, shape: LayerShape, moe: list[bool]) -> tuple[float,
 
 
 def head_terms(cfg: Config, shape: LayerShape) -> dict[str, float]:
-    """Embedding (first stage) and final norm (measured), output layer input, logits and loss
-    (last stage), per microbatch: {term: bytes}. Logits are saved as fp32 vocab-parallel
-    chunks [T, V/tp]."""
+    """Embedding (first stage) and final norm (measured), output layer input, logits and loss,
+    and the MTP modules' saves (measured; last stage), per microbatch: {term: bytes}. Logits
+    are saved as fp32 vocab-parallel chunks [T, V/tp]."""
     m = cfg.model
     T, u, A, t = shape.tokens, shape.u, shape.act_bytes, shape.tp
     v_local = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, t) / t
@@ -239,4 +240,6 @@ def head_terms(cfg: Config, shape: LayerShape) -> dict[str, float]:
         # the loss backward's fp32 gradient beside the saved logits (torch: exp, then × dloss)
         "logits_grad": (8 if shape.kernels == "torch" else 4) * T * v_local,
         "embedding_grad": v_local * shape.h * A,  # its dense weight gradient, in backward
+        # the multi-token prediction modules' saves (measured; the loss chunk, 0 without MTP)
+        "mtp": mtp_saves(cfg, shape.kernels),
     }

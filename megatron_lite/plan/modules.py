@@ -238,12 +238,14 @@ def _build_layer(cfg: Config, moe: bool) -> LayerParams:
 
 
 def chunk_params(cfg: Config, pre_process: bool, post_process: bool) -> ChunkParams:
-    """A chunk's own parameters (embedding when `pre_process`, final norm and output layer
-    when `post_process`) and buffers at `cfg`'s layout (cached). A miss builds, in one fake
-    world, every kind of chunk the layout's pipeline has (all three of a multi-stage one: the
-    search asks for each) that is not built yet."""
+    """A chunk's own parameters (embedding when `pre_process`, final norm and output layer,
+    and the multi-token prediction modules, when `post_process`) and buffers at `cfg`'s
+    layout (cached). A miss builds, in one fake world, every kind of chunk the layout's
+    pipeline has (all three of a multi-stage one: the search asks for each) that is not built
+    yet."""
     p = cfg.parallel
-    key = (model_key(cfg), p.tp, sequence_parallel(p), p.cp, cp_a2a_size(p))
+    # ep: the last chunk's MTP layers may be MoE layers (their experts over ep)
+    key = (model_key(cfg), p.tp, sequence_parallel(p), p.cp, cp_a2a_size(p), p.ep)
     hit = _CHUNKS.get(key + (pre_process, post_process))
     if hit is not None:
         return hit
@@ -266,7 +268,7 @@ def _build_chunks(cfg: Config, kinds: list[tuple[bool, bool]]) -> list[ChunkPara
 
     p = cfg.parallel
     config = transformer_config(cfg)
-    with fake_mesh(p.tp, p.cp, cp_a2a_size(p)) as mesh, torch.device("meta"):
+    with fake_mesh(p.tp, p.cp, cp_a2a_size(p), p.ep) as mesh, torch.device("meta"):
         chunks = [
             ModelChunk(config, mesh, RNGStatesTracker(), [], pre, post) for pre, post in kinds
         ]

@@ -10,9 +10,11 @@ the full step's steady state (min(M, 2·pp), what plan --dry-run runs), counting
 - backward: the start of a chunk's backward (the held pairs and the received output gradient),
   then its first layer's backward moments (under full recompute, beside the group it rebuilds);
 - loss backward (the last virtual stage): the held pairs, the logits and the loss's fp32
-  gradient beside them; with gradient buffers, the output layer's weight gradient [V/tp, h]
-  and its input's gradient as the layer's bucket arrives (the logits freed, the final norm's
-  saved input alive); then the layers' backward as above.
+  gradient beside them (with multi-token prediction, the MTP modules' saves are among the
+  held pair's, and their backward runs first: gone after this moment); with gradient
+  buffers, the output layer's weight gradient [V/tp, h] and its input's gradient as the
+  layer's bucket arrives (the logits freed, the final norm's saved input alive); then the
+  layers' backward as above.
 The model states change within a step too:
 - ZeRO-2 (data_parallel/buffers.py): the bucket launched last by the previous backward stays in
   flight until the next backward launches one; a backward's first weight gradient allocates the
@@ -60,8 +62,9 @@ from megatron_lite.plan.params import (
     placement,
     rank_params,
 )
+from megatron_lite.plan.saved import mtp_saves
 from megatron_lite.plan.working import backward_moments, forward_working
-from megatron_lite.resolve import num_microbatches, padded_vocab_size
+from megatron_lite.resolve import mtp_moe_pattern, num_microbatches, padded_vocab_size
 
 
 @dataclass
@@ -97,6 +100,7 @@ class _Chunk:
     left: tuple[int, int]  # ZeRO-2: the (dense, expert) bucket its backward launches last
     deferred: float = 0.0  # a split backward's queued weight GEMMs' bytes, from B to W
     deferred_weights: int = 0  # the elements of the weights whose gradients W computes
+    mtp_deferred: float = 0.0  # of `deferred`, the MTP modules' (queued before the layers')
     backwarded: bool = False  # the walk has run a backward of it
     weighted: bool = False  # the walk has run a W of it
 
@@ -124,21 +128,32 @@ def _static(cfg: Config, pp_rank: int) -> dict[str, float]:
     return out
 
 
-def _deferred(cfg: Config, shape, moe: list[bool], loss: bool) -> tuple[float, int]:
+def _deferred(cfg: Config, shape, moe: list[bool], loss: bool) -> tuple[float, int, float]:
     """A split backward's queued weight GEMMs of one chunk and microbatch: (the bytes they
-    keep from B to W, the elements of the weights whose gradients they compute). Its layers'
-    (none of a fully recomputed layer: its rerun in B computes them there) and, on the last
-    virtual stage, the output layer's (input [s, b, h] and logits gradient [s, b, V/tp])."""
+    keep from B to W, the elements of the weights whose gradients they compute, the MTP
+    modules' part of those bytes). Its layers' (none of a fully recomputed layer: its rerun in
+    B computes them there) and, on the last virtual stage, the output layer's (input [s, b, h]
+    and logits gradient [s, b, V/tp]) and the MTP modules'."""
     gran, _, method, num = recompute_settings(cfg)
     queued = moe if gran != "full" else (moe[min(num, len(moe)) :] if method == "block" else [])
     out = sum(deferred_wgrad_bytes(cfg, shape, e) for e in queued)
     weights = sum(layer_linear_weights(cfg, e) for e in queued)
+    mtp = 0.0
     if loss:
         m = cfg.model
         v_local = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, shape.tp)
-        out += shape.tokens * shape.act_bytes * (shape.h + v_local / shape.tp)
+        head = shape.tokens * shape.act_bytes * (shape.h + v_local / shape.tp)
+        out += head
         weights += v_local // shape.tp * shape.h
-    return out, weights
+        # the MTP modules: each its projection [h/tp, 2h] and layer (rerun in B under full
+        # recompute, so nothing queued there) and the shared head once more
+        for e in mtp_moe_pattern(m):
+            mtp += head
+            if gran != "full":
+                mtp += deferred_wgrad_bytes(cfg, shape, e)
+                mtp += shape.tokens * shape.act_bytes * (2 * shape.h + shape.h / shape.tp)
+                weights += layer_linear_weights(cfg, e) + shape.h // shape.tp * 2 * shape.h
+    return out + mtp, weights, mtp
 
 
 def _chunks(cfg: Config, pp_rank: int, shape) -> list[_Chunk]:
@@ -147,6 +162,7 @@ def _chunks(cfg: Config, pp_rank: int, shape) -> list[_Chunk]:
     split = splits_backward(p.pipeline_schedule, p.vpp)
     shards = (p.dp_shard or p.dp * p.cp, p.dp_shard or max(p.dp * p.cp // p.ep, 1))
     chunks = []
+    mtp = mtp_saves(cfg, shape.kernels)  # the loss chunk's MTP modules, kept with its layers'
     for c in range(p.vpp):
         moe = chunk_moe(cfg, pp_rank, c)
         kept, rebuilt = chunk_bytes(cfg, shape, moe)
@@ -165,6 +181,7 @@ def _chunks(cfg: Config, pp_rank: int, shape) -> list[_Chunk]:
             for expert, n, cut in zip((False, True), shards, cuts, strict=True):
                 cut += buckets(cfg, pp_rank, c, expert, n) if n > 1 else []
         loss = stage == p.pp * p.vpp - 1
+        kept += mtp if loss else 0.0
         ends = tuple(list(itertools.accumulate(n for _, n in cut)) for cut in cuts)
         chunks.append(_Chunk(
             kept=kept, rebuilt=rebuilt, rerun_offset=offset, last_moe=bool(moe and moe[-1]),
@@ -174,7 +191,8 @@ def _chunks(cfg: Config, pp_rank: int, shape) -> list[_Chunk]:
             left=_left_in_flight(cfg, pp_rank, c, cuts, ends),
         ))  # fmt: skip
         if split:
-            chunks[-1].deferred, chunks[-1].deferred_weights = _deferred(cfg, shape, moe, loss)
+            ch = chunks[-1]
+            ch.deferred, ch.deferred_weights, ch.mtp_deferred = _deferred(cfg, shape, moe, loss)
     return chunks
 
 
@@ -231,6 +249,10 @@ def _moments(cfg: Config, pp_rank: int, kernels: str, pending: list[float]):
     logits = head["final_norm"] + head["output_in"] + head["logits"]
     emb_grad = head["embedding_grad"]  # the embedding's weight gradient, [V/tp, h]
     emb_out = shape.tokens * shape.h * A  # its output's gradient, masked
+    # the MTP lookup's dense gradient of the embedding weight, held until summed with the
+    # weight's other gradients: the tied output layer's (pp > 1) or the embedding's (one
+    # chunk); an untied last stage's own copy takes it at once
+    mtp_emb = emb_grad if head["mtp"] and (cfg.model.tie_embeddings or p.pp * p.vpp == 1) else 0.0
     kinds = set(layer_kinds(cfg))  # (measured: only the kinds the model has)
     fwd = {e: forward_working(cfg, shape, e) for e in kinds}
     bwd = {e: backward_moments(cfg, shape, e) for e in kinds}
@@ -300,8 +322,17 @@ def _moments(cfg: Config, pp_rank: int, kernels: str, pending: list[float]):
         if ch.loss:  # the root gathered again, then the loss's gradient beside the logits
             for w, gathered in ((0.0, 2 * root + layer), (head["logits_grad"], root + layer)):
                 yield "loss backward", (now, kept, embedding, logits, w + gathered)
+            # the MTP modules' backward (their ops are the forward's last) runs first: their
+            # saves are gone by the main head's backward and the layers', their queued weight
+            # GEMMs' tensors (a split backward) held, and their lookup's dense gradient of a
+            # shared embedding weight until the weight's last gradient is summed with it
+            if head["mtp"]:
+                kept -= head["mtp"]
+                w = head["logits_grad"] + root + layer + ch.mtp_deferred + mtp_emb
+                yield "loss backward", (now, kept, embedding, logits, w)
             if shape.main_grad:  # the output layer's weight gradient as its bucket arrives
                 g, out_grads = zero2(ch, c, 0, 0, 0), head["embedding_grad"] + head["output_in"]
+                out_grads += ch.mtp_deferred + mtp_emb
                 yield "loss backward", (g, kept + head["final_norm"], embedding, 0.0, out_grads)
         else:
             yield "backward", (now, kept + recv, embedding, 0.0, 2 * root + held * layer)
@@ -312,10 +343,11 @@ def _moments(cfg: Config, pp_rank: int, kernels: str, pending: list[float]):
                 g = zero2(ch, c, 1, 0, None, router=True)
                 yield "backward", (g, kept + recv * (not ch.loss), embedding, 0.0, rerun)
         accumulated = p.zero_stage == 3 and m > 1 and ch.backwarded
+        layers_kept = ch.kept - (head["mtp"] if ch.loss else 0.0)  # (the MTP's freed above)
         for w, freed, group, arrived, arriving in (later if accumulated else bwd)[ch.last_moe]:
             if ch.rebuilt:  # what the backward frees is of the rebuilt part first
                 w, freed = w + max(ch.rebuilt - freed, 0.0), max(freed - ch.rebuilt, 0.0)
-            act = kept + (0.0 if ch.loss else recv) - min(freed, ch.kept)
+            act = kept + (0.0 if ch.loss else recv) - min(freed, layers_kept)
             before = ch.after if group == 0 and ch.loss else 0  # the head's, in already
             if arriving is not None:
                 arriving += before
@@ -323,13 +355,18 @@ def _moments(cfg: Config, pp_rank: int, kernels: str, pending: list[float]):
             # the loss chunk's output gradient (the final norm's) is the step's own temporary
             w += recv if ch.loss else 0.0
             # a split backward queues its weight GEMMs' tensors as it frees the saved ones
-            w += ch.deferred * min(freed, ch.kept) / ch.kept if ch.kept else 0.0
+            rest = ch.deferred - ch.mtp_deferred
+            w += ch.mtp_deferred + (
+                rest * min(freed, layers_kept) / layers_kept if layers_kept else 0.0
+            )
+            w += mtp_emb if ch.loss and ch.embedding else 0.0  # (summed at the embedding's)
             yield "backward", (g, act, embedding, 0.0, w + root + held * layer)
-        kept -= ch.kept
+        kept -= layers_kept
         if ch.embedding:  # its weight gradient beside the output's, then into its bucket
             act, total = kept + (0.0 if ch.loss else recv), sum(n for _, n in ch.cuts[0])
             g = zero2(ch, c, 0, total - 1)
             queued = ch.deferred  # the chunk's layers all through B
+            queued += mtp_emb if ch.loss else 0.0  # the MTP lookup's, summed with this one
             yield "backward", (g, act, embedding, 0.0, emb_grad + emb_out + root + queued)
             g = zero2(ch, c, 0, total - 1, total - 1)
             yield "backward", (g, act, embedding, 0.0, emb_grad + root + queued)

@@ -56,6 +56,8 @@ _SAVES: dict[tuple, dict[int, tuple]] = {}
 _TRACES: dict[tuple, dict[int, tuple]] = {}
 # key + (selective,) -> {micro batch: ({module path: bytes}, {"final_norm": bytes})}
 _ROWS: dict[tuple, dict[int, tuple]] = {}
+# key + recompute -> {micro batch: bytes the MTP modules save}
+_MTP: dict[tuple, dict[int, float]] = {}
 
 
 def _key(cfg: Config, kernels: str, moe: bool) -> tuple:
@@ -130,6 +132,43 @@ def final_norm_saves(cfg: Config, kernels: str = "fused") -> float:
         return _saves(cfg, modules.layer_kinds(cfg)[0], kernels, ())[1]["final_norm"]
 
     return modules.per_config(cfg, ("final_norm_saves", kernels), answer)
+
+
+def mtp_saves(cfg: Config, kernels: str = "fused") -> float:
+    """Bytes the loss chunk's multi-token prediction modules (models/mtp.py) save for backward
+    per microbatch: their embedding lookups, norms, projections, layers (under the config's
+    recompute), logits and losses, measured on the real modules of a fake last stage at micro
+    batches 1 and 2 and fitted (0 without MTP)."""
+    if not cfg.model.mtp_num_layers:
+        return 0.0
+
+    def answer() -> float:
+        m, b = cfg.model, cfg.train.micro_batch_size
+        recompute = (m.recompute_granularity, tuple(m.recompute_modules))
+        key = _key(cfg, kernels, "mtp") + recompute
+        points = modules.cached(_MTP, key, dict)
+        if not points:
+            points.update(_measure_mtp(cfg, kernels))
+        (b1, y1), (b2, y2) = ((point, points[point]) for point in FIT_POINTS)
+        return y1 + (b - b1) * (y2 - y1) / (b2 - b1)
+
+    return modules.per_config(cfg, ("mtp_saves", kernels), answer)
+
+
+def _measure_mtp(cfg: Config, kernels: str) -> dict[int, float]:
+    """{micro batch: bytes the MTP modules save}, at FIT_POINTS, on one fake last stage."""
+    out = {}
+    with _fake_stage(cfg, kernels) as (config, _mesh, _tracker, chunk, inputs):
+        _to_training_dtype(chunk, cfg.train.precision)
+        for b in FIT_POINTS:
+            x, ctx = inputs(b)
+            tokens = torch.zeros(b, config.seq_length, dtype=torch.long)
+            meter = _meter(chunk, ctx=ctx)
+            with meter, meter.label("mtp"):
+                chunk.run_mtp(x, tokens, tokens, ctx)
+            chunk.mtp.pop_stats()
+            out[b] = float(meter.by_label.get("mtp", 0))
+    return out
 
 
 def _saves(cfg: Config, moe: bool, kernels: str, selective: tuple[str, ...]) -> tuple:

@@ -28,6 +28,7 @@ Compute: hardware FLOPs (model FLOPs plus recompute) / (peak · mfu).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -45,6 +46,7 @@ from megatron_lite.plan.params import chunk_moe, rank_layers, rank_params
 from megatron_lite.resolve import (
     cp_a2a_size,
     moe_layer_pattern,
+    mtp_moe_pattern,
     num_microbatches,
     stage_layers,
 )
@@ -137,7 +139,15 @@ def ep_all_to_all_bytes(cfg: Config, pp_rank: int, microbatches: int) -> float:
     `microbatches` microbatches (`cfg` resolved; 0 without EP)."""
     if not cfg.model.num_experts or cfg.parallel.ep == 1:
         return 0.0
-    layers = sum(sum(chunk_moe(cfg, pp_rank, c)) for c in range(cfg.parallel.vpp))
+    p = cfg.parallel
+    layers = sum(sum(chunk_moe(cfg, pp_rank, c)) for c in range(p.vpp))
+    loss = any(
+        virtual_stage(pp_rank, c, p.pp, schedule_placement(p.pipeline_schedule, p.vpp))
+        == p.pp * p.vpp - 1
+        for c in range(p.vpp)
+    )
+    if loss:  # the loss chunk's MTP modules' MoE layers
+        layers += sum(mtp_moe_pattern(cfg.model))
     return microbatches * layers * ep_calls(cfg) * ep_rows_bytes(cfg)
 
 
@@ -241,7 +251,10 @@ def step_time(cfg: Config, world: int, gpu, mfu: float, gpus_per_node: int,
     # without the output layer (6·h·V) over L, in forward FLOPs (a third)
     flops_tok = model_flops_per_token(r)
     head = 6.0 * m_.hidden_size * m_.vocab_size
-    layer_fwd = (flops_tok - head) / 3 / m_.num_layers  # per token
+    # the multi-token prediction modules' FLOPs: on the last virtual stage, beside its head
+    no_mtp = dataclasses.replace(r, model=dataclasses.replace(m_, mtp_num_layers=0))
+    mtp = flops_tok - model_flops_per_token(no_mtp) if m_.mtp_num_layers else 0.0
+    layer_fwd = (flops_tok - mtp - head) / 3 / m_.num_layers  # per token
     attn_flops = 2 * m_.seq_length * m_.hidden_size * T / p.tp  # causal QKᵀ and AV, forward
     t_fwd = layer_fwd * T / p.tp / rate  # one layer, one microbatch
     extra = 0.0
@@ -279,10 +292,10 @@ def step_time(cfg: Config, world: int, gpu, mfu: float, gpus_per_node: int,
         ep_f, ep_b = 2 * one, (ep_calls(r) - 2) * one
     p2p = collective_time("send", size * shape.u, 2, links["pp"], gpu) if p.pp > 1 else 0.0
 
-    # virtual-stage weights in mean-layer units, the output layer on the last one
+    # virtual-stage weights in mean-layer units, the output layer (and MTP) on the last one
     counts = stage_layers(m_, p)
     weights = [float(c) for c in counts]
-    weights[-1] += head / 3 / layer_fwd
+    weights[-1] += (head + mtp) / 3 / layer_fwd
     fwd = t_fwd + tp_f + cp_f + ep_f
     bwd = 2 * t_fwd + extra * t_fwd + tp_b + cp_b + ep_b
     # W: the linear layers' weight-gradient GEMMs (the forward GEMMs' time; the attention

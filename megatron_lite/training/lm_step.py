@@ -1,7 +1,8 @@
 """The language-model forward step the pipeline engine runs for every (microbatch, chunk).
 
 A microbatch is token ids [b, s + 1] (the sample contract, `data.sampler.split_sample`): the
-first stage embeds the inputs, the last one returns the summed per-token loss against the labels.
+first stage embeds the inputs, the last one returns the summed per-token loss against the labels
+(with multi-token prediction, carrying the MTP objective's gradient: `with_mtp_objective`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,18 @@ def lm_forward_step(
         with autocast(precision, device):
             labels = labels if chunk.post_process else None
             out = chunk(tokens if x is None else x, labels, tokens=tokens)
-        return out.sum() if chunk.post_process else out  # per-token loss [s/cp, b] summed
+        if not chunk.post_process:
+            return out
+        if isinstance(out, tuple):  # multi-token prediction: (loss, MTP losses [D, s/cp, b])
+            return with_mtp_objective(*out, chunk.mtp.loss_scale)
+        return out.sum()  # per-token loss [s/cp, b] summed
 
     return forward_step
+
+
+def with_mtp_objective(loss: torch.Tensor, mtp: torch.Tensor, scale: float) -> torch.Tensor:
+    """The summed main loss, whose backward also trains `scale` · Σ mtp (models/mtp.py: scale
+    = λ/D, and the engine's 1/N applies to both): the value is the main loss's sum bitwise (the
+    MTP term enters as o - o.detach(), an exact zero), so the logged loss stays the LM loss."""
+    objective = mtp.sum() * scale
+    return loss.sum() + (objective - objective.detach())

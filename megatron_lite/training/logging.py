@@ -190,7 +190,7 @@ class MetricsLogger:
             return sum(r[key] for r in w) / len(w)
 
         eta = (time.monotonic() - self.start) / max(step - first_step, 1) * (total - step)
-        extra = "".join(f" | {k} {mean(k):.4g}" for k in ("aux_loss",) if k in w[-1])
+        extra = "".join(f" | {k} {mean(k):.4g}" for k in ("aux_loss", "mtp_loss") if k in w[-1])
         if "tflops_per_rank" in w[-1]:  # model TFLOP/s per rank (MFU on a known GPU)
             extra += f" | {mean('tflops_per_rank'):.3g} TFLOP/s/rank"
             if "mfu" in w[-1]:

@@ -7,6 +7,7 @@ import math
 
 import torch
 
+from megatron_lite import resolve
 from megatron_lite.config import Config, TrainConfig
 from megatron_lite.parallel import data_parallel
 from megatron_lite.parallel.data_parallel import DataParallelWrapper
@@ -47,7 +48,7 @@ def build_data_parallel(chunks, mesh, cfg: Config, device=None) -> DataParallelW
         grad_reduce_dtype=REDUCE_DTYPES[p.grad_reduce_dtype],
         offload=t.optimizer_offload == "cpu",
         reshard_after_forward=p.reshard_after_forward,
-        tie_embeddings=cfg.model.tie_embeddings,
+        tie_embeddings=resolve.embedding_copy(cfg.model),  # a copy on the last stage
         device=device,
     )
 

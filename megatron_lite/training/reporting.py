@@ -14,6 +14,7 @@
   model's later steps cost no collective.
 - `MoEMetrics`: the MoE layers' metrics of a step (moe/layer.py), and dropping the statistics
   an evaluation gathered.
+- `MTPMetrics`: the multi-token prediction loss of a step (models/mtp.py), `mtp_loss`.
 
 Each is built from sizes, callables and the DP wrapper, without a Trainer (and, but for the
 trainer's shortcut `MoEMetrics.of_model`, without a Config); tests/unit/test_reporting.py
@@ -245,7 +246,7 @@ class MoEMetrics:
             return None
         return cls(
             chunks,
-            m.num_layers,
+            m.num_layers + m.mtp_num_layers,  # the MTP modules' layers numbered after
             m.num_experts,
             mesh.tp.rank == 0 and mesh.cp.rank == 0,  # one rank per microbatch shard
             with_z_loss=bool(m.moe_z_loss_coeff),
@@ -276,3 +277,44 @@ class MoEMetrics:
 
         for layer in moe_layers(self.chunks):
             layer.pop_stats()
+
+
+class MTPMetrics:
+    """The multi-token prediction loss of a step (models/mtp.py): `sums()` gives this rank's
+    per-module loss sums [D] as 0-d device tensors for the step's world all-reduce (the
+    `flags` of TrainStep.run: no collective of its own), nonzero on one rank per microbatch
+    shard that holds the loss (tp rank 0; CP ranks hold parts of the sum, dp ranks their
+    microbatches); `record(summed, tokens)` turns their world sums into the metrics: mtp_loss
+    = (1/D) Σ_k Σ_i loss_k(i) / N (N: the main loss's global token count; without λ), and
+    mtp_loss_<k> per module when D > 1."""
+
+    def __init__(self, chunks: list[torch.nn.Module], num_layers: int, count_here: bool):
+        self.modules = [c.mtp for c in chunks if getattr(c, "mtp", None) is not None]
+        self.num_layers, self.count_here = num_layers, count_here
+
+    @classmethod
+    def of_model(cls, m: ModelConfig, chunks: list[torch.nn.Module], mesh) -> MTPMetrics | None:
+        """For the model config `m` (None without MTP) on `mesh` (a ParallelMesh)."""
+        if m.mtp_num_layers == 0:
+            return None
+        return cls(chunks, m.mtp_num_layers, mesh.tp.rank == 0)
+
+    def sums(self) -> list[torch.Tensor | float]:
+        """This rank's [D] loss sums since the last call (zeros where it does not count)."""
+        got = [s for s in (m.pop_stats() for m in self.modules) if s is not None]
+        if not got or not self.count_here:
+            return [0.0] * self.num_layers
+        return list(torch.stack(got).sum(0).unbind())
+
+    def record(self, summed: list[float], tokens: float) -> dict:
+        """The step's mtp_loss (and per module when D > 1) from the world sums."""
+        per = [s / max(tokens, 1.0) for s in summed]
+        out = {"mtp_loss": sum(per) / len(per)}
+        if len(per) > 1:
+            out.update({f"mtp_loss_{k}": v for k, v in enumerate(per, start=1)})
+        return out
+
+    def pop_stats(self) -> None:
+        """Drops the sums an evaluation's forwards recorded (not the step's)."""
+        for m in self.modules:
+            m.pop_stats()

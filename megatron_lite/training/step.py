@@ -87,12 +87,14 @@ def pipeline_args(cfg: Config, mesh: ParallelMesh) -> PipelineArgs:
 @dataclass
 class StepResult:
     """The reduced loss (token-weighted mean) and gradient norm of a step, the guard's warning
-    when it was skipped (None: the optimizer stepped), and the world sums of the flags."""
+    when it was skipped (None: the optimizer stepped), the world sums of the flags, and the
+    global token count."""
 
     loss: float
     grad_norm: float
     skipped: str | None
     flags: list[float]
+    tokens: float = 0.0  # the global token count the loss is the mean over
 
 
 class TrainStep:
@@ -205,9 +207,10 @@ class TrainStep:
         flags: Callable[[], list[float]] = list,
         measure: Measure | None = None,
     ) -> StepResult:
-        """Step `step` (0-based) at learning rate `lr`. flags(): this rank's numbers summed over
-        the world with the norm and loss, read after the backward; measure: wraps the forward
-        and backward (default: runs it)."""
+        """Step `step` (0-based) at learning rate `lr`. flags(): this rank's numbers (floats,
+        or 0-d tensors on the device: no host read) summed over the world with the norm and
+        loss, read after the backward; measure: wraps the forward and backward (default: runs
+        it)."""
         counts = self.token_counts(microbatches)  # alive for the step: its mem/* count them
         n_tokens = self.global_tokens(counts, microbatches)
         set_lr(self.dp.optimizer, lr)
@@ -223,7 +226,7 @@ class TrainStep:
             owner = self.holds_loss and self.mesh.tp.rank == 0
             grad_sq = self.dp.grad_square_sum()
             loss_part = loss_sum.reshape(()).double() if owner else torch.zeros_like(grad_sq)
-            extra = [torch.full_like(grad_sq, f) for f in flags()]
+            extra = [_flag(f, grad_sq) for f in flags()]
             sums = torch.stack([grad_sq, loss_part, *extra])
             mappings.all_reduce(sums, dist.group.WORLD, kind="all_reduce_norm_loss")
         nominal = [1.0, n_tokens, *[0.0] * len(extra)]  # a dry run's: unit norm, loss 1
@@ -241,12 +244,19 @@ class TrainStep:
                 tracker.label_model_states(self.dp)
         elif dist.get_rank() == 0:
             print(skipped, flush=True)
-        return StepResult(loss, grad_norm, skipped, flag_sums)
+        return StepResult(loss, grad_norm, skipped, flag_sums, n_tokens)
 
     def _named_grads(self) -> list[tuple[str, torch.Tensor]]:
         """(name, reduced local gradient) for the non-finite guard (read only off the finite
         path): the wrapper's, since under ZeRO-2 `main_grad` has no storage after the sync."""
         return [(self.names[id(g.param)], g.grad) for g in self.dp.local_grads()]
+
+
+def _flag(value: float | torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A flag as a 0-d tensor of `like`'s dtype and device."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().reshape(()).to(like)
+    return torch.full_like(like, value)
 
 
 def lm_train_step(

@@ -38,7 +38,13 @@ from megatron_lite.training.model_setup import check_links, rank_device, setup_m
 from megatron_lite.training.nonfinite import NonFiniteGuard, StateGuard
 from megatron_lite.training.optimizer import lr_at
 from megatron_lite.training.profiling import StepProfiler
-from megatron_lite.training.reporting import MemoryReport, MoEMetrics, Throughput, peak_tflops_of
+from megatron_lite.training.reporting import (
+    MemoryReport,
+    MoEMetrics,
+    MTPMetrics,
+    Throughput,
+    peak_tflops_of,
+)
 from megatron_lite.training.signals import StopSignals
 from megatron_lite.training.step import lm_train_step
 
@@ -81,6 +87,7 @@ class Trainer:
         world, peak = dist.get_world_size(), peak_tflops_of(self.device, dist.get_rank())
         self.throughput = Throughput(self.flops_per_step, tokens, world, peak)
         self.moe = MoEMetrics.of_model(cfg.model, self.chunks, mesh)  # None: a dense model
+        self.mtp = MTPMetrics.of_model(cfg.model, self.chunks, mesh)  # None: no MTP
         self.checkpointer = Checkpointer(  # resumes per train.resume / train.init_from
             cfg, mesh, self.chunks, self.dp, self.tracker, self.device, self.checkpoint_dir
         )
@@ -104,8 +111,14 @@ class Trainer:
             self.mesh, iters=t.eval_iters, global_batch_size=t.global_batch_size,
             micro_batch_size=t.micro_batch_size, holds_loss=self.holds_loss,
             device=self.device, eod_mask_id=self.eod_mask_id,
-            after=self.moe.pop_stats if self.moe is not None else None,
+            after=self._drop_eval_stats,
         )  # fmt: skip
+
+    def _drop_eval_stats(self) -> None:
+        """The MoE routing statistics and MTP loss sums of an evaluation are not a step's."""
+        for metrics in (self.moe, self.mtp):
+            if metrics is not None:
+                metrics.pop_stats()
 
     @property
     def memory_tracker(self):
@@ -163,9 +176,11 @@ class Trainer:
     def _flags(self) -> list[float]:
         """Summed over the world in the step's all-reduce, so every rank agrees: a stop
         signal (or rank 0's failed write of metrics.jsonl: it stops the run like a signal),
-        and a changed activation peak (all ranks reduce the memory report again)."""
+        and a changed activation peak (all ranks reduce the memory report again); then the
+        MTP loss sums (MTPMetrics)."""
         signalled = self.signals.received is not None or self.logger.error is not None
-        return [float(signalled), self.memory.activations_changed()]
+        mtp = self.mtp.sums() if self.mtp is not None else []  # the MTP loss sums, per module
+        return [float(signalled), self.memory.activations_changed(), *mtp]
 
     def _train_step(self) -> dict:
         """The step (TrainStep.run on the next global batch), then its metrics record."""
@@ -175,10 +190,11 @@ class Trainer:
         measure = functools.partial(self.memory.measure, step=self.step)
         micro = self._microbatches()
         out = self.stepper.run(micro, lr, self.step, flags=self._flags, measure=measure)
-        signals, act_changes = out.flags
+        signals, act_changes, *mtp_sums = out.flags
         self.stop_requested = signals > 0
         per_layer = reports_at(self.step, self.cfg)
         moe = self.moe(out.skipped is None, per_layer) if self.moe is not None else {}
+        mtp = self.mtp.record(mtp_sums, out.tokens) if self.mtp is not None else {}
         self.state_guard.check(self.step + 1)  # before the step's checkpoint could store it
         if self.device.type == "cuda":  # the step's time includes its optimizer kernels
             torch.cuda.synchronize()
@@ -189,6 +205,7 @@ class Trainer:
             "loss": out.loss,
             "lr": lr,
             "grad_norm": out.grad_norm,
+            **mtp,
             **self.throughput(dt),
             "consumed_samples": self.consumed_samples,
             **({"skipped": True} if out.skipped else {}),

@@ -23,6 +23,7 @@ from megatron_lite.validation.inputs import (
 )
 from megatron_lite.validation.log import _validate_log
 from megatron_lite.validation.moe import _validate_moe
+from megatron_lite.validation.mtp import _validate_mtp
 from megatron_lite.validation.parallel import (
     _validate_batch_sizes,
     _validate_ffn_hidden_size,
@@ -59,6 +60,7 @@ def validate(cfg: Config, world_size: int, warn: bool = True) -> Config:
     _validate_pipeline_layers(r)
     _validate_batch_sizes(r)
     _validate_moe(r)
+    _validate_mtp(r)
     _validate_recompute(r)
     _validate_ffn_hidden_size(r)
     _validate_data_parallel(r)

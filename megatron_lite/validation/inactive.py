@@ -12,6 +12,7 @@ from megatron_lite.models.registry import get_architecture
 from megatron_lite.resolve import uses_documents
 from megatron_lite.validation.data_parallel import optimizer_warnings
 from megatron_lite.validation.moe import moe_warnings
+from megatron_lite.validation.mtp import mtp_warnings
 from megatron_lite.validation.parallel import parallel_warnings
 from megatron_lite.validation.rules import _no_effect
 
@@ -21,6 +22,7 @@ def config_warnings(cfg: Config) -> list[str]:
     return [
         *_model_warnings(cfg),
         *moe_warnings(cfg.model),
+        *mtp_warnings(cfg.model),
         *parallel_warnings(cfg),
         *_data_warnings(cfg.data),
         *_train_warnings(cfg),

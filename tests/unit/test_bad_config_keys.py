@@ -83,6 +83,15 @@ ERRORS = [
     ("corpus-tokenizer-missing", 1,
      ["data.mock=false", "data.corpus=shakespeare", "data.tokenizer_model={tmp}/none.model"],
      "data.tokenizer_model='{tmp}/none.model'"),
+    # multi-token prediction (models/mtp.py)
+    ("mtp-negative", 1, ["model.mtp_num_layers=-1"], "model.mtp_num_layers=-1: must be an"),
+    ("mtp-factor-negative", 1, ["model.mtp_num_layers=1", "model.mtp_loss_scaling_factor=-0.1"],
+     "model.mtp_loss_scaling_factor=-0.1: must be a finite number >= 0"),
+    ("mtp-factor-inf", 1, ["model.mtp_loss_scaling_factor=inf"],
+     "model.mtp_loss_scaling_factor='inf': must be a finite number"),
+    ("mtp-window", 1, ["model.mtp_num_layers=64"], "model.mtp_num_layers=64: must be < model"),
+    ("mtp-gpt", 1, ["model.arch=gpt", "model.mtp_num_layers=1"],
+     "model.mtp_num_layers=1: model.arch=gpt adds learned absolute positions"),
 ]  # fmt: skip
 
 
@@ -175,6 +184,8 @@ WARNINGS = [
                           "data.tokenizer_model={tmp}/tok.model"], "trains its own tokenizer"),
     ("one-path-weights", ["data.mock=false", "data.paths=[{tmp}/d]", "data.weights=[2]"],
      "data.weights=[2.0] has no effect: one dataset is not blended"),
+    ("mtp-factor-off", ["model.mtp_loss_scaling_factor=0.3"],
+     "model.mtp_loss_scaling_factor=0.3 has no effect: model.mtp_num_layers=0"),
     ("eod-no-masking", ["data.eod_token_id=3"], "data.eod_token_id=3 has no effect: no document"),
     ("async-no-save", ["train.async_save=true"], "train.async_save=True has no effect: train.s"),
     ("keep-no-save", ["train.keep_checkpoints=5"], "train.keep_checkpoints=5 has no effect"),

@@ -84,6 +84,23 @@ LAYOUTS = {
         "parallel.cp=2", "parallel.ep=2", "parallel.dp=2"], [0]),
     "mla-moe-tp2-sp-cp2-p2p": ("configs/moe_fine_grained.yaml", 8, [*MLA, *MLA_V3,
         "parallel.cp=2", "parallel.cp_comm_type=p2p", "parallel.ep=2", "parallel.dp=2"], [0]),
+    # multi-token prediction (models/mtp.py) on the loss chunk: its parameters (the last
+    # stage's embedding copy with pp = 2, untied), its saves (embedding lookup, norms,
+    # projection, the layer, logits and loss), freed before the main head's backward; an MoE
+    # MTP layer (the last layer is MoE) with its experts over ep
+    "mtp-8b-tp2-pp1": ("configs/llama3_8b.yaml", 2, [
+        "model.num_layers=2", "model.seq_length=4096", "model.mtp_num_layers=1",
+        "parallel.tp=2", "parallel.pp=1", "parallel.dp=1", "train.global_batch_size=2",
+    ], [0]),
+    "mtp-8b-tp2-sp-pp2-zero1": ("configs/llama3_8b.yaml", 8, [
+        "model.num_layers=4", "model.seq_length=4096", "model.mtp_num_layers=1",
+        "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.pp=2", "parallel.dp=2",
+        "parallel.zero_stage=1", "train.global_batch_size=8",
+    ], [0, 1]),
+    "mtp-moe-ep8": ("configs/moe_fine_grained.yaml", 8, [
+        "model.num_layers=2", "model.moe_shared_expert_ffn_hidden_size=2816",
+        "model.mtp_num_layers=1",
+    ], [0]),
 }  # fmt: skip
 TOLERANCE = 0.03
 
@@ -122,8 +139,9 @@ def _dry_run(config: str, world: int, overrides: list[str]) -> list[dict]:
 
 # the ring under document masking is the slowest layout: in the slow tier (CI runs it after
 # the suite); docs-cp1 keeps document masking's dry run in the suite
-# (and two of the three MLA layouts: the p2p one covers q compression, YaRN, tp2+SP and the ring)
-SLOW_LAYOUTS = {"docs-ring-p2p-cp4", "mla-moe-v2-lite-ep8", "mla-moe-tp2-sp-cp2-a2a"}
+# (and two of the three MLA layouts: the p2p one covers q compression, YaRN, tp2+SP and the ring;
+# the MTP's pp1 and pp2 stay in the suite)
+SLOW_LAYOUTS = {"docs-ring-p2p-cp4", "mla-moe-v2-lite-ep8", "mla-moe-tp2-sp-cp2-a2a", "mtp-moe-ep8"}
 
 
 @pytest.mark.parametrize(
@@ -166,8 +184,14 @@ def test_planner_terms_match_the_dry_run_of_a_full_size_layer(layout):
     "schedule", [["parallel.pipeline_schedule=zb-h1"],
                  ["parallel.pipeline_schedule=dualpipev", "parallel.vpp=2"],
                  ["parallel.pipeline_schedule=zb-h1", "parallel.zero_stage=3"],
-                 ["parallel.pipeline_schedule=zb-v", "parallel.vpp=2", "parallel.zero_stage=3"]],
-    ids=["zb-h1", "dualpipev", "zb-h1-zero3", "zb-v-zero3"],
+                 ["parallel.pipeline_schedule=zb-v", "parallel.vpp=2", "parallel.zero_stage=3"],
+                 # the MTP modules' weight GEMMs wait for W too (rank 0's second chunk on zb-v;
+                 # slow tier)
+                 pytest.param(["parallel.pipeline_schedule=zb-h1", "model.mtp_num_layers=1"],
+                              marks=pytest.mark.slow),
+                 pytest.param(["parallel.pipeline_schedule=zb-v", "parallel.vpp=2",
+                               "model.mtp_num_layers=1"], marks=pytest.mark.slow)],
+    ids=["zb-h1", "dualpipev", "zb-h1-zero3", "zb-v-zero3", "zb-h1-mtp", "zb-v-mtp"],
 )  # fmt: skip
 def test_planner_peak_of_a_zero_bubble_schedule_counts_what_waits_for_w(schedule):
     """The quickstart layout (tp2+SP pp2 dp2, 4 microbatches): a split backward's queued weight

@@ -39,6 +39,18 @@ CASES = {
         "model.moe_shared_expert_ffn_hidden_size=40",
         "model.ffn_hidden_size=64",
     ],  # fmt: skip
+    # multi-token prediction: a dense MTP layer (the last main layer is dense), then two MoE
+    # ones after an MoE last layer (DeepSeek-V3's), with the shared expert
+    "llama_mtp": ["model.num_query_groups=2", "model.ffn_hidden_size=64", "model.mtp_num_layers=1"],
+    "moe_mtp": [
+        "model.num_experts=4",
+        "model.moe_router_topk=2",
+        "model.moe_ffn_hidden_size=48",
+        "model.moe_first_k_dense_replace=1",
+        "model.moe_shared_expert_ffn_hidden_size=40",
+        "model.ffn_hidden_size=64",
+        "model.mtp_num_layers=2",
+    ],  # fmt: skip
 }
 # multi-head latent attention: q/k 12 + 4 wide, v 6 (!= q/k), compressed q and kv
 MLA = ["model.multi_latent_attention=true", "model.q_lora_rank=24", "model.kv_lora_rank=16",
@@ -110,7 +122,8 @@ def test_matches_counted_matmuls(case, tmp_path):
     attention = {k: v for k, v in by_op.items() if "attention" in k}
     matmul = sum(v for k, v in by_op.items() if k not in attention)
     m = cfg.model
-    causal = m.num_layers * _attention_per_token(m) * tokens
+    layers = m.num_layers + m.mtp_num_layers  # each MTP module runs one layer
+    causal = layers * _attention_per_token(m) * tokens
     assert matmul + causal == model_flops_per_token(cfg) * tokens, by_op
     if attention:  # SDPA is counted on CUDA, not for the CPU kernel: full s×s scores
         assert sum(attention.values()) == 2 * causal, by_op
