@@ -106,11 +106,14 @@ def train_losses(
     return run_ranks(world, _train, [*TINY, data, *overrides], tmp, env, timeout=timeout)[0]
 
 
-def train_records(world: int, overrides: list[str], keys, timeout: float = 180) -> list[dict]:
-    """Rank 0's per-step records, restricted to `keys` (those a step reports)."""
+def train_records(
+    world: int, overrides: list[str], keys, timeout: float = 180, eod: int | None = None
+) -> list[dict]:
+    """Rank 0's per-step records, restricted to `keys` (those a step reports); eod: on
+    `structured_dataset(eod)`."""
     import tempfile
 
-    data = f"data.paths=[{structured_dataset()}]"
+    data = f"data.paths=[{structured_dataset(eod)}]"
     with tempfile.TemporaryDirectory() as tmp:
         args = [*TINY, data, *overrides]
         return run_ranks(world, _train, args, tmp, None, tuple(keys), timeout=timeout)[0]
