@@ -169,12 +169,15 @@ def _buckets(cfg: Config, pp_rank: int, chunk: int, expert: bool, shard: int) ->
 
 def fsdp_units(cfg: Config, pp_rank: int, chunk: int) -> tuple[int, list[int]]:
     """ZeRO-3 (parallel/data_parallel/fsdp.py): (the chunk root's parameters: embedding, final
-    norm, output layer; each layer's, its experts included), the units FSDP2 gathers."""
+    norm, output layer, the MTP modules' dense ones; each layer's, its experts included, then
+    the experts outside the layers, an MoE MTP layer's, as one more unit), the units FSDP2
+    gathers."""
 
     def answer():
         own, moe = _chunk_own(cfg, pp_rank, chunk), _chunk_moe(cfg, pp_rank, chunk)
         size = {e: sum(n for n, _ in modules.layer_params(cfg, e).params) for e in set(moe)}
-        return sum(n for n, _ in own.before + own.after), tuple(size[e] for e in moe)
+        dense, expert = _split(own.before + own.after)
+        return dense, tuple(size[e] for e in moe) + ((expert,) if expert else ())
 
     root, layers = modules.per_config(cfg, ("fsdp_units", pp_rank, chunk), answer)
     return root, list(layers)

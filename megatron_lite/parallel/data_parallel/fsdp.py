@@ -3,14 +3,15 @@ sharding (HSDP), for one rank's model chunks. Same methods as `DataParallel`, so
 and the checkpoints do not know which stage runs.
 
 Units: `fully_shard` per transformer layer (each module of a chunk's `layers`), the expert
-modules inside them (their own unit, on the expert-data-parallel mesh), then the chunk root
-(embedding, final norm, output layer). Each unit's parameters are sharded over the gradient's
-reduction group, dp×cp for dense parameters and edp for experts, as a 1-D `DeviceMesh`, or with
-`dp_shard` a 2-D (replicate, shard) mesh: shard within blocks of dp_shard ranks, all-reduce the
-shards across the blocks. Our TP/EP shards are plain local tensors; FSDP2 shards them further
-along dim 0. The sharded fp32 parameters are the master weights; `param_dtype` is what the
-gathered weights compute in (bf16 under train.precision=bf16), `reduce_dtype` the gradient
-reduction's.
+modules inside them and anywhere else in the chunk (their own unit, on the expert-data-parallel
+mesh), then the chunk root (embedding, final norm, output layer, and the rest outside the
+layers: the MTP modules' dense parameters). Each unit's parameters are sharded over the
+gradient's reduction group, dp×cp for dense parameters and edp for experts, as a 1-D
+`DeviceMesh`, or with `dp_shard` a 2-D (replicate, shard) mesh: shard within blocks of dp_shard
+ranks, all-reduce the shards across the blocks. Our TP/EP shards are plain local tensors; FSDP2
+shards them further along dim 0. The sharded fp32 parameters are the master weights;
+`param_dtype` is what the gathered weights compute in (bf16 under train.precision=bf16),
+`reduce_dtype` the gradient reduction's.
 
 Chunks built on the meta device (no storage) are sharded there, then each rank's shards alone
 get uninitialized storage on `device`: the whole model never exists on one rank, so the memory
@@ -103,6 +104,12 @@ def _shard_chunk(chunk, layers, dense, experts, kw: dict, storage_on) -> None:
         for m in _expert_modules(layer):
             fully_shard(m, mesh=experts, **kw)
         fully_shard(layer, mesh=dense, **kw)
+    # experts outside the layers (an MoE layer of the MTP modules): their own units too, or
+    # the root would shard them over dp×cp, mixing different EP ranks' experts
+    in_layers = {id(m) for layer in layers for m in layer.modules()}
+    for m in _expert_modules(chunk):
+        if id(m) not in in_layers:
+            fully_shard(m, mesh=experts, **kw)
     fully_shard(chunk, mesh=dense, **kw)
     if storage_on is not None:
         _give_shards_storage(chunk, storage_on)
