@@ -169,3 +169,22 @@ def test_tiny_config_trains_on_one_rank_from_the_cli(tmp_path):
         last = sum(rec[key] for rec in records[-5:]) / 5
         print(f"deepseek_v3_tiny {key}: first 5 steps {first:.3f}, last 5 {last:.3f}")
         assert last < first - 1.0, f"{key} did not fall: {[rec[key] for rec in records]}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "layout",
+    [["parallel.ep=2", "parallel.zero_stage=3"], ["parallel.pp=2"]],
+    ids=["ep2_zero3", "pp2"],
+)
+def test_deepseek_v3_resumes_exactly_and_reshards_to_one_rank(layout, tmp_path):
+    """A checkpoint of the composed model (the MTP layer's experts in their own ZeRO-3 unit;
+    the expert bias; pp2's last-stage embedding copy) resumes bitwise on its layout, and on
+    one rank within 1e-4 (test_checkpoint's bound)."""
+    from tests.parallel.test_checkpoint import SAVE, check_resume, train
+
+    model = [o for o in DEEPSEEK_V3 if o not in SHORT]
+    base = tmp_path / "base"
+    full = train(2, [*model, *layout, *SAVE], base)[0]
+    check_resume((base, full), 2, [*model, *layout], tmp_path / "same", exact=True)
+    check_resume((base, full), 1, model, tmp_path / "one", exact=False)
