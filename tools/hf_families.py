@@ -35,6 +35,7 @@ from megatron_lite import resolve  # noqa: E402
 from megatron_lite.checkpoint.errors import CheckpointError  # noqa: E402
 from megatron_lite.config import ModelConfig  # noqa: E402
 from megatron_lite.models.registry import hf_architecture  # noqa: E402
+from tools import hf_deepseek  # noqa: E402
 from tools.hf_checks import HF_DEFAULTS, check_hf_config  # noqa: E402
 from tools.hf_tensors import from_hf_tensors, to_hf_tensors  # noqa: E402
 
@@ -49,6 +50,7 @@ ARCHITECTURES = {
     "mixtral": "MixtralForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
+    "deepseek_v3": hf_deepseek.ARCHITECTURE,
 }
 
 
@@ -79,6 +81,15 @@ def family_of(mc: ModelConfig) -> str:
             f"model.arch={mc.arch!r}: its registry entry names none of the HF families this "
             f"converter writes ({sorted(ARCHITECTURES)}); only model.arch="
             f"{hf_architecture('llama')!r} models convert to HF"
+        )
+    if mc.multi_latent_attention:
+        hf_deepseek.check_exportable(mc)
+        return "deepseek_v3"
+    if mc.rope_scaling:
+        raise _refuse(
+            f"model.rope_scaling={mc.rope_scaling} without multi-latent attention",
+            "Llama, Qwen3, Mixtral and Qwen2/3-MoE are converted without rope scaling",
+            "export a model with model.rope_scaling=null",
         )
     if mc.num_experts is None:
         return _dense_family(mc)
@@ -152,6 +163,8 @@ def to_hf_config(m: dict, vocab_size: int) -> dict:
         "torch_dtype": "float32",
     }
     no_window = {"use_sliding_window": False, "sliding_window": None}
+    if family == "deepseek_v3":
+        return hf_deepseek.to_hf_config(mc, out)
     if family == "llama":
         return out | {"attention_bias": False, "mlp_bias": False}
     if family == "qwen3":
@@ -223,7 +236,7 @@ def from_hf_config(c: dict, file: str = "config.json") -> dict:
     family = _family_of_hf(c, file)
     check_hf_config(c, family, file)
     rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
-    bad = _unsupported(c, family, rope)
+    bad = [] if family == "deepseek_v3" else _unsupported(c, family, rope)
     if bad:
         raise CheckpointError(
             f"{file}: this HF {family} config uses what megatron_lite lacks: {bad}. Fix: "
@@ -249,6 +262,8 @@ def from_hf_config(c: dict, file: str = "config.json") -> dict:
         "norm_eps": c["rms_norm_eps"],
         "rope_theta": theta,
     }
+    if family == "deepseek_v3":
+        return hf_deepseek.from_hf_config(c, out, file)
     if family in ("llama", "qwen3"):
         return out | ({"qk_layernorm": True} if family == "qwen3" else {})
     k = c["num_experts_per_tok"]
