@@ -1,8 +1,10 @@
-"""Convert between megatron_lite checkpoints and Hugging Face Llama, Qwen3, Mixtral, Qwen3-MoE
-and Qwen2-MoE.
+"""Convert between megatron_lite checkpoints and Hugging Face Llama, Qwen3, Mixtral, Qwen3-MoE,
+Qwen2-MoE and DeepSeek-V3.
 
 HF directories hold safetensors + config.json for LlamaForCausalLM, Qwen3ForCausalLM,
-MixtralForCausalLM, Qwen3MoeForCausalLM or Qwen2MoeForCausalLM.
+MixtralForCausalLM, Qwen3MoeForCausalLM, Qwen2MoeForCausalLM or DeepseekV3ForCausalLM (its
+MTP layer N imported as our MTP module, `--no-mtp` drops it; its FP8 weights dequantized:
+tools/hf_deepseek.py).
 
     python tools/convert_checkpoint.py dcp-to-hf runs/x/checkpoints/step_1000 hf/llama-x
     python tools/convert_checkpoint.py hf-to-dcp hf/llama-x ckpt/llama-x
@@ -15,7 +17,8 @@ dcp-to-hf writes model.safetensors (float32, or --dtype bfloat16) and a config.j
 transformers loads, every field it reads written out: a dense model as Llama, or as Qwen3 with
 q/k norms (model.qk_layernorm); an MoE model with a gated shared expert as Qwen2-MoE (q/k/v
 biases per model.add_qkv_bias), with q/k norms as Qwen3-MoE (dense layers in mlp_only_layers),
-else as Mixtral (every layer MoE, moe_router_norm_topk=true). hf-to-dcp reads the family from
+else as Mixtral (every layer MoE, moe_router_norm_topk=true); a model with multi-head latent
+attention as DeepSeek-V3 (its MTP module as layer N). hf-to-dcp reads the family from
 config.json's model_type (a missing field takes its transformers class default) and writes a
 model-only checkpoint (kind "model", step 0) that `train.init_from` loads on any layout
 (tp/pp/cp/ep): weights only, fresh optimizer, step 0; the model.* config keys must match the

@@ -33,14 +33,21 @@ Decisions (docs/checkpoints.md, the DeepSeek-V3 family):
 from __future__ import annotations
 
 import math
+import os
+import sys
 
 import torch
 
-from megatron_lite import resolve
-from megatron_lite.checkpoint.errors import CheckpointError
-from megatron_lite.config import ModelConfig
-from megatron_lite.models import rope_scaling
-from tools.hf_checks import HF_DEFAULTS, ORIGINAL, bad
+# Run as a script from a checkout (`python tools/hf_deepseek.py`): make `tools` importable.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.append(_ROOT)
+
+from megatron_lite import resolve  # noqa: E402
+from megatron_lite.checkpoint.errors import CheckpointError  # noqa: E402
+from megatron_lite.config import ModelConfig  # noqa: E402
+from megatron_lite.models import rope_scaling  # noqa: E402
+from tools.hf_checks import HF_DEFAULTS, ORIGINAL, bad  # noqa: E402
 
 ARCHITECTURE = "DeepseekV3ForCausalLM"
 # the published config's fields transformers' class lacks, as DeepSeek's code reads them absent

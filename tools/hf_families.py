@@ -1,9 +1,11 @@
 """The Hugging Face model families tools/convert_checkpoint.py converts, and their config.json
 keys against ours: LlamaForCausalLM and Qwen3ForCausalLM (dense), MixtralForCausalLM,
-Qwen3MoeForCausalLM and Qwen2MoeForCausalLM (mixture of experts). Their tensors:
-tools/hf_tensors.py (to_hf_tensors and from_hf_tensors are re-exported here).
+Qwen3MoeForCausalLM and Qwen2MoeForCausalLM (mixture of experts), and DeepseekV3ForCausalLM
+(MLA, DeepSeek's routing, MTP: tools/hf_deepseek.py). Their tensors: tools/hf_tensors.py
+(to_hf_tensors and from_hf_tensors are re-exported here).
 
-Which family a model of ours exports to (`family_of`): dense with q/k norms (model.qk_layernorm)
+Which family a model of ours exports to (`family_of`): with multi-head latent attention
+(model.multi_latent_attention) DeepSeek-V3; dense with q/k norms (model.qk_layernorm)
 is Qwen3, dense without is Llama; MoE with a gated shared expert (moe_shared_expert_ffn_hidden_size
 and moe_shared_expert_gate, q/k/v biases per model.add_qkv_bias) is Qwen2-MoE, MoE with q/k
 norms is Qwen3-MoE, the rest Mixtral. The routers agree as configured here: softmax over all
