@@ -97,9 +97,9 @@ def check_exportable(mc: ModelConfig) -> None:
             f"model.{bad_keys}",
             "DeepSeek-V3 (the MLA family here) has MoE on every layer after the first k, "
             "sigmoid routing with groups scored by their top 2, shared experts of "
-            f"moe_ffn_hidden_size={f} each and no gate, at most one MTP module, a sequence-wise "
-            "aux loss, and YaRN with mscale_all_dim",
-            "export a DeepSeek-V3-shaped model (configs/deepseek_v3.yaml's model keys)",
+            f"moe_ffn_hidden_size={f} each and no gate, at most one MTP module and a "
+            "sequence-wise aux loss",
+            "export a DeepSeek-V3-shaped model (the model keys hf-to-dcp writes for one)",
         )
 
 
