@@ -247,7 +247,8 @@ def from_hf_config(c: dict, file: str = "config.json") -> dict:
     theta = c.get("rope_theta", rope.get("rope_theta", HF_DEFAULTS[family]["rope_theta"]))
     if family in ("qwen3_moe", "qwen2_moe") and "num_experts" not in c:
         c = {**c, "num_experts": c.get("num_local_experts")}  # HF's attribute map reads it so
-    c = HF_DEFAULTS[family] | {k: v for k, v in c.items() if v is not None or k == "head_dim"}
+    nullable = ("head_dim", "q_lora_rank")  # null means something: hidden / heads, no q lora
+    c = HF_DEFAULTS[family] | {k: v for k, v in c.items() if v is not None or k in nullable}
     heads = c["num_attention_heads"]
     head_dim = c.get("head_dim") or c["hidden_size"] // heads
     out = {

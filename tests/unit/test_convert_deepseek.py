@@ -26,21 +26,23 @@ YARN |= {"mscale_all_dim": 1.0, "original_max_position_embeddings": 4096}
 YARN |= {"beta_fast": 32, "beta_slow": 1}  # the published config's rope_scaling
 
 
-def deepseek_hf_model():
+def deepseek_hf_model(q_lora_rank: int | None = 24, tied: bool = False, groups: int = 2):
     """A tiny random DeepSeek-V3: 2 layers (layer 0 dense, layer 1 MoE), hidden 64, 4 heads of
     q/k 8 + 4 (RoPE) and v 12, q_lora_rank 24, kv_lora_rank 16, the published YaRN; 8 experts
     of width 16 in 2 groups, top-3 within 1 group scored by its top 2, 2 shared experts, scaling
-    2.5, the selection bias drawn O(0.1); float32, eager. Weights O(0.2) (experts O(0.4)),
+    2.5, the selection bias drawn O(0.1); float32, eager (q_lora_rank None: one q_proj; tied:
+    tied embeddings; groups 1: no group limit). Weights O(0.2) (experts O(0.4)),
     norms in [0.5, 1.5], so every part moves the loss (test_tiny_model_is_sensitive)."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     config = DeepseekV3Config(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=16,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
-        n_shared_experts=2, num_experts_per_tok=3, n_group=2, topk_group=1, q_lora_rank=24,
+        n_shared_experts=2, num_experts_per_tok=3, n_group=groups, topk_group=1,
+        q_lora_rank=q_lora_rank,
         kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=12,
         first_k_dense_replace=1, routed_scaling_factor=2.5, max_position_embeddings=163840,
-        rms_norm_eps=1e-6, rope_parameters=dict(YARN), tie_word_embeddings=False,
+        rms_norm_eps=1e-6, rope_parameters=dict(YARN), tie_word_embeddings=tied,
         attn_implementation="eager", experts_implementation="eager",
     )  # fmt: skip
     torch.manual_seed(0)
@@ -112,10 +114,17 @@ def read_dir(path) -> dict[str, torch.Tensor]:
     return read_hf_tensors(str(path))[0]
 
 
-def test_round_trip_is_bit_exact_with_the_mtp_layer_and_loads_in_transformers(tmp_path):
+VARIANTS = {  # name: deepseek_hf_model's arguments
+    "q_lora": {},
+    "no_q_lora_tied_no_groups": {"q_lora_rank": None, "tied": True, "groups": 1},
+}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_round_trip_is_bit_exact_with_the_mtp_layer_and_loads_in_transformers(variant, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    model = deepseek_hf_model()
+    model = deepseek_hf_model(**VARIANTS[variant])
     save_with_mtp(model, tmp_path / "hf")
     hf_to_dcp(str(tmp_path / "hf"), str(tmp_path / "ckpt"))
     with open(tmp_path / "ckpt" / "metadata.json") as f:
@@ -141,6 +150,18 @@ def test_round_trip_is_bit_exact_with_the_mtp_layer_and_loads_in_transformers(tm
         assert got == want, f"config {key}={got!r}, want {want!r}"
     ids = token_ids()
     assert hf_loss(back, ids) == hf_loss(model, ids)
+
+
+def test_bf16_export_keeps_the_selection_bias_in_fp32(tmp_path):
+    model = deepseek_hf_model()
+    model.save_pretrained(tmp_path / "hf")
+    hf_to_dcp(str(tmp_path / "hf"), str(tmp_path / "ckpt"))
+    dcp_to_hf(str(tmp_path / "ckpt"), str(tmp_path / "hf2"), dtype=torch.bfloat16)
+    written = read_dir(tmp_path / "hf2")
+    bias = written.pop("model.layers.1.mlp.gate.e_score_correction_bias")
+    assert bias.dtype == torch.float32
+    assert torch.equal(bias, model.model.layers[1].mlp.gate.e_score_correction_bias)
+    assert {t.dtype for t in written.values()} == {torch.bfloat16}
 
 
 def test_mtp_layer_lands_in_our_mtp_module(tmp_path):
