@@ -12,12 +12,16 @@ moves the loss by more than 1e-3 relative), with its MTP module as layer N:
   the three gradient norms within 1e-6 relative;
 - step 1's mtp_loss (the imported layer-N weights) within 1e-6 relative of a plain-torch
   computation of DeepSeek-V3's MTP module from the HF tensors (transformers' decoder layer and
-  RMSNorm, float64).
+  RMSNorm, float64);
+- generation from the HF directory (--hf, its MTP layer dropped): greedy tokens equal
+  transformers' generate, with and without the KV cache.
 
 HF trains without an aux loss, without moving e_score_correction_bias and without MTP: the
 converted model runs with moe_aux_loss_coeff=0 (the converter's, as the tiny config has no
 aux_loss_alpha), model.moe_router_bias_update_rate=0 and mtp_loss_scaling_factor=0 (the main
 loss and every gradient then as without MTP; mtp_loss still logged)."""
+
+import json
 
 import pytest
 
@@ -144,3 +148,21 @@ def test_converted_deepseek_v3_trains_as_hf(layout, tmp_path):
     assert d < 1e-6, f"{layout}: mtp_loss {mtp_loss} vs the plain-torch MTP {want_mtp} ({d:.1e})"
     hf = hf_train(model.double(), tokens)  # the reference in float64
     assert_parity(ours, hf, f"deepseek_v3 {layout}")
+
+
+def test_generate_from_hf_deepseek_equals_transformers(tmp_path):
+    """megatron_lite.generate --hf on the DeepSeek-V3 directory (MLA's KV-cached decoding,
+    YaRN, the routing): transformers' greedy tokens, prompts batched with left padding."""
+    from tests.parallel.test_generate import NEW, PROMPTS, _generate, hf_generate
+
+    model = deepseek_hf_model()
+    save_with_mtp(model, tmp_path / "hf")  # the MTP layer is dropped for decoding
+    with open(tmp_path / "hf" / "config.json") as f:
+        config = json.load(f)
+    config["max_position_embeddings"] = 64  # the context to decode in (YaRN reads the original)
+    with open(tmp_path / "hf" / "config.json", "w") as f:
+        json.dump(config, f)
+    expected = hf_generate(model, PROMPTS, NEW)
+    got = run_ranks(1, _generate, "hf", str(tmp_path / "hf"), PROMPTS, NEW, True, timeout=120)[0]
+    assert got["cached"] == expected, f"ours {got['cached']} vs HF {expected}"
+    assert got["full"] == got["cached"], "the KV cache changed the tokens"
