@@ -14,7 +14,9 @@ moves the loss by more than 1e-3 relative), with its MTP module as layer N:
   computation of DeepSeek-V3's MTP module from the HF tensors (transformers' decoder layer and
   RMSNorm, float64);
 - generation from the HF directory (--hf, its MTP layer dropped): greedy tokens equal
-  transformers' generate, with and without the KV cache.
+  transformers' generate, with and without the KV cache;
+- the converted e_score_correction_bias (main and MTP layer) is the routers' expert bias and
+  moves by ±model.moe_router_bias_update_rate after a step.
 
 HF trains without an aux loss, without moving e_score_correction_bias and without MTP: the
 converted model runs with moe_aux_loss_coeff=0 (the converter's, as the tiny config has no
@@ -166,3 +168,38 @@ def test_generate_from_hf_deepseek_equals_transformers(tmp_path):
     got = run_ranks(1, _generate, "hf", str(tmp_path / "hf"), PROMPTS, NEW, True, timeout=120)[0]
     assert got["cached"] == expected, f"ours {got['cached']} vs HF {expected}"
     assert got["full"] == got["cached"], "the KV cache changed the tokens"
+
+
+def _biases(rank, world, overrides, out_dir):
+    """The routers' expert biases after loading the converted checkpoint and after one step."""
+    from megatron_lite.moe.layer import moe_layers
+    from megatron_lite.parallel.mesh import ParallelMesh, RankLayout
+    from megatron_lite.train import prepare
+    from megatron_lite.training.trainer import Trainer
+
+    cfg, dataset, vocab = prepare([f"train.out_dir={out_dir}", *overrides], world_size=world)
+    trainer = Trainer(cfg, ParallelMesh(RankLayout(world)), dataset, vocab)
+    routers = [layer.router for layer in moe_layers(trainer.chunks)]
+    before = [r.expert_bias.detach().clone() for r in routers]
+    trainer.train_step()
+    return before, [r.expert_bias.detach().clone() for r in routers]
+
+
+def test_converted_expert_bias_keeps_updating(tmp_path):
+    """e_score_correction_bias (layer 1's and the MTP layer's) loads as the routers' expert
+    bias and moves by ±model.moe_router_bias_update_rate after a step, as DeepSeek-V3 trains."""
+    model = deepseek_hf_model()
+    layer_n = save_with_mtp(model, tmp_path / "hf")
+    ckpt = str(tmp_path / "ckpt")
+    hf_to_dcp(str(tmp_path / "hf"), ckpt)
+    rate = 0.01
+    overrides = [*RUN, *model_overrides(ckpt), f"model.moe_router_bias_update_rate={rate}"]
+    before, after = run_ranks(1, _biases, overrides, str(tmp_path / "run"), timeout=120)[0]
+    hf_biases = [model.model.layers[1].mlp.gate.e_score_correction_bias]
+    hf_biases.append(layer_n["model.layers.2.mlp.gate.e_score_correction_bias"])
+    assert len(before) == 2, "the main MoE layer and the MTP layer"
+    for mine, theirs, moved in zip(before, hf_biases, after, strict=True):
+        assert torch.equal(mine, theirs), "the converted bias is not HF's"
+        steps = (moved - mine) / rate  # -1, 0 or +1 each
+        assert torch.allclose(steps, steps.round(), atol=1e-4), steps
+        assert steps.round().abs().max() == 1, "the expert bias did not move"
