@@ -2,8 +2,8 @@
 a training run (`--run DIR`: its newest checkpoint, and the tokenizer its config records), a
 checkpoint directory (`--checkpoint DIR`), or a Hugging Face Llama / Qwen3 / Mixtral /
 Qwen3-MoE / Qwen2-MoE / DeepSeek-V3 directory (`--hf DIR`, converted in memory by
-tools/hf_families.py, the converter's own mapping; DeepSeek-V3's MTP layer dropped). Every failure is a `GenerateError` naming the flag, the file, the
-rule and the fix.
+tools/hf_families.py, the converter's own mapping; DeepSeek-V3's MTP layer dropped). Every
+failure is a `GenerateError` naming the flag, the file, the rule and the fix.
 """
 
 from __future__ import annotations
