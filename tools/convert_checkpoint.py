@@ -1,8 +1,10 @@
-"""Convert between megatron_lite checkpoints and Hugging Face Llama, Qwen3, Mixtral, Qwen3-MoE
-and Qwen2-MoE.
+"""Convert between megatron_lite checkpoints and Hugging Face Llama, Qwen3, Mixtral, Qwen3-MoE,
+Qwen2-MoE and DeepSeek-V3.
 
 HF directories hold safetensors + config.json for LlamaForCausalLM, Qwen3ForCausalLM,
-MixtralForCausalLM, Qwen3MoeForCausalLM or Qwen2MoeForCausalLM.
+MixtralForCausalLM, Qwen3MoeForCausalLM, Qwen2MoeForCausalLM or DeepseekV3ForCausalLM (its
+MTP layer N imported as our MTP module, `--no-mtp` drops it; its FP8 weights dequantized:
+tools/hf_deepseek.py).
 
     python tools/convert_checkpoint.py dcp-to-hf runs/x/checkpoints/step_1000 hf/llama-x
     python tools/convert_checkpoint.py hf-to-dcp hf/llama-x ckpt/llama-x
@@ -15,7 +17,8 @@ dcp-to-hf writes model.safetensors (float32, or --dtype bfloat16) and a config.j
 transformers loads, every field it reads written out: a dense model as Llama, or as Qwen3 with
 q/k norms (model.qk_layernorm); an MoE model with a gated shared expert as Qwen2-MoE (q/k/v
 biases per model.add_qkv_bias), with q/k norms as Qwen3-MoE (dense layers in mlp_only_layers),
-else as Mixtral (every layer MoE, moe_router_norm_topk=true). hf-to-dcp reads the family from
+else as Mixtral (every layer MoE, moe_router_norm_topk=true); a model with multi-head latent
+attention as DeepSeek-V3 (its MTP module as layer N). hf-to-dcp reads the family from
 config.json's model_type (a missing field takes its transformers class default) and writes a
 model-only checkpoint (kind "model", step 0) that `train.init_from` loads on any layout
 (tp/pp/cp/ep): weights only, fresh optimizer, step 0; the model.* config keys must match the
@@ -69,6 +72,7 @@ from tools.convert_output import (  # noqa: E402
     staged_output,
     writing,
 )
+from tools.hf_deepseek import dequantize_fp8, settle_mtp  # noqa: E402
 from tools.hf_families import (  # noqa: E402
     from_hf_config,
     from_hf_tensors,
@@ -176,7 +180,7 @@ def dcp_to_hf(
         hf_config = to_hf_config(m, vocab_size=tensors["embedding.weight"].shape[0])
     except CheckpointError as e:
         raise CheckpointError(f"{ckpt}: {e}") from None
-    hf = {k: t.to(dtype).contiguous() for k, t in hf.items()}
+    hf = {k: t.to(keep_fp32(k, dtype)).contiguous() for k, t in hf.items()}
     hf_config["torch_dtype"] = str(dtype).removeprefix("torch.")
     with staged_output(out_dir, overwrite, "dcp-to-hf", ckpt, (ckpt,)) as tmp:
         weights = os.path.join(tmp, "model.safetensors")
@@ -186,15 +190,25 @@ def dcp_to_hf(
         write_atomic(os.path.join(tmp, "config.json"), json.dumps(hf_config, indent=2))
 
 
-def hf_to_dcp(hf_dir: str, out: str, overwrite: bool = False) -> None:
+def keep_fp32(name: str, dtype: torch.dtype) -> torch.dtype:
+    """DeepSeek-V3's selection bias stays float32 in any export (HF keeps it so)."""
+    return torch.float32 if name.endswith("e_score_correction_bias") else dtype
+
+
+def hf_to_dcp(hf_dir: str, out: str, overwrite: bool = False, mtp: bool = True) -> None:
+    """`mtp` False (--no-mtp): drop a DeepSeek-V3 MTP layer instead of importing it."""
     config, file = read_hf_config(hf_dir)
     m = from_hf_config(config, file)
     check_output(out, overwrite, (hf_dir,))  # before the long reading
     hf, where = read_hf_tensors(hf_dir)
     try:
+        hf = dequantize_fp8(config, hf, file, lambda name: f" ({where.get(name, hf_dir)})")
+        m, hf, notes = settle_mtp(m, hf, mtp, file)
         tensors = from_hf_tensors(m, hf, lambda name: f" ({where.get(name, hf_dir)})")
     except CheckpointError as e:
         raise CheckpointError(f"{hf_dir}: {e}") from None
+    for note in notes:
+        print(f"note: {hf_dir}: {note}", file=sys.stderr)
     write_model(out, tensors, m, source=os.path.abspath(hf_dir), overwrite=overwrite)
 
 
@@ -210,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     a = sub.add_parser(
-        "dcp-to-hf", help="our checkpoint -> HF Llama/Qwen3/Mixtral/Qwen3-MoE/Qwen2-MoE directory"
+        "dcp-to-hf",
+        help="our checkpoint -> HF Llama/Qwen3/Mixtral/Qwen3-MoE/Qwen2-MoE/DeepSeek-V3 directory",
     )
     a.add_argument("checkpoint", help="step_<N> directory (or a folder with `latest`)")
     a.add_argument("out_dir", help="directory to create (new or empty)")
@@ -218,11 +233,18 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     b = sub.add_parser(
         "hf-to-dcp",
-        help="HF Llama/Qwen3/Mixtral/Qwen3-MoE/Qwen2-MoE directory -> model-only checkpoint",
+        help="HF Llama/Qwen3/Mixtral/Qwen3-MoE/Qwen2-MoE/DeepSeek-V3 directory -> model-only "
+        "checkpoint",
     )
     b.add_argument("hf_dir")
     b.add_argument("out", help="checkpoint directory to create (use with train.init_from)")
     b.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
+    b.add_argument(
+        "--no-mtp",
+        action="store_true",
+        help="DeepSeek-V3: drop the multi-token prediction layer (layer num_hidden_layers) "
+        "instead of importing it as model.mtp_num_layers=1",
+    )
     args = parser.parse_args(argv)
     # a file-size limit: EFBIG (named below), not a kill (CPython ignores it at start-up; an
     # embedding interpreter may not)
@@ -233,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
             dcp_to_hf(args.checkpoint, args.out_dir, getattr(torch, args.dtype), args.overwrite)
             print(f"wrote {args.out_dir}/model.safetensors and config.json")
         else:
-            hf_to_dcp(args.hf_dir, args.out, args.overwrite)
+            hf_to_dcp(args.hf_dir, args.out, args.overwrite, mtp=not args.no_mtp)
             print(f"wrote {args.out}; start training from it with train.init_from={args.out}")
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)

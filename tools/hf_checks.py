@@ -24,6 +24,7 @@ def _is_number(v) -> bool:
 # kind: (predicate, the rule as a user reads it)
 KINDS = {
     "count": (lambda v: _is_int(v) and v >= 1, "must be an integer >= 1"),
+    "nonneg_int": (lambda v: _is_int(v) and v >= 0, "must be an integer >= 0"),
     "count?": (lambda v: v is None or (_is_int(v) and v >= 1), "must be an integer >= 1 or null"),
     "bool": (lambda v: isinstance(v, bool), "must be true or false"),
     "positive": (lambda v: _is_number(v) and v > 0, "must be a finite number > 0"),
@@ -43,6 +44,7 @@ KINDS = {
 MOE = ("mixtral", "qwen3_moe", "qwen2_moe")
 QWEN = ("qwen3", "qwen3_moe", "qwen2_moe")
 QWEN_MOE = ("qwen3_moe", "qwen2_moe")
+DSV3 = ("deepseek_v3",)
 # field: (kind, required (True, or the families that require it), families it is read for;
 # () = all)
 FIELDS = {
@@ -50,7 +52,7 @@ FIELDS = {
     "num_hidden_layers": ("count", True, ()),
     "hidden_size": ("count", True, ()),
     "num_attention_heads": ("count", True, ()),
-    "num_key_value_heads": ("count?", ("qwen3", *MOE), ()),  # class defaults are not `heads`
+    "num_key_value_heads": ("count?", ("qwen3", *MOE, *DSV3), ()),  # defaults are not `heads`
     "head_dim": ("count?", False, ()),
     "intermediate_size": ("count", True, ()),
     "vocab_size": ("count", True, ()),
@@ -63,20 +65,41 @@ FIELDS = {
     "attention_bias": ("bool", False, ()),
     "mlp_bias": ("bool", False, ()),
     "hidden_act": ("str", False, ()),
-    "num_experts_per_tok": ("count", False, MOE),
+    "num_experts_per_tok": ("count", False, (*MOE, *DSV3)),
     "router_aux_loss_coef": ("nonneg", False, MOE),
     "num_local_experts": ("count", False, ("mixtral",)),
     "sliding_window": ("window?", False, ("mixtral",)),
     "router_jitter_noise": ("nonneg", False, ("mixtral",)),
     "num_experts": ("count", False, QWEN_MOE),
-    "moe_intermediate_size": ("count", True, QWEN_MOE),
+    "moe_intermediate_size": ("count", True, (*QWEN_MOE, *DSV3)),
     "shared_expert_intermediate_size": ("count", True, ("qwen2_moe",)),
     "qkv_bias": ("bool", False, ("qwen2_moe",)),
-    "norm_topk_prob": ("bool", False, QWEN_MOE),
+    "norm_topk_prob": ("bool", False, (*QWEN_MOE, *DSV3)),
     "use_sliding_window": ("bool", False, QWEN),
     "layer_types": ("strs?", False, QWEN),
     "decoder_sparse_step": ("count", False, QWEN_MOE),
     "mlp_only_layers": ("ints?", False, QWEN_MOE),
+    # DeepSeek-V3 (tools/hf_deepseek.py); the published config's own fields that transformers'
+    # class lacks (topk_method, scoring_func, aux_loss_alpha, seq_aux, moe_layer_freq) too
+    "n_routed_experts": ("count", False, DSV3),
+    "n_shared_experts": ("count", False, DSV3),
+    "routed_scaling_factor": ("positive", False, DSV3),
+    "n_group": ("count", False, DSV3),
+    "topk_group": ("count", False, DSV3),
+    "first_k_dense_replace": ("nonneg_int", False, DSV3),
+    "q_lora_rank": ("count?", False, DSV3),
+    "kv_lora_rank": ("count", False, DSV3),
+    "qk_nope_head_dim": ("count", False, DSV3),
+    "qk_rope_head_dim": ("count", False, DSV3),
+    "v_head_dim": ("count", False, DSV3),
+    "rope_interleave": ("bool", False, DSV3),
+    "num_nextn_predict_layers": ("nonneg_int", False, DSV3),
+    "topk_method": ("str", False, DSV3),
+    "scoring_func": ("str", False, DSV3),
+    "aux_loss_alpha": ("nonneg", False, DSV3),
+    "seq_aux": ("bool", False, DSV3),
+    "moe_layer_freq": ("count", False, DSV3),
+    "quantization_config": ("object?", False, DSV3),
 }
 # transformers 5.25's config-class defaults of the optional fields read here (rope_theta: its
 # default rope_parameters' theta; head_dim None: hidden_size / num_attention_heads); the expert
@@ -96,6 +119,12 @@ HF_DEFAULTS = {
     "qwen2_moe": _COMMON
     | _QWEN_MOE
     | {"head_dim": None, "num_experts": 60, "num_experts_per_tok": 4, "qkv_bias": True},
+    "deepseek_v3": _COMMON
+    | {"n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8}
+    | {"routed_scaling_factor": 2.5, "n_group": 8, "topk_group": 4, "norm_topk_prob": True}
+    | {"first_k_dense_replace": 3, "kv_lora_rank": 512, "q_lora_rank": 1536}
+    | {"qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128}
+    | {"rope_interleave": True, "num_nextn_predict_layers": 1, "max_position_embeddings": 4096},
 }
 
 
@@ -143,6 +172,9 @@ def _check_consistency(c: dict, family: str, file: str) -> None:
     if layers > MAX_LAYERS:
         raise bad(file, "num_hidden_layers", layers, f"must be <= {MAX_LAYERS}", ORIGINAL)
     kv = c.get("num_key_value_heads") or heads
+    if family == "deepseek_v3":
+        _check_deepseek(c, file)
+        return
     if heads % kv:
         raise bad(
             file, "num_key_value_heads", kv, f"must divide num_attention_heads={heads}", ORIGINAL
@@ -169,6 +201,36 @@ def _check_consistency(c: dict, family: str, file: str) -> None:
         raise bad(file, "num_experts_per_tok", k, f"must be <= the {experts} experts", ORIGINAL)
     if family in QWEN_MOE:
         _check_qwen_layers(c, file)
+
+
+def _check_deepseek(c: dict, file: str) -> None:
+    """DeepSeek-V3's own rules: every head its own key and value (MLA), the experts split
+    evenly into groups of at least two (the top-2 group score), top-k within topk_group."""
+    d = HF_DEFAULTS["deepseek_v3"] | {k: v for k, v in c.items() if v is not None}
+    heads, kv = c["num_attention_heads"], c["num_key_value_heads"]
+    if kv != heads:
+        rule = f"must equal num_attention_heads={heads} (MLA: every head its own key and value)"
+        raise bad(file, "num_key_value_heads", kv, rule, ORIGINAL)
+    dense, layers = d["first_k_dense_replace"], c["num_hidden_layers"]
+    if dense >= layers:
+        rule = f"must be < num_hidden_layers={layers} (DeepSeek-V3 is MoE after the first k)"
+        raise bad(file, "first_k_dense_replace", dense, rule, ORIGINAL)
+    nope, rope = d["qk_nope_head_dim"], d["qk_rope_head_dim"]
+    if "qk_head_dim" in c and c["qk_head_dim"] != nope + rope:
+        rule = f"HF's qk_head_dim is qk_nope_head_dim + qk_rope_head_dim = {nope + rope}"
+        raise bad(file, "qk_head_dim", c["qk_head_dim"], rule, ORIGINAL)
+    if d["qk_rope_head_dim"] % 2:
+        raise bad(file, "qk_rope_head_dim", d["qk_rope_head_dim"], "RoPE needs it even", ORIGINAL)
+    experts, groups, topk_group = d["n_routed_experts"], d["n_group"], d["topk_group"]
+    if experts % groups or (groups > 1 and experts // groups < 2):
+        rule = f"must split the {experts} experts into equal groups of at least 2 (top-2 score)"
+        raise bad(file, "n_group", groups, rule, ORIGINAL)
+    if topk_group > groups:
+        raise bad(file, "topk_group", topk_group, f"must be <= n_group={groups}", ORIGINAL)
+    k, reachable = d["num_experts_per_tok"], topk_group * (experts // groups)
+    if k > reachable:
+        rule = f"must be <= the {reachable} experts of topk_group={topk_group} groups"
+        raise bad(file, "num_experts_per_tok", k, rule, ORIGINAL)
 
 
 def _qwen_experts(c: dict, family: str, file: str) -> int:

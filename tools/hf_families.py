@@ -1,9 +1,11 @@
 """The Hugging Face model families tools/convert_checkpoint.py converts, and their config.json
 keys against ours: LlamaForCausalLM and Qwen3ForCausalLM (dense), MixtralForCausalLM,
-Qwen3MoeForCausalLM and Qwen2MoeForCausalLM (mixture of experts). Their tensors:
-tools/hf_tensors.py (to_hf_tensors and from_hf_tensors are re-exported here).
+Qwen3MoeForCausalLM and Qwen2MoeForCausalLM (mixture of experts), and DeepseekV3ForCausalLM
+(MLA, DeepSeek's routing, MTP: tools/hf_deepseek.py). Their tensors: tools/hf_tensors.py
+(to_hf_tensors and from_hf_tensors are re-exported here).
 
-Which family a model of ours exports to (`family_of`): dense with q/k norms (model.qk_layernorm)
+Which family a model of ours exports to (`family_of`): with multi-head latent attention
+(model.multi_latent_attention) DeepSeek-V3; dense with q/k norms (model.qk_layernorm)
 is Qwen3, dense without is Llama; MoE with a gated shared expert (moe_shared_expert_ffn_hidden_size
 and moe_shared_expert_gate, q/k/v biases per model.add_qkv_bias) is Qwen2-MoE, MoE with q/k
 norms is Qwen3-MoE, the rest Mixtral. The routers agree as configured here: softmax over all
@@ -35,6 +37,7 @@ from megatron_lite import resolve  # noqa: E402
 from megatron_lite.checkpoint.errors import CheckpointError  # noqa: E402
 from megatron_lite.config import ModelConfig  # noqa: E402
 from megatron_lite.models.registry import hf_architecture  # noqa: E402
+from tools import hf_deepseek  # noqa: E402
 from tools.hf_checks import HF_DEFAULTS, check_hf_config  # noqa: E402
 from tools.hf_tensors import from_hf_tensors, to_hf_tensors  # noqa: E402
 
@@ -49,6 +52,7 @@ ARCHITECTURES = {
     "mixtral": "MixtralForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
+    "deepseek_v3": hf_deepseek.ARCHITECTURE,
 }
 
 
@@ -79,6 +83,15 @@ def family_of(mc: ModelConfig) -> str:
             f"model.arch={mc.arch!r}: its registry entry names none of the HF families this "
             f"converter writes ({sorted(ARCHITECTURES)}); only model.arch="
             f"{hf_architecture('llama')!r} models convert to HF"
+        )
+    if mc.multi_latent_attention:
+        hf_deepseek.check_exportable(mc)
+        return "deepseek_v3"
+    if mc.rope_scaling:
+        raise _refuse(
+            f"model.rope_scaling={mc.rope_scaling} without multi-latent attention",
+            "Llama, Qwen3, Mixtral and Qwen2/3-MoE are converted without rope scaling",
+            "export a model with model.rope_scaling=null",
         )
     if mc.num_experts is None:
         return _dense_family(mc)
@@ -152,6 +165,8 @@ def to_hf_config(m: dict, vocab_size: int) -> dict:
         "torch_dtype": "float32",
     }
     no_window = {"use_sliding_window": False, "sliding_window": None}
+    if family == "deepseek_v3":
+        return hf_deepseek.to_hf_config(mc, out)
     if family == "llama":
         return out | {"attention_bias": False, "mlp_bias": False}
     if family == "qwen3":
@@ -223,7 +238,7 @@ def from_hf_config(c: dict, file: str = "config.json") -> dict:
     family = _family_of_hf(c, file)
     check_hf_config(c, family, file)
     rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
-    bad = _unsupported(c, family, rope)
+    bad = [] if family == "deepseek_v3" else _unsupported(c, family, rope)
     if bad:
         raise CheckpointError(
             f"{file}: this HF {family} config uses what megatron_lite lacks: {bad}. Fix: "
@@ -232,7 +247,8 @@ def from_hf_config(c: dict, file: str = "config.json") -> dict:
     theta = c.get("rope_theta", rope.get("rope_theta", HF_DEFAULTS[family]["rope_theta"]))
     if family in ("qwen3_moe", "qwen2_moe") and "num_experts" not in c:
         c = {**c, "num_experts": c.get("num_local_experts")}  # HF's attribute map reads it so
-    c = HF_DEFAULTS[family] | {k: v for k, v in c.items() if v is not None or k == "head_dim"}
+    nullable = ("head_dim", "q_lora_rank")  # null means something: hidden / heads, no q lora
+    c = HF_DEFAULTS[family] | {k: v for k, v in c.items() if v is not None or k in nullable}
     heads = c["num_attention_heads"]
     head_dim = c.get("head_dim") or c["hidden_size"] // heads
     out = {
@@ -249,6 +265,8 @@ def from_hf_config(c: dict, file: str = "config.json") -> dict:
         "norm_eps": c["rms_norm_eps"],
         "rope_theta": theta,
     }
+    if family == "deepseek_v3":
+        return hf_deepseek.from_hf_config(c, out, file)
     if family in ("llama", "qwen3"):
         return out | ({"qk_layernorm": True} if family == "qwen3" else {})
     k = c["num_experts_per_tok"]

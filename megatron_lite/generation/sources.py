@@ -1,9 +1,9 @@
 """Where generation's weights come from, resolved and checked before any process group exists:
 a training run (`--run DIR`: its newest checkpoint, and the tokenizer its config records), a
 checkpoint directory (`--checkpoint DIR`), or a Hugging Face Llama / Qwen3 / Mixtral /
-Qwen3-MoE / Qwen2-MoE directory (`--hf DIR`, converted in memory by tools/hf_families.py, the
-converter's own mapping). Every failure is a `GenerateError` naming the flag, the file, the
-rule and the fix.
+Qwen3-MoE / Qwen2-MoE / DeepSeek-V3 directory (`--hf DIR`, converted in memory by
+tools/hf_families.py, the converter's own mapping; DeepSeek-V3's MTP layer dropped). Every
+failure is a `GenerateError` naming the flag, the file, the rule and the fix.
 """
 
 from __future__ import annotations
@@ -154,12 +154,15 @@ def hf_source(hf_dir: str) -> Source:
     flag = f"--hf {hf_dir}"
     _tools()
     from tools.convert_inputs import read_hf_config, read_hf_tensors
+    from tools.hf_deepseek import dequantize_fp8, settle_mtp
     from tools.hf_families import from_hf_config, from_hf_tensors
 
     try:
         config, file = read_hf_config(hf_dir)
         keys = from_hf_config(config, file)
         hf, where = read_hf_tensors(hf_dir)
+        hf = dequantize_fp8(config, hf, file, lambda name: f" ({where.get(name, hf_dir)})")
+        keys, hf, _ = settle_mtp(keys, hf, keep=False)  # DeepSeek-V3's MTP layer: not decoded
         tensors = from_hf_tensors(keys, hf, lambda name: f" ({where.get(name, hf_dir)})")
     except CheckpointError as e:
         raise GenerateError(f"{flag}: {e}") from None

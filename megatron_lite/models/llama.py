@@ -32,6 +32,6 @@ LLAMA = register_architecture(
         ),
         bias=False,
         gated_mlp=True,
-        hf_families=("llama", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe"),
+        hf_families=("llama", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3"),
     )
 )

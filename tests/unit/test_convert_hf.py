@@ -217,8 +217,8 @@ def test_moe_unsupported_fields_are_errors(tmp_path):
     mixtral = moe_hf_model("mixtral").config.to_dict()
     with pytest.raises(CheckpointError, match="sliding_window"):
         from_hf_config({**mixtral, "sliding_window": 4096})
-    with pytest.raises(CheckpointError, match="model_type='deepseek_v3'"):
-        from_hf_config({**mixtral, "model_type": "deepseek_v3"})
+    with pytest.raises(CheckpointError, match="model_type='deepseek_v2'"):
+        from_hf_config({**mixtral, "model_type": "deepseek_v2"})
     ours = dataclasses.asdict(ModelConfig(num_experts=4, moe_router_norm_topk=True))
     assert to_hf_config(ours, 128)["architectures"] == ["MixtralForCausalLM"]
     with pytest.raises(CheckpointError, match="moe_router_score_function"):
