@@ -160,7 +160,7 @@ class ModelChunk(nn.Module):
     def embed(self, ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """ids [b, s] -> [s/cp(/tp), b, h]; positions [s/cp, b]: the learned position of each
         local token (TokenContext.positions), None for consecutive ones."""
-        x = self.word_embedding(self.local_tokens(ids.t()), self.embedding.weight)
+        x = self.word_embedding(self.local_tokens(ids.t()), self.embedding)
         if self.learned_positions:
             pe, n = self.local_tokens(self.position_embeddings), x.shape[0]  # [s/cp, h]
             if self.sp:
@@ -175,20 +175,30 @@ class ModelChunk(nn.Module):
             x = x.float()
         return dropout(x, self.hidden_dropout, self.tracker, self.sp)
 
-    def word_embedding(self, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """ids [s/cp, b] -> [s/cp(/tp), b, h]: the vocab-parallel lookup in `weight` (this
-        rank's rows), reduced over TP (reduce-scattered into sequence shards under SP)."""
-        x = vocab_parallel_lookup(ids, weight, self.tp_rank)  # [s/cp, b, h] partial sums
+    def word_embedding(
+        self, ids: torch.Tensor, source: VocabParallelEmbedding | torch.Tensor
+    ) -> torch.Tensor:
+        """ids [s/cp, b] -> [s/cp(/tp), b, h]: the vocab-parallel lookup (this rank's rows),
+        reduced over TP (reduce-scattered into sequence shards under SP). `source`: an
+        embedding module, called, so that its forward pre-hooks run (ZeRO-1/2 wait there for
+        the all-gather of its updated weight; reading its weight without the call raced
+        with that all-gather), or a weight whose module already ran in this forward."""
+        if isinstance(source, torch.Tensor):
+            x = vocab_parallel_lookup(ids, source, self.tp_rank)  # [s/cp, b, h] partial sums
+        else:
+            x = source(ids)
         if self.sp:
             return mappings.reduce_scatter_to_sequence_parallel_region(x, self.tp_group)
         return mappings.reduce_from_tensor_parallel_region(x, self.tp_group)
 
-    def mtp_embedding_weight(self) -> torch.Tensor:
-        """The input embedding the MTP modules look up: the MTP's own copy (untied, pp > 1),
-        else this chunk's embedding, else the tied output weight (the embedding's copy)."""
+    def mtp_embedding_source(self) -> VocabParallelEmbedding | torch.Tensor:
+        """What the MTP modules look up: the MTP's own copy (untied, pp > 1), else this
+        chunk's embedding, else the tied output weight (the embedding's copy: the output layer
+        has run by then, the main loss coming first, so its weight's all-gather is waited
+        for)."""
         if self.mtp.embed_tokens is not None:
-            return self.mtp.embed_tokens.weight
-        return self.embedding.weight if self.pre_process else self.output_layer.weight
+            return self.mtp.embed_tokens
+        return self.embedding if self.pre_process else self.output_layer.weight
 
     def forward(
         self,
@@ -220,14 +230,14 @@ class ModelChunk(nn.Module):
                 "ModelChunk: multi-token prediction (model.mtp_num_layers) needs the token "
                 "ids on the last stage: call chunk(x, labels, tokens=inputs [b, s])"
             )
-        weight = self.mtp_embedding_weight()
+        source = self.mtp_embedding_source()
         with self.fp8():
             return self.mtp(
                 x,
                 tokens,
                 labels,
                 ctx,
-                embed=lambda ids: self.word_embedding(ids, weight),
+                embed=lambda ids: self.word_embedding(ids, source),
                 logits=self.logits,
                 local=self.local_tokens,
             )
