@@ -149,7 +149,10 @@ def test_round_trip_is_bit_exact_with_the_mtp_layer_and_loads_in_transformers(va
         want, got = getattr(model.config, key), getattr(back.config, key)
         assert got == want, f"config {key}={got!r}, want {want!r}"
     ids = token_ids()
-    assert hf_loss(back, ids) == hf_loss(model, ids)
+    # the tensors are bit-exact (above); the two models' losses agree to fp32 rounding only:
+    # with several threads the GEMMs' reduction order follows the storages' alignment
+    got, want = hf_loss(back, ids), hf_loss(model, ids)
+    assert abs(got - want) <= 1e-6 * abs(want), f"reloaded model's loss {got} vs {want}"
 
 
 def test_bf16_export_keeps_the_selection_bias_in_fp32(tmp_path):

@@ -108,7 +108,10 @@ def test_round_trip_is_bit_exact_and_loads_in_transformers(family, tmp_path):
     if family == "qwen2_moe":
         assert back.config.router_aux_loss_coef == pytest.approx(model.config.router_aux_loss_coef)
     ids = token_ids()
-    assert hf_loss(back, ids) == hf_loss(model, ids)
+    # the tensors are bit-exact (above); the two models' losses agree to fp32 rounding only:
+    # with several threads the GEMMs' reduction order follows the storages' alignment
+    got, want = hf_loss(back, ids), hf_loss(model, ids)
+    assert abs(got - want) <= 1e-6 * abs(want), f"reloaded model's loss {got} vs {want}"
 
 
 # what hf-to-dcp makes of the published configs (fields as on the model cards: Qwen3-0.6B and
