@@ -112,6 +112,11 @@ LAYOUTS = [
     Layout("fine-pp2-full", FINE, 16, _p(pp=2, ep=8, dp=8, zero_stage=2) + FULL),
     # DeepSeek-V3 671B (MLA, MTP 1, 256 experts) on 1,024 H100s, as shipped (tp2+SP pp16 ep32)
     Layout("dsv3-config", DSV3, 1024),
+    # and the planner search's first pick (expert groups inside a node, Ulysses over 8): the
+    # first two stages, a middle one and the last (MTP and loss)
+    Layout("dsv3-search1", DSV3, 1024, _p(tp=1, pp=16, cp=8, ep=8, dp=8,
+           sequence_parallel="false") + ("model.recompute_granularity=null",),
+           ranks=(0, 64, 512, 960)),
 ]
 # fmt: on
 
