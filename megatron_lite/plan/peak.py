@@ -333,6 +333,10 @@ def _moments(cfg: Config, pp_rank: int, kernels: str, pending: list[float]):
             if shape.main_grad:  # the output layer's weight gradient as its bucket arrives
                 g, out_grads = zero2(ch, c, 0, 0, 0), head["embedding_grad"] + head["output_in"]
                 out_grads += ch.mtp_deferred + mtp_emb
+                # the MTP heads' use of the output weight: its gradient (returned, as the
+                # weight is passed in: parallel/layers.py) waits for the main head's in
+                # autograd's input buffer, which then sums both into a third [V/tp, h]
+                out_grads += 2 * head["embedding_grad"] if head["mtp"] else 0.0
                 yield "loss backward", (g, kept + head["final_norm"], embedding, 0.0, out_grads)
         else:
             yield "backward", (now, kept + recv, embedding, 0.0, 2 * root + held * layer)
