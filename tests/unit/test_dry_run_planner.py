@@ -126,6 +126,15 @@ LAYOUTS = {
         "parallel.decoder_last_pipeline_num_layers=null", "train.global_batch_size=4",
         "model.recompute_granularity=null",
     ], [0, 1]),
+    # DeepSeek-V3's last stage as shipped (tp2+SP, selective recompute), its MoE layer and MoE
+    # MTP layer (256 experts on one rank): the peak is inside the MTP layer's backward, the MTP
+    # head's gradient of the output weight held (the planner walked no moment of the MTP
+    # layer's backward: activations 1.21 GiB against 2.86)
+    "dsv3-mtp-experts-tp2-sp-pp2": ("configs/deepseek_v3.yaml", 4, [
+        "model.num_layers=4", "parallel.pp=2", "parallel.ep=1", "parallel.dp=1",
+        "parallel.decoder_first_pipeline_num_layers=null",
+        "parallel.decoder_last_pipeline_num_layers=null", "train.global_batch_size=4",
+    ], [0, 1]),
 }  # fmt: skip
 TOLERANCE = 0.03
 
