@@ -15,9 +15,9 @@ Writes table.txt, summary.md (one markdown row per layout: docs/benchmarks.md's 
 (one row per layout, rank and term) and results.json under --out.
 
 The layouts are full size: Llama-3 8B on 8 GPUs, the shipped Llama-3 70B (and the planner
-search's top three of it on 64 GPUs) and 405B configs, a Mixtral-8x7B-shaped MoE and a
-fine-grained (DeepSeek-MoE-like) MoE, covering ZeRO 0-3, HSDP, recompute none/selective/full,
-interleaving, uneven stages, CP, EP, bf16 and fp32.
+search's top three of it on 64 GPUs) and 405B configs, a Mixtral-8x7B-shaped MoE, a
+fine-grained (DeepSeek-MoE-like) MoE and DeepSeek-V3 671B (MLA, MTP), covering ZeRO 0-3,
+HSDP, recompute none/selective/full, interleaving, uneven stages, CP, EP, bf16 and fp32.
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ SELECTIVE = ("model.recompute_granularity=selective",)
 NO_SP = ("parallel.sequence_parallel=false",)
 B8, B70, B405 = "configs/llama3_8b.yaml", "configs/llama3_70b.yaml", "configs/llama3_405b.yaml"
 MIXTRAL, FINE = "configs/mixtral_8x7b.yaml", "configs/moe_fine_grained.yaml"
+DSV3 = "configs/deepseek_v3.yaml"
 
 
 def _p(**kw) -> tuple[str, ...]:
@@ -109,6 +110,13 @@ LAYOUTS = [
     # fine-grained MoE: 64 experts, top-6
     Layout("fine-config", FINE, 8),  # ep8 dp8
     Layout("fine-pp2-full", FINE, 16, _p(pp=2, ep=8, dp=8, zero_stage=2) + FULL),
+    # DeepSeek-V3 671B (MLA, MTP 1, 256 experts) on 1,024 H100s, as shipped (tp2+SP pp16 ep32)
+    Layout("dsv3-config", DSV3, 1024),
+    # and the planner search's first pick (expert groups inside a node, Ulysses over 8): the
+    # first two stages, a middle one and the last (MTP and loss)
+    Layout("dsv3-search1", DSV3, 1024, _p(tp=1, pp=16, cp=8, ep=8, dp=8,
+           sequence_parallel="false") + ("model.recompute_granularity=null",),
+           ranks=(0, 64, 512, 960)),
 ]
 # fmt: on
 

@@ -19,6 +19,15 @@ once the next stage has it, and the output gradient is made. The backward's samp
 bytes alive less the storages the saved-tensor meter still holds (whatever is saved and not
 released yet) and less the output gradient (the planner's received gradient), beside the
 meter's bytes still held.
+
+Selective recompute of the attention core: the layer runs its regions as plain calls (one
+forward measures every recompute choice, plan/saved.py), so what the core saves inside itself
+is held from the forward here, where a recomputed core rebuilds it in the backward, when
+autograd reaches the core (its output's node), and frees it there. `regions` names, per
+region, the storages only its inside saves (those a recompute of it does not keep), and each
+backward sample records how many of their bytes are held and whether the region's backward has
+begun: `summary(..., selective)` counts them as the recompute has them: absent until then,
+then working bytes (not saved ones) until freed.
 """
 
 from __future__ import annotations
@@ -49,6 +58,10 @@ class LayerTrace(MemoryTracker):
         self._group_of: dict[int, int] = {}  # id(param) -> its group
         self._grads = [0, 0]  # (arrived, arriving) gradient bytes
         self._nodes: list = []
+        # region -> {storage key: bytes} saved only inside it (set before the backward), and
+        # the regions whose backward has begun (the recorder's output-node hooks add them)
+        self.regions: dict[str, dict] = {}
+        self.started: set[str] = set()
 
     def prepare(self, layer: torch.nn.Module, others=()) -> None:
         """Name what exists before the forward (the layer's parameters, buffers and `others`:
@@ -84,9 +97,13 @@ class LayerTrace(MemoryTracker):
             return
         held = self.meter.current_bytes
         g = self._group
+        inside = {
+            r: (sum(n for k, n in keys.items() if self.meter.held(k)), r in self.started)
+            for r, keys in self.regions.items()
+        }
         self.backward_samples.append(
             (self.working() - held - self.recv, held, g, self._arrived[g], self._arriving,
-             *self._grads)
+             *self._grads, inside)
         )  # fmt: skip
 
     def _arrive(self, p: torch.nn.Parameter) -> None:
@@ -120,16 +137,24 @@ class LayerTrace(MemoryTracker):
         self._sample()
         torch.autograd.backward(output, grad)
 
-    def summary(self, saved: float, fp32: bool) -> tuple:
+    def summary(self, saved: float, fp32: bool, selective: tuple[str, ...] = ()) -> tuple:
         """(the forward's largest sample, {(group, arrived): (working, freed, arriving)} the
         backward's largest sample of each gradient state in arrival order, (working, freed)
         its largest under ZeRO-3 with every gradient made so far held, then (working, freed)
         with only the arriving one's: a later microbatch's), freed counted against `saved`,
-        the bytes the layer's rows hold (plan/working.py)."""
+        the bytes the layer's rows hold without recompute (plan/working.py); the regions of
+        `selective` recomputed (the module docstring): their inside saves are not among the
+        freed, their kept inputs that nothing else saves taken as held to the layer's end."""
         classes: dict[tuple, list] = {}
         zero3 = later = None
-        for w, held, g, arrived, arriving, g_arrived, g_arriving in self.backward_samples:
+        totals = {r: sum(keys.values()) for r, keys in self.regions.items()}
+        for sample in self.backward_samples:
+            w, held, g, arrived, arriving, g_arrived, g_arriving, inside = sample
             freed = saved - held
+            for r in selective:  # rebuilt once its backward begins; never among the saved
+                held_r, begun = inside.get(r, (0, False))
+                w += held_r if begun else 0
+                freed += held_r - totals.get(r, 0)
             c = classes.get((g, arrived))
             if c is None or w - freed > c[0] - c[1]:
                 classes[(g, arrived)] = [w, freed, (c is not None and c[2]) or arriving is not None]

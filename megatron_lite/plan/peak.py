@@ -45,6 +45,7 @@ from megatron_lite.plan.activations import (
     chunk_bytes,
     deferred_wgrad_bytes,
     head_terms,
+    layer_bytes,
     layer_shape,
     rebuilt_mlp,
     recompute_settings,
@@ -196,6 +197,28 @@ def _chunks(cfg: Config, pp_rank: int, shape) -> list[_Chunk]:
     return chunks
 
 
+def _mtp_layer_backward(cfg: Config, shape, ch: _Chunk, head: dict, bwd: dict, fwd: dict,
+                        state: tuple, root: float, layer: float, mtp_emb: float):  # fmt: skip
+    """The last MTP module's layer backward, after its head's: the module's head saves (final
+    norm, output layer input, logits) gone, its layer's freed as measured, and the MTP head's
+    gradient of the output weight waiting in autograd's input buffer for the main head's."""
+    now, kept, embedding, logits = state
+    e = mtp_moe_pattern(cfg.model)[-1]
+    saves = sum(layer_bytes(cfg, shape, e).values())
+    moments = bwd[e] if e in bwd else backward_moments(cfg, shape, e)
+    act = kept - (head["final_norm"] + head["output_in"] + head["logits"])
+    held = head["embedding_grad"] + root + layer + ch.mtp_deferred + mtp_emb
+    rebuilt = ch.rebuilt if ch.last_moe == e else 0.0  # its recomputed MoE (or MLP), as a layer's
+    if rebuilt:
+        forward = fwd[e] if e in fwd else forward_working(cfg, shape, e)
+        yield "loss backward", (now, act, embedding, logits,
+                                held + rebuilt + forward + ch.rerun_offset)  # fmt: skip
+    for w, freed, *_ in moments:
+        if rebuilt:
+            w, freed = w + max(rebuilt - freed, 0.0), max(freed - rebuilt, 0.0)
+        yield "loss backward", (now, act - min(freed, saves), embedding, logits, w + held)
+
+
 def _left_in_flight(cfg: Config, pp_rank: int, c: int, cuts: tuple, ends: tuple) -> tuple:
     """ZeRO-2: elements of the (dense, expert) bucket chunk c's backward launches last, which
     stays in flight until the next backward launches one (data_parallel/buffers.py): the one
@@ -242,6 +265,7 @@ def _moments(cfg: Config, pp_rank: int, kernels: str, pending: list[float]):
     walk = min(m, 2 * p.pp) if p.pp > 1 else min(m, 2)
     chunks = _chunks(cfg, pp_rank, shape)
     head = head_terms(cfg, shape)
+    split = splits_backward(p.pipeline_schedule, p.vpp)  # B and W apart (zb-h1, zb-v, ...)
     yield "", dict(static_states(cfg, pp_rank), buffers=buffer_bytes(cfg, pp_rank))
     A = shape.act_bytes
     reduce_bytes = 2 if p.grad_reduce_dtype == "bf16" else 4
@@ -327,12 +351,20 @@ def _moments(cfg: Config, pp_rank: int, kernels: str, pending: list[float]):
             # GEMMs' tensors (a split backward) held, and their lookup's dense gradient of a
             # shared embedding weight until the weight's last gradient is summed with it
             if head["mtp"]:
+                if not split:  # (a split backward queues those weight GEMMs until W)
+                    at = (now, kept, embedding, logits)
+                    yield from _mtp_layer_backward(cfg, shape, ch, head, bwd, fwd, at, root,
+                                                   layer, mtp_emb)  # fmt: skip
                 kept -= head["mtp"]
                 w = head["logits_grad"] + root + layer + ch.mtp_deferred + mtp_emb
                 yield "loss backward", (now, kept, embedding, logits, w)
             if shape.main_grad:  # the output layer's weight gradient as its bucket arrives
                 g, out_grads = zero2(ch, c, 0, 0, 0), head["embedding_grad"] + head["output_in"]
                 out_grads += ch.mtp_deferred + mtp_emb
+                # the MTP heads' use of the output weight: its gradient (returned, as the
+                # weight is passed in: parallel/layers.py) waits for the main head's in
+                # autograd's input buffer, which then sums both into a third [V/tp, h]
+                out_grads += 2 * head["embedding_grad"] if head["mtp"] and not split else 0.0
                 yield "loss backward", (g, kept + head["final_norm"], embedding, 0.0, out_grads)
         else:
             yield "backward", (now, kept + recv, embedding, 0.0, 2 * root + held * layer)

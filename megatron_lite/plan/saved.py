@@ -50,6 +50,10 @@ MLP = "mlp"  # the layer's MLP (or MoE) module path: what recompute of mlp or mo
 FIT_POINTS = (1, 2)
 # the recompute_modules a layer is built with for the measurement (its regions are recorded)
 REGIONS = ("core_attn", "mlp", "moe")
+# the recompute choices whose backward working sets the trace summarizes: none, and the
+# attention core's (plan/layer_trace.py; a recomputed MLP or MoE the walk adds itself:
+# plan/peak.py's rebuilt)
+TRACED = ((), ("core_attn",))
 # key -> {micro batch: (the forward's record, {"final_norm": bytes})}
 _SAVES: dict[tuple, dict[int, tuple]] = {}
 # key -> {micro batch: layer_trace's summary}
@@ -91,12 +95,15 @@ def layer_trace(cfg: Config, moe: bool, kernels: str = "fused") -> tuple:
 
 
 def _trace(cfg: Config, moe: bool, kernels: str) -> tuple:
+    m = cfg.model
     b = cfg.train.micro_batch_size
-    key = _key(cfg, kernels, moe)
+    core = m.recompute_granularity == "selective" and "core_attn" in m.recompute_modules
+    sel = ("core_attn",) if core else ()
+    key = _key(cfg, kernels, moe) + sel
     records = _records(cfg, moe, kernels)
     fitted = modules.cached(_TRACES, key, dict)
     if b not in fitted:
-        fitted[b] = _fit_trace(*(records[point][2] for point in FIT_POINTS), b)
+        fitted[b] = _fit_trace(*(records[point][2][sel] for point in FIT_POINTS), b)
     return fitted[b]
 
 
@@ -320,10 +327,31 @@ def _record_layers(cfg: Config, moe: bool, kernels: str, micro_batches: tuple) -
                     y = layer(x, ctx)
                 del x  # held by what saved it
                 labels.remove()
+                trace.regions = _inside_only(record := tuple(recorder.record))
+                trace.started = recorder.started
                 trace.backward(y)
-            record = tuple(recorder.record)
-            saved = sum(replay(record, ()).values())
-            out[b] = (record, norm, trace.summary(saved, cfg.train.precision != "bf16"))
+            saved, fp32 = sum(replay(record, ()).values()), cfg.train.precision != "bf16"
+            summaries = {sel: trace.summary(saved, fp32, sel) for sel in TRACED}
+            out[b] = (record, norm, summaries)
+    return out
+
+
+def _inside_only(record: tuple) -> dict[str, dict]:
+    """{region: {storage key: bytes}} of the storages only saves inside the region make and
+    its recompute does not keep (what a recompute of it rebuilds in the backward)."""
+    where: dict = {}  # storage key -> the regions of its saves and entries' kept inputs
+    nbytes: dict = {}
+    for key, a, b, c in record:
+        if key is None:  # a region's entry: its kept inputs are not rebuilt
+            for (k, _), _n in b:
+                where.setdefault(k, set()).add(None)
+        else:
+            where.setdefault(key[0], set()).add(c)
+            nbytes[key[0]] = a
+    out: dict[str, dict] = {}
+    for k, regions in where.items():
+        if len(regions) == 1 and None not in regions and k in nbytes:
+            out.setdefault(next(iter(regions)), {})[k] = nbytes[k]
     return out
 
 
@@ -365,6 +393,7 @@ class _Recorder:
     def __init__(self, meter, regions: dict[int, str]):
         self.meter, self.record, self._regions, self._inside = meter, [], regions, []
         self._entries: dict = {}  # storage key -> the record's id of its current entry
+        self.started: set[str] = set()  # regions whose backward has begun
         meter.on_save = self._saved
 
     def _saved(self, key, nbytes: int, label: str | None, new: bool) -> None:
@@ -389,9 +418,14 @@ class _Recorder:
         self.record.append((None, region, tuple(kept), self.meter.current_label))
         self._inside.append(region)
         try:
-            return fn(*args)
+            out = fn(*args)
         finally:
             self._inside.pop()
+        # its backward begins at its outputs' nodes (where a checkpoint would recompute it)
+        for t in out if isinstance(out, tuple) else (out,):
+            if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+                t.grad_fn.register_prehook(lambda grads, r=region: self.started.add(r) or None)
+        return out
 
 
 def replay(record: tuple, selective: tuple[str, ...] | frozenset) -> dict[str, float]:

@@ -55,15 +55,20 @@ def _divisors(n: int, limit: int | None = None) -> list[int]:
 
 def pipeline_split(layers: int, stages: int) -> tuple[int | None, int | None] | None:
     """(decoder_first, decoder_last) layers for `stages` virtual stages: (None, None) when they
-    divide evenly, else the heaviest equal ends k ≤ the middle stages' share, or None."""
+    divide evenly, else the heaviest equal ends k ≤ the middle stages' share, else the heaviest
+    ends one apart (the first one heavier: the last stage holds the output head, the loss and
+    any MTP modules), or None. Ends one apart let an odd layer count (DeepSeek-V3's 61) use a
+    power-of-two pipeline: 3 + 14·4 + 2 on 16 stages."""
     if layers % stages == 0:
         return None, None
-    if stages < 3:
-        return None
-    for k in range(layers // stages, 0, -1):
-        rest = layers - 2 * k
-        if rest > 0 and rest % (stages - 2) == 0 and k <= rest // (stages - 2):
-            return k, k
+    if stages == 2:  # no middle stages: the two ends are the whole split
+        return layers - layers // 2, layers // 2
+    for gap in (0, 1):
+        for last in range(layers // stages, 0, -1):
+            first = last + gap
+            rest = layers - first - last
+            if rest > 0 and rest % (stages - 2) == 0 and first <= rest // (stages - 2):
+                return first, last
     return None
 
 

@@ -19,6 +19,9 @@ and the bytes it sends and receives around the ring (plan/step_time.py cp_ring_b
 to comm_stats' cp_send and cp_recv. Document masking (data.reset_attention_mask) under the
 ring and without context parallelism (its [b, 1, s, s] mask), on the dry run's mock data.
 
+DeepSeek-V3's dense layers (MLA at tp2+SP) with the attention core recomputed: what the
+recomputed core rebuilds in its backward (plan/layer_trace.py).
+
 The dry run initializes a fake process group, process-global state, so it runs in a child
 process (never in pytest's); tools/bench_dry_run.py runs the same comparison at full depth."""
 
@@ -101,6 +104,37 @@ LAYOUTS = {
         "model.num_layers=2", "model.moe_shared_expert_ffn_hidden_size=2816",
         "model.mtp_num_layers=1",
     ], [0]),
+    # DeepSeek-V3's dense layers (configs/deepseek_v3.yaml: MLA at tp2+SP, selective recompute
+    # of the attention core), one a stage: the first stage peaks inside the recomputed core's
+    # backward, where the core's output and zero-padded v are rebuilt (working bytes, not
+    # saved ones; the planner had them neither: working 0.47 GiB against 0.59, activations
+    # 0.12 GiB over, the peak equal only because the MLP's backward moment is as high)
+    "dsv3-dense-tp2-sp-pp2-core-attn": ("configs/deepseek_v3.yaml", 4, [
+        "model.num_layers=2", "model.moe_first_k_dense_replace=2", "model.mtp_num_layers=0",
+        "parallel.pp=2", "parallel.ep=1",
+        "parallel.dp=1", "parallel.decoder_first_pipeline_num_layers=null",
+        "parallel.decoder_last_pipeline_num_layers=null", "train.global_batch_size=4",
+    ], [0, 1]),
+    # DeepSeek-V3's last stage with MTP under Ulysses cp8 (tp1, untied): the logits are small,
+    # and the peak is the output weight's gradients, the MTP head's waiting in autograd's input
+    # buffer for the main head's and their sum (the planner had one: working 1.73 GiB
+    # against 5.19, the peak 7% under on the search's first pick)
+    "dsv3-mtp-cp8-pp2": ("configs/deepseek_v3.yaml", 16, [
+        "model.num_layers=2", "model.moe_first_k_dense_replace=2", "parallel.tp=1",
+        "parallel.sequence_parallel=false", "parallel.pp=2", "parallel.cp=8", "parallel.ep=1",
+        "parallel.dp=1", "parallel.decoder_first_pipeline_num_layers=null",
+        "parallel.decoder_last_pipeline_num_layers=null", "train.global_batch_size=4",
+        "model.recompute_granularity=null",
+    ], [0, 1]),
+    # DeepSeek-V3's last stage as shipped (tp2+SP, selective recompute), its MoE layer and MoE
+    # MTP layer (256 experts on one rank): the peak is inside the MTP layer's backward, the MTP
+    # head's gradient of the output weight held (the planner walked no moment of the MTP
+    # layer's backward: activations 1.21 GiB against 2.86)
+    "dsv3-mtp-experts-tp2-sp-pp2": ("configs/deepseek_v3.yaml", 4, [
+        "model.num_layers=4", "parallel.pp=2", "parallel.ep=1", "parallel.dp=1",
+        "parallel.decoder_first_pipeline_num_layers=null",
+        "parallel.decoder_last_pipeline_num_layers=null", "train.global_batch_size=4",
+    ], [0, 1]),
 }  # fmt: skip
 TOLERANCE = 0.03
 

@@ -86,6 +86,38 @@ def test_search_finds_a_fitting_70b_layout_on_64_h100():
     assert best[0].time.tokens_per_s >= best[-1].time.tokens_per_s
 
 
+@pytest.mark.parametrize(
+    "layers,pp,vpp,ends",
+    [
+        (61, 16, 1, (3, 2)),  # DeepSeek-V3: 3 + 14·4 + 2, no equal ends exist
+        (61, 8, 1, (7, 6)),
+        (61, 2, 1, (31, 30)),  # two stages: the ends are the whole split
+        (126, 16, 4, (1, 1)),  # equal ends where they exist (Llama-3 405B), as before
+        (80, 4, 3, (5, 5)),
+        (80, 4, 1, (None, None)),
+        (61, 16, 2, None),  # 32 stages: ends one apart need 59 - 2·last divisible by 30
+    ],
+)
+def test_search_splits_an_odd_layer_count_over_a_power_of_two_pipeline(layers, pp, vpp, ends):
+    """The search's first/last stage layers: validate() accepts the split it proposes, so the
+    search tries pipelines on DeepSeek-V3's 61 layers (before: no split, every pp > 1 skipped)."""
+    from megatron_lite.plan.search import pipeline_split
+    from megatron_lite.validation import validate
+
+    assert pipeline_split(layers, pp * vpp) == ends
+    if ends is None:
+        return
+    first, last = ends
+    over = [f"model.num_layers={layers}", "model.num_attention_heads=4", "model.vocab_size=256",
+            "data.mock=true", f"parallel.pp={pp}", f"parallel.vpp={vpp}",
+            f"parallel.decoder_first_pipeline_num_layers={'null' if first is None else first}",
+            f"parallel.decoder_last_pipeline_num_layers={'null' if last is None else last}",
+            f"train.global_batch_size={2 * pp}"]  # fmt: skip
+    if vpp > 1:
+        over.append("parallel.pipeline_schedule=interleaved")
+    validate(load_config(None, over), pp)
+
+
 @pytest.mark.parametrize("pp,vpp,m", [(4, 1, 40), (4, 2, 40), (3, 1, 31), (8, 2, 40)])
 def test_scaled_short_simulation_equals_the_full_one(pp, vpp, m):
     """step_time simulates 2·pp microbatches and scales the steady state: exact for m >= 2·pp."""
