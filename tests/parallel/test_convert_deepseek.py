@@ -132,7 +132,14 @@ def hf_mtp_loss(model, layer_n: dict[str, torch.Tensor], batch: torch.Tensor) ->
     return summed.item() / (batch.shape[0] * s)  # fmt: skip
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+# pp2 and cp2 (p2p) in the slow tier (the suite's budget): one rank and tp2+SP·ep2 here
+SLOW_LAYOUTS = {"pp2", "cp2_p2p"}
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [pytest.param(k, marks=pytest.mark.slow) if k in SLOW_LAYOUTS else k for k in LAYOUTS],
+)
 def test_converted_deepseek_v3_trains_as_hf(layout, tmp_path):
     world, parallel = LAYOUTS[layout]
     model = deepseek_hf_model()

@@ -114,7 +114,14 @@ def assert_parity(ours, hf, what: str) -> None:
         assert dn < 1e-6, f"{what} step {step}: grad norm {norm} vs HF {hf_norm} ({dn:.1e})"
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+# pp2 and cp2 (p2p) in the slow tier (the suite's budget): one rank and tp2+SP·ep2 here
+SLOW_LAYOUTS = {"pp2", "cp2_p2p"}
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [pytest.param(k, marks=pytest.mark.slow) if k in SLOW_LAYOUTS else k for k in LAYOUTS],
+)
 def test_converted_qwen_trains_as_hf(layout, tmp_path):
     world, parallel = LAYOUTS[layout]
     cases, models = {}, {}

@@ -257,6 +257,7 @@ def test_mtp_parity_with_one_rank(layout, tmp_path):
 
 
 # -------------------------------------------------------------------------------- the CLI
+@pytest.mark.slow  # the suite's budget
 def test_mtp_loss_in_metrics_of_a_cli_run(tmp_path):
     out = tmp_path / "run"
     r = subprocess.run(

@@ -175,7 +175,15 @@ def _dry_run(config: str, world: int, overrides: list[str]) -> list[dict]:
 # the suite); docs-cp1 keeps document masking's dry run in the suite
 # (and two of the three MLA layouts: the p2p one covers q compression, YaRN, tp2+SP and the ring;
 # the MTP's pp1 and pp2 stay in the suite)
-SLOW_LAYOUTS = {"docs-ring-p2p-cp4", "mla-moe-v2-lite-ep8", "mla-moe-tp2-sp-cp2-a2a", "mtp-moe-ep8"}
+SLOW_LAYOUTS = {
+    "docs-ring-p2p-cp4",
+    "mla-moe-v2-lite-ep8",
+    "mla-moe-tp2-sp-cp2-a2a",
+    "mtp-moe-ep8",
+    "mtp-8b-tp2-pp1",
+    "dsv3-mtp-cp8-pp2",
+    "dsv3-mtp-experts-tp2-sp-pp2",
+}  # (budget)
 
 
 @pytest.mark.parametrize(
