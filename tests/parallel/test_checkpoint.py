@@ -130,6 +130,7 @@ def test_checkpoint_layout_on_disk(llama_tp2):
     ]
 
 
+@pytest.mark.slow  # the suite's budget: CI's slow tier runs it
 def test_exact_resume_with_dropout(tmp_path):
     """Same layout: AdamW state, step and every rank's RNG states (default generator and the
     TP tracker's, here drawing dropout masks under SP) continue exactly."""
@@ -161,6 +162,7 @@ def test_reshard_tp2_to_pp2(llama_tp2, tmp_path):
     check_resume(llama_tp2, 2, [*LLAMA, "parallel.pp=2"], tmp_path, exact=False)
 
 
+@pytest.mark.slow  # the suite's budget: CI's slow tier runs it
 def test_zb_v_resumes_exactly_and_on_one_rank(tmp_path):
     """ZB-V's V placement holds the tied embedding and its output-layer copy on one rank (both
     stored once, as the embedding): the same layout resumes bitwise, one rank within 1e-4, and

@@ -114,6 +114,7 @@ def _full_size(out_dir):
     return run_rank(run_cfg, 64, 0, "fused")
 
 
+@pytest.mark.slow  # the suite's budget: CI's slow tier runs it
 def test_full_size_stage(tmp_path):
     """A 1.7B-parameter stage of Llama-3 8B runs its real step in seconds on this CPU (fake
     tensors): its model states are exactly the ZeRO-1 table's for the stage's parameters

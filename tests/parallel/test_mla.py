@@ -232,7 +232,7 @@ LAYOUTS = {
 
 # the documents on tp2+SP, dense TP and cp4 a2a+p2p in the slow tier (the suite's budget;
 # tests/parallel/test_deepseek_v3_parity.py runs documents under CP in the suite)
-SLOW_LAYOUTS = {"tp2_sp_documents", "tp2_dense", "cp4_a2a_p2p"}
+SLOW_LAYOUTS = {"tp2_sp_documents", "tp2_dense", "cp4_a2a_p2p", "cp2_a2a", "cp2_p2p_documents"}
 
 
 @pytest.mark.parity

@@ -240,7 +240,16 @@ LAYOUTS = {
 
 
 # the layouts in the suite; the further ones in the slow tier (CI runs it after)
-SLOW_LAYOUTS = {"pp2_dualpipev_tied", "pp2_dp2_zero3_untied", "moe_tp2_sp_ep2"}
+# and, for the suite's budget, the layouts test_deepseek_v3_parity.py runs with MTP in the suite
+# (pp2 1F1B, pp2 ZB-V, cp2 a2a with documents)
+SLOW_LAYOUTS = {
+    "pp2_dualpipev_tied",
+    "pp2_dp2_zero3_untied",
+    "moe_tp2_sp_ep2",
+    "pp2_1f1b_untied",
+    "pp2_zb_v_untied",
+    "cp2_a2a_documents",
+}
 
 
 @pytest.mark.parity

@@ -41,6 +41,7 @@ def test_zero_loss_parity(layout, tmp_path):
     assert_parity(got, ref, layout)
 
 
+@pytest.mark.slow  # the suite's budget: CI's slow tier runs it
 def test_bf16_stages_track_the_bf16_single_rank(tmp_path):
     """bf16 weights with fp32 masters: every stage follows the bf16 single-rank run more
     closely than bf16 follows fp32."""
@@ -55,6 +56,7 @@ def test_bf16_stages_track_the_bf16_single_rank(tmp_path):
         assert diff < band, f"zero{stage}: {diff:.2e} not tighter than bf16 vs fp32 {band:.2e}"
 
 
+@pytest.mark.slow  # the suite's budget: CI's slow tier runs it
 def test_resume_across_stages_and_dp_sizes(tmp_path):
     """Save on ZeRO-1 dp2, resume on ZeRO-2 dp4, then back on ZeRO-1 dp2: every loss equals the
     straight single-rank run's (the checkpoint holds logical per-parameter tensors)."""

@@ -5,6 +5,7 @@ at its ZeRO formula; a stage the config validation rejects is skipped with the r
 import json
 import os
 
+import pytest
 import torch
 
 from tools.bench_data_parallel import main, model_state_bytes
@@ -26,6 +27,7 @@ def test_model_state_walk_counts_weights_grads_and_adamw_states():
     assert {k: got[k] for k in want} == want, f"walked {got}, allocated {want}"
 
 
+@pytest.mark.slow  # the suite's budget: CI's slow tier runs it
 def test_quick_run_writes_outputs_at_the_formula(tmp_path):
     out = str(tmp_path)
     main(["--quick", "--no-peers", "--stages", "1,3", "--out-dir", out])

@@ -11,6 +11,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -30,6 +32,7 @@ def torch_actions(order: list[str], pp: int) -> list:
     return out
 
 
+@pytest.mark.slow  # the suite's budget: CI's slow tier runs it
 def test_quick_run_writes_every_output_and_pytorch_agrees(tmp_path, monkeypatch, capsys):
     import tools.bench_context_parallel
     from megatron_lite.pipeline.schedules import get_schedule

@@ -224,8 +224,10 @@ def test_planner_terms_match_the_dry_run_of_a_full_size_layer(layout):
 
 @pytest.mark.parametrize(
     "schedule", [["parallel.pipeline_schedule=zb-h1"],
-                 ["parallel.pipeline_schedule=dualpipev", "parallel.vpp=2"],
-                 ["parallel.pipeline_schedule=zb-h1", "parallel.zero_stage=3"],
+                 pytest.param(["parallel.pipeline_schedule=dualpipev", "parallel.vpp=2"],
+                              marks=pytest.mark.slow),  # (budget)
+                 pytest.param(["parallel.pipeline_schedule=zb-h1", "parallel.zero_stage=3"],
+                              marks=pytest.mark.slow),  # (budget; zb-v-zero3 stays)
                  ["parallel.pipeline_schedule=zb-v", "parallel.vpp=2", "parallel.zero_stage=3"],
                  # the MTP modules' weight GEMMs wait for W too (rank 0's second chunk on zb-v;
                  # slow tier)

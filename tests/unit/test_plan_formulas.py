@@ -77,6 +77,7 @@ def test_in_flight_matches_the_schedule_simulator(pp, vpp, m, schedule):
     assert [in_flight(pp, vpp, m, r, schedule) for r in range(pp)] == list(peak)
 
 
+@pytest.mark.slow  # the suite's budget: CI's slow tier runs it
 def test_search_finds_a_fitting_70b_layout_on_64_h100():
     cfg = load_config("configs/llama3_70b.yaml")
     gpu = get_gpu("h100")
