@@ -132,8 +132,8 @@ def hf_mtp_loss(model, layer_n: dict[str, torch.Tensor], batch: torch.Tensor) ->
     return summed.item() / (batch.shape[0] * s)  # fmt: skip
 
 
-# pp2 and cp2 (p2p) in the slow tier (the suite's budget): one rank and tp2+SP·ep2 here
-SLOW_LAYOUTS = {"pp2", "cp2_p2p"}
+# one rank, pp2 and cp2 (p2p) in the slow tier (the suite's budget): tp2+SP·ep2 here
+SLOW_LAYOUTS = {"one_rank", "pp2", "cp2_p2p"}
 
 
 @pytest.mark.parametrize(
@@ -159,6 +159,7 @@ def test_converted_deepseek_v3_trains_as_hf(layout, tmp_path):
     assert_parity(ours, hf, f"deepseek_v3 {layout}")
 
 
+@pytest.mark.slow  # the suite's budget
 def test_generate_from_hf_deepseek_equals_transformers(tmp_path):
     """megatron_lite.generate --hf on the DeepSeek-V3 directory (MLA's KV-cached decoding,
     YaRN, the routing): transformers' greedy tokens, prompts batched with left padding."""

@@ -114,8 +114,8 @@ def assert_parity(ours, hf, what: str) -> None:
         assert dn < 1e-6, f"{what} step {step}: grad norm {norm} vs HF {hf_norm} ({dn:.1e})"
 
 
-# pp2 and cp2 (p2p) in the slow tier (the suite's budget): one rank and tp2+SP·ep2 here
-SLOW_LAYOUTS = {"pp2", "cp2_p2p"}
+# one rank, pp2 and cp2 (p2p) in the slow tier (the suite's budget): tp2+SP·ep2 here
+SLOW_LAYOUTS = {"one_rank", "pp2", "cp2_p2p"}
 
 
 @pytest.mark.parametrize(

@@ -143,7 +143,7 @@ def _compare(rank, world, q_lora, scaling, kernels):
 
 
 # YaRN's attention-factor form and the Triton kernels in the slow tier (the suite's budget)
-SLOW_CASES = {"yarn_attention_factor", "yarn_triton"}
+SLOW_CASES = {"yarn", "yarn_attention_factor", "yarn_triton"}
 
 
 @pytest.mark.parametrize(
