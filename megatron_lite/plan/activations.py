@@ -128,12 +128,7 @@ def resolved(cfg: Config, world: int) -> Config:
 
 def head_dims(cfg: Config):
     """The attention part's `HeadDims` (q/k, v, rotary widths) of the resolved `cfg`."""
-
-    def read():
-        config = modules.transformer_config(cfg, layers_only=True)
-        return config.spec.head_dims(config)
-
-    return modules.per_config(cfg, ("head_dims",), read)
+    return modules.head_dims(cfg)
 
 
 def layer_shape(cfg: Config, kernels: str = "fused") -> LayerShape:

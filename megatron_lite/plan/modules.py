@@ -42,6 +42,7 @@ _MODEL_KEYS: dict[int, tuple] = {}  # id(model section) -> (it, precision, its k
 _MODEL_NUMBERS: dict[tuple, int] = {}  # a model key -> a small number (cheap to hash)
 _LAYERS: dict[tuple, LayerParams] = {}
 _CHUNKS: dict[tuple, ChunkParams] = {}
+_HEAD_DIMS: dict[tuple, object] = {}  # model key -> the attention part's HeadDims
 _PER_CONFIG: dict[int, tuple] = {}  # id(config) -> (it, its sections, {question: answer})
 _PER_CONFIG_ENTRIES = 64  # the configs asked about last (a search asks about one at a time)
 
@@ -75,6 +76,9 @@ class ChunkParams:
     last_grad: int | None = None  # index into `before` of the one whose gradient comes last
 
 
+_SCALARS = frozenset((int, float, str, bool, type(None)))  # model_key's fields kept as they are
+
+
 def _frozen(v):
     if isinstance(v, list | tuple):
         return tuple(_frozen(x) for x in v)
@@ -94,7 +98,7 @@ def model_key(cfg: Config) -> int:
     if hit is not None and hit[0] is m and hit[1] == precision:
         return hit[2]
     fields = (v for k, v in vars(m).items() if not k.startswith("recompute_"))
-    key = tuple(_frozen(v) for v in fields) + (precision,)
+    key = tuple(v if type(v) in _SCALARS else _frozen(v) for v in fields) + (precision,)
     number = _MODEL_NUMBERS.setdefault(key, len(_MODEL_NUMBERS))
     if len(_MODEL_KEYS) >= _MAX_ENTRIES:
         _MODEL_KEYS.clear()
@@ -109,6 +113,18 @@ def cached(table: dict, key: tuple, build: Callable[[], object]):
             table.clear()
         hit = table[key] = build()
     return hit
+
+
+def head_dims(cfg: Config):
+    """The attention part's `HeadDims` (q/k, v, rotary widths per head) of the resolved `cfg`:
+    the model section's alone, so remembered per model key (resolving a config for its
+    TransformerConfig once per layout cost the 70B search 8%)."""
+
+    def read():
+        config = transformer_config(cfg, layers_only=True)
+        return config.spec.head_dims(config)
+
+    return cached(_HEAD_DIMS, (model_key(cfg),), read)
 
 
 def per_config(cfg: Config, question: tuple, answer: Callable[[], object]):
