@@ -109,7 +109,7 @@ def check_latent_attention(cfg: Config) -> None:
     """model.multi_latent_attention and its sizes (models/mla.py): MLA's keys only with it on;
     with it on, positive sizes, an even RoPE part, every head its own k/v (no query groups),
     no kv_channels, qk_layernorm or add_qkv_bias (MLA's widths, norms and projections are its
-    own), and FP8-aligned local GEMMs when model.fp8 is set."""
+    own); its FP8-aligned local GEMMs are validation/backends.py's rule."""
     from megatron_lite.config import ModelConfig
     from megatron_lite.validation.rules import _rule  # loaded with validation, its caller
 
@@ -156,27 +156,22 @@ def check_latent_attention(cfg: Config) -> None:
     ):
         value = getattr(m, key)
         _rule(value == getattr(default, key), f"model.{key}", value, why, "remove the key")
-    if m.fp8 is not None:  # every local GEMM dimension of MLA's linears
-        align, tp = 32 if m.fp8_recipe == "mxfp8" else 16, cfg.parallel.tp
-        dn, dr, dv = m.qk_head_dim, m.qk_pos_emb_head_dim, m.v_head_dim
-        widths = {
-            "model.kv_lora_rank + qk_pos_emb_head_dim": m.kv_lora_rank + dr,
-            "model.kv_lora_rank": m.kv_lora_rank,
-            "heads × (qk_head_dim + qk_pos_emb_head_dim) / tp": n * (dn + dr) // tp,
-            "heads × (qk_head_dim + v_head_dim) / tp": n * (dn + dv) // tp,
-            "heads × v_head_dim / tp": n * dv // tp,
-        }
-        if m.q_lora_rank is not None:
-            widths["model.q_lora_rank"] = m.q_lora_rank
-        for what, width in widths.items():
-            _rule(
-                width % align == 0,
-                "model.fp8",
-                m.fp8,
-                f"{what} = {width} must be a multiple of {align} for {m.fp8_recipe} FP8 GEMMs",
-                f"pick MLA sizes (and tp) that keep every local GEMM dimension a multiple of "
-                f"{align}",
-            )
+
+
+def latent_attention_gemm_widths(m: ModelConfig, tp: int) -> dict[str, int]:
+    """Every local GEMM dimension of MLA's linears on a TP rank, by what it is (the FP8
+    alignment rule of validation/backends.py checks them with the other layers')."""
+    n, dn, dr, dv = m.num_attention_heads, m.qk_head_dim, m.qk_pos_emb_head_dim, m.v_head_dim
+    widths = {
+        "model.kv_lora_rank + qk_pos_emb_head_dim": m.kv_lora_rank + dr,
+        "model.kv_lora_rank": m.kv_lora_rank,
+        "heads × (qk_head_dim + qk_pos_emb_head_dim) / tp": n * (dn + dr) // tp,
+        "heads × (qk_head_dim + v_head_dim) / tp": n * (dn + dv) // tp,
+        "heads × v_head_dim / tp": n * dv // tp,
+    }
+    if m.q_lora_rank is not None:
+        widths["model.q_lora_rank"] = m.q_lora_rank
+    return widths
 
 
 def check_llama(cfg: Config) -> None:

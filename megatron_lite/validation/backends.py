@@ -4,6 +4,7 @@ needs the machine the ranks run on."""
 from __future__ import annotations
 
 from megatron_lite.config import Config, ConfigError
+from megatron_lite.models.decoder import latent_attention_gemm_widths
 from megatron_lite.resolve import kv_channels, moe_layer_pattern
 from megatron_lite.validation.rules import _choice, _rule
 
@@ -63,7 +64,9 @@ def _validate_fp8(cfg: Config) -> None:
     head_dim = kv_channels(m)
     groups = m.num_query_groups or m.num_attention_heads
     widths = {"model.hidden_size": m.hidden_size}
-    if not m.multi_latent_attention:  # MLA's own widths: models/decoder.check_latent_attention
+    if m.multi_latent_attention:  # its own linears' widths
+        widths.update(latent_attention_gemm_widths(m, tp))
+    else:
         widths["heads × head dim / tp (attention output)"] = m.num_attention_heads * head_dim // tp
         widths["(heads + 2·query groups) × head dim / tp"] = (
             (m.num_attention_heads + 2 * groups) * head_dim // tp
