@@ -42,16 +42,8 @@ CASES = {
     # multi-token prediction: a dense MTP layer (the last main layer is dense), then two MoE
     # ones after an MoE last layer (DeepSeek-V3's), with the shared expert
     "llama_mtp": ["model.num_query_groups=2", "model.ffn_hidden_size=64", "model.mtp_num_layers=1"],
-    "moe_mtp": [
-        "model.num_experts=4",
-        "model.moe_router_topk=2",
-        "model.moe_ffn_hidden_size=48",
-        "model.moe_first_k_dense_replace=1",
-        "model.moe_shared_expert_ffn_hidden_size=40",
-        "model.ffn_hidden_size=64",
-        "model.mtp_num_layers=2",
-    ],  # fmt: skip
 }
+CASES["moe_mtp"] = [*CASES["moe_shared_first_dense"], "model.mtp_num_layers=2"]
 # multi-head latent attention: q/k 12 + 4 wide, v 6 (!= q/k), compressed q and kv
 MLA = ["model.multi_latent_attention=true", "model.q_lora_rank=24", "model.kv_lora_rank=16",
        "model.qk_head_dim=12", "model.qk_pos_emb_head_dim=4", "model.v_head_dim=6",
