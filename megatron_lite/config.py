@@ -158,6 +158,20 @@ class TrainConfig:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
     adam_eps: float = 1e-8
+    # train.optimizer=muon (data_parallel/muon.py): Muon steps these parameter kinds, AdamW
+    # (adam_* above) the others; the update scale rule, Newton-Schulz steps and dtype
+    muon_params: list[str] = field(
+        default_factory=lambda: ["attention", "mlp", "experts", "hidden"]
+    )
+    muon_momentum: float = 0.95
+    muon_nesterov: bool = True
+    muon_ns_steps: int = 5
+    muon_ns_dtype: str = "bf16"  # bf16 (as torch.optim.Muon) | fp32
+    muon_adjust_lr: str = "match_rms_adamw"  # match_rms_adamw (Moonlight) | original (Keller)
+    muon_split_fused: bool = True  # q, k, v and gate, up orthogonalized each alone
+    muon_lr: float | None = None  # None = train.lr (the same schedule, scaled)
+    # resume with another train.optimizer than the checkpoint's: weights kept, states fresh
+    reset_optimizer_state: bool = False
     grad_clip: float = 1.0
     eval_interval: int = 0  # validation loss every N steps and after the last (0: never)
     eval_iters: int = 1  # global batches per evaluation

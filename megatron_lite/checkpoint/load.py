@@ -84,6 +84,8 @@ class LoadJob:
     targets: LoadTargets
     with_optim: bool
     same_layout: bool
+    reset: bool = False  # train.reset_optimizer_state: another optimizer's checkpoint resumed
+    # with fresh optimizer states (weights, step and data position kept)
 
 
 class Loader:
@@ -131,13 +133,17 @@ class Loader:
         meta, reader, metadata = self.ranks.on_every_rank(read, f"reading {path}")
         stored = metadata.state_dict_metadata
         with_optim = meta["kind"] == "train" and not model_only
+        saved = meta["config"].get("train", {}).get("optimizer", "adamw")
+        reset = with_optim and saved != self.optimizer.spec.name
+        reset = reset and self.cfg.train.reset_optimizer_state
+        with_optim = with_optim and not reset
         same_layout = with_optim and meta["layout"] == layout_of(self.cfg)
         with_master = any(k.startswith("optim/master/") for k in stored)
         targets = load_targets(self.chunks, self.optimizer, self.mesh, with_optim, with_master)
         if same_layout:  # read by this rank itself (ParallelRead: keys no unit lists)
             add_rng_targets(targets.buffers, targets.pieces, stored, self.rank)
             targets.parallel.mine.update(k for k in targets.buffers if k.startswith("rng/"))
-        return LoadJob(path, meta, reader, metadata, targets, with_optim, same_layout)
+        return LoadJob(path, meta, reader, metadata, targets, with_optim, same_layout, reset)
 
     def load(self, job: LoadJob) -> tuple[int, int]:
         """Load a checkpoint that verify() prepared (collective): see the Checkpointer's
@@ -152,7 +158,7 @@ class Loader:
         self._read(job)
         targets.finish()
         step, consumed = 0, 0
-        if job.with_optim:
+        if job.with_optim or job.reset:
             step = meta["step"]
             consumed, note = consumed_samples(meta, self.cfg.train)
             if note:
@@ -160,6 +166,9 @@ class Loader:
         if job.same_layout:
             set_rng_states(self.tracker, loaded_rng_states(targets.buffers, self.rank))
         what = "model weights from" if not job.with_optim else "resumed from"
+        if job.reset:
+            was = meta["config"].get("train", {}).get("optimizer", "adamw")
+            what = f"resumed ({was} -> {self.optimizer.spec.name}, fresh optimizer states) from"
         share = f"read {self.read_bytes / 2**20:.1f} of {self.loaded_bytes / 2**20:.1f} MiB here"
         self.directory.say(f"{what} {path} (step {meta['step']}, {share}); now at step {step}")
         if job.with_optim and not job.same_layout:
@@ -210,8 +219,9 @@ class Loader:
         if was != now:
             raise CheckpointError(
                 f"train.optimizer={now!r} but checkpoint {path} holds the state of {was!r}. "
-                f"Fix: set train.optimizer={was!r} to resume, or start {now!r} from its weights "
-                f"with train.init_from={path} and train.resume=none"
+                f"Fix: set train.optimizer={was!r} to resume, or train.reset_optimizer_state=true "
+                f"to continue its weights, step and data with fresh {now!r} states, or start "
+                f"{now!r} from its weights with train.init_from={path} and train.resume=none"
             )
 
     def _check_keys(self, path: str, pieces: dict, stored: dict) -> None:

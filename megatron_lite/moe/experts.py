@@ -194,6 +194,7 @@ class LocalExperts(nn.Module):
             nn.Parameter(torch.empty(self.num_local, fc1, hidden_size)),
             full_shape=(num_experts, fc1, hidden_size),
             std=init_std,
+            matrix_rows=(ffn_hidden_size,) * (2 if gated else 1),
             **shard,
         )
         self.weight2 = set_meta(

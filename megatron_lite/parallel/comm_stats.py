@@ -25,10 +25,12 @@ def bus_bytes(op: str, size_bytes: int, n: int) -> float:
 
     `size_bytes` is the full (gathered / pre-scatter) tensor for all_gather and
     reduce_scatter, the tensor for all_reduce, the rank's whole input for all_to_all and the
-    message for send: (n-1)/n·size for all_gather, reduce_scatter and all_to_all, 2(n-1)/n·size
-    for all_reduce, size for send. An uneven all_to_all counts as if its input were split evenly.
+    message for send and broadcast: (n-1)/n·size for all_gather, reduce_scatter and all_to_all,
+    2(n-1)/n·size for all_reduce, size for send and broadcast (NCCL-tests' bus bandwidth of a
+    broadcast is its algorithm bandwidth). An uneven all_to_all counts as if its input were
+    split evenly.
     """
-    if op == "send":
+    if op in ("send", "broadcast"):
         return float(size_bytes)
     if op not in _RING_FACTOR:
         raise ValueError(f"bus_bytes: unknown op {op!r} (one of {[*_RING_FACTOR, 'send']})")

@@ -171,6 +171,25 @@ def all_gather_async(out: torch.Tensor, t: torch.Tensor, group, kind: str = "all
     return _start(kind, "all_gather", t, group, launch)
 
 
+def broadcast_async(t: torch.Tensor, src: int, group, kind: str = "broadcast") -> AsyncWork:
+    """t <- rank `src`'s t (a global rank) over `group`, started now; reports to comm stats."""
+    launch = functools.partial(dist.broadcast, t, src, group=group, async_op=True)
+    return _start(kind, "broadcast", t, group, launch)
+
+
+def broadcast(t: torch.Tensor, src: int, group, kind: str = "broadcast") -> None:
+    """t <- rank `src`'s t (a global rank) over `group`; a no-op on a group of one."""
+    broadcast_async(t, src, group, kind).wait()
+
+
+def gathered(kind: str, group, shard: torch.Tensor, fn):
+    """Run `fn()`, an all-gather of this rank's `shard` over `group` issued elsewhere
+    (DTensor.full_tensor): recorded in comm stats as one, and guarded like the others."""
+    if size(group) == 1:
+        return fn()
+    return _run(kind, "all_gather", shard, group, fn)
+
+
 # ---------------------------------------------------------------- raw (non-autograd) collectives
 def all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM, kind: str = "all_reduce"):
     """In-place all-reduce that reports to comm stats; a no-op on a group of one."""
@@ -216,14 +235,14 @@ def all_reduce_flat(tensors: list[torch.Tensor], group, chunk_bytes: int = FLAT_
     flush()
 
 
-def all_gather_dim0(t: torch.Tensor, group) -> torch.Tensor:
+def all_gather_dim0(t: torch.Tensor, group, kind: str = "all_gather") -> torch.Tensor:
     """[n, ...] -> [n·size, ...] in rank order."""
     world = size(group)
     if world == 1:
         return t
     t = t.contiguous()
     out = torch.empty((t.shape[0] * world, *t.shape[1:]), dtype=t.dtype, device=t.device)
-    _run("all_gather", "all_gather", t, group, lambda: _all_gather_into(out, t, group=group))
+    _run(kind, "all_gather", t, group, lambda: _all_gather_into(out, t, group=group))
     return out
 
 

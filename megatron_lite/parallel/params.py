@@ -43,6 +43,9 @@ class ParamMeta:
     is_expert: bool = False  # sharded over EP; grads reduce over expert-data-parallel
     tied_copy: bool = False  # second copy of a tied weight (last pipeline stage)
     init_name: str | None = None  # seed key override (tied copies share the original's)
+    # a stack of matrices (experts [E, rows, cols]): the row sizes of the separate matrices
+    # fused in each (gate, up), for an optimizer that orthogonalizes each alone (None: one)
+    matrix_rows: tuple[int, ...] | None = None
 
 
 def unique_owner(meta: ParamMeta, mesh) -> bool:

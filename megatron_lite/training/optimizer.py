@@ -10,7 +10,7 @@ import torch
 from megatron_lite import resolve
 from megatron_lite.config import Config, TrainConfig
 from megatron_lite.parallel import data_parallel
-from megatron_lite.parallel.data_parallel import DataParallelWrapper
+from megatron_lite.parallel.data_parallel import DataParallelWrapper, muon
 from megatron_lite.parallel.data_parallel.optimizer_spec import get_optimizer
 from megatron_lite.parallel.data_parallel.rules import REDUCE_DTYPES
 
@@ -20,13 +20,16 @@ def optimizer_arguments(t: TrainConfig) -> dict:
     weight_decay and optimizer_args for every optimizer; adam_beta1/2 and adam_eps for one
     with hyperparameters betas and eps."""
     own = get_optimizer(t.optimizer).hyperparameters
+    args = t.optimizer_args
+    if t.optimizer == "muon":
+        args = {**muon.config_arguments(t), **args}
     return dict(
         optimizer=t.optimizer,
         lr=t.lr,
         betas=(t.adam_beta1, t.adam_beta2) if "betas" in own else None,
         eps=t.adam_eps if "eps" in own else None,
         weight_decay=t.weight_decay,
-        optimizer_args=dict(t.optimizer_args) or None,
+        optimizer_args=dict(args) or None,
     )
 
 
@@ -63,5 +66,6 @@ def lr_at(step: int, t: TrainConfig) -> float:
 
 
 def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
+    """Every group's lr: the schedule's, times the group's "lr_scale" (train.muon_lr / lr)."""
     for g in opt.param_groups:
-        g["lr"] = lr
+        g["lr"] = lr * g.get("lr_scale", 1.0)

@@ -41,8 +41,8 @@ def _validate_data_parallel(cfg: Config) -> None:
 
 def _validate_optimizer(cfg: Config) -> None:
     """train.optimizer names a registered spec; one needing whole matrices runs without
-    offload or hybrid sharding (whole_matrix.py, fsdp_whole_matrix.py)."""
-    t, p = cfg.train, cfg.parallel
+    offload (whole_matrix.py, fsdp_whole_matrix.py)."""
+    t = cfg.train
     names = optimizer_names()
     _rule(
         t.optimizer in names,
@@ -71,13 +71,43 @@ def _validate_optimizer(cfg: Config) -> None:
             "remove it (lr, betas, eps and weight decay have keys of their own: train.lr, "
             "train.adam_beta1/2, train.adam_eps, train.weight_decay)",
         )
+    if t.optimizer == "muon":
+        _validate_muon(t)
     if spec.elementwise:
         return
-    why = "its update needs whole matrices: ranks own whole parameters over the whole group"
+    why = "its update needs whole matrices, stepped on the device by their owner ranks"
     _rule(t.optimizer_offload == "none", "train.optimizer_offload", t.optimizer_offload,
           f"train.optimizer={t.optimizer}: {why}", "set train.optimizer_offload=none")  # fmt: skip
-    _rule(p.dp_shard is None, "parallel.dp_shard", p.dp_shard,
-          f"train.optimizer={t.optimizer}: {why}", "set parallel.dp_shard=null")  # fmt: skip
+
+
+def _validate_muon(t: TrainConfig) -> None:
+    """The train.muon_* keys, by the muon spec's own rule (data_parallel/muon.py), named by
+    their keys."""
+    from megatron_lite.parallel.data_parallel import muon
+
+    _rule(1 <= t.muon_ns_steps <= 99, "train.muon_ns_steps", t.muon_ns_steps,
+          "must be a whole number from 1 to 99 (Newton-Schulz iterations)",
+          "use 5 (torch.optim.Muon's default)")  # fmt: skip
+    _rule(0 <= t.muon_momentum < 1, "train.muon_momentum", t.muon_momentum,
+          "must be in [0, 1)", "use 0.95 (the default)")  # fmt: skip
+    _choice("train.muon_ns_dtype", t.muon_ns_dtype, ("bf16", "fp32"))
+    _choice("train.muon_adjust_lr", t.muon_adjust_lr, ("match_rms_adamw", "original"))
+    if t.muon_lr is not None:
+        _check(rules.positive_fp32(t.muon_lr), "train.muon_lr", t.muon_lr,
+               "use e.g. 0.02, or null for train.lr")  # fmt: skip
+    for kind in t.muon_params:
+        _rule(kind not in muon.VECTOR_KINDS, "train.muon_params", t.muon_params,
+              f"{kind!r} parameters are not 2-D matrices (Muon orthogonalizes matrices)",
+              f"remove {kind!r}: AdamW steps it")  # fmt: skip
+        _rule(kind in muon.MATRIX_KINDS, "train.muon_params", t.muon_params,
+              f"{kind!r} is not a parameter group (groups: {', '.join(muon.MATRIX_KINDS)})",
+              "use groups from that list")  # fmt: skip
+    try:  # anything left to the spec's own rule, named by its key
+        muon.check_hyperparameters({**muon.MUON.hyperparameters, **muon.config_arguments(t)})
+    except ValueError as e:
+        name = str(e).split("=", 1)[0].rsplit(" ", 1)[-1]
+        key = next((k for k, v in muon.CONFIG_KEYS.items() if v == name), "optimizer")
+        raise ConfigError(f"train.{key}: {e}") from e
 
 
 def _validate_adamw(t: TrainConfig) -> None:
@@ -171,4 +201,17 @@ def optimizer_warnings(cfg: Config) -> list[str]:
         )
         for key, name in ADAM_KEYS.items()
         if name not in own and getattr(t, key) != getattr(default, key)
+    ] + [
+        _no_effect(
+            f"train.{key}",
+            getattr(t, key),
+            f"train.optimizer={t.optimizer}",
+            "set train.optimizer=muon, or remove the key",
+        )  # fmt: skip
+        for key in (*MUON_CONFIG_KEYS, "muon_params")
+        if t.optimizer != "muon" and getattr(t, key) != getattr(default, key)
     ]
+
+
+MUON_CONFIG_KEYS = ("muon_momentum", "muon_nesterov", "muon_ns_steps", "muon_ns_dtype",
+                    "muon_adjust_lr", "muon_split_fused", "muon_lr")  # fmt: skip

@@ -18,11 +18,12 @@ def test_bus_bytes_formulas(n):
     assert bus_bytes("all_reduce", size, n) == pytest.approx(2 * ring * size)
     assert bus_bytes("all_to_all", size, n) == pytest.approx(ring * size)
     assert bus_bytes("send", size, n) == size
+    assert bus_bytes("broadcast", size, n) == size  # NCCL-tests: busbw = algbw for broadcast
 
 
 def test_bus_bytes_rejects_unknown_ops():
-    with pytest.raises(ValueError, match="unknown op 'broadcast'"):
-        bus_bytes("broadcast", 8, 2)
+    with pytest.raises(ValueError, match="unknown op 'scatter'"):
+        bus_bytes("scatter", 8, 2)
 
 
 def test_record_takes_the_full_size_for_an_all_gather():

@@ -87,7 +87,7 @@ def test_shared_expert_gate_gets_weight_decay_like_the_router():
     layer = _layer(True, gate=True)
     named = dict(layer.named_parameters())
     hyper = {**ADAMW.hyperparameters, "weight_decay": 0.1}
-    opt = make_optimizer(ADAMW, [(p, p) for p in named.values()], hyper, False)
+    opt = make_optimizer(ADAMW, [(p, p, n) for n, p in named.items()], hyper, False)
     decayed = {id(p) for g in opt.param_groups if g["weight_decay"] == 0.1 for p in g["params"]}
     assert id(named["shared_expert_gate"]) in decayed
     assert id(named["router.weight"]) in decayed

@@ -69,14 +69,15 @@ def test_adamw_spec_steps_as_torch_adamw_did():
     torch.optim.AdamW built as the wrappers built it before the spec existed."""
     ours, ref = _params(), _params()
     hyper = dict(lr=1e-2, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.1)
-    opt = make_optimizer(ADAMW, [(p, p) for p in ours], hyper, fused=False)
+    opt = make_optimizer(ADAMW, [(p, p, "") for p in ours], hyper, fused=False)
     groups = [
         {"params": [p for p in ref if p.dim() >= 2], "weight_decay": 0.1},
         {"params": [p for p in ref if p.dim() < 2], "weight_decay": 0.0},
     ]
     torch_opt = torch.optim.AdamW(groups, lr=1e-2, betas=(0.8, 0.9), eps=1e-6, foreach=False)
     strip = [{k: v for k, v in g.items() if k != "params"} for g in torch_opt.param_groups]
-    assert [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] == strip
+    ours_only = {"params", "sources", "group", "tp_group"}  # make_optimizer's own keys
+    assert [{k: v for k, v in g.items() if k not in ours_only} for g in opt.param_groups] == strip
     for step in range(3):
         _grads(ours, step)
         _grads(ref, step)
@@ -90,7 +91,9 @@ def test_update_spec_steps_as_torch_sgd():
     """A spec with a per-tensor update (SpecOptimizer): 3 steps bitwise equal to
     torch.optim.SGD(momentum=0.9); its state is the spec's, plus the step count."""
     ours, ref = _params(), _params()
-    opt = make_optimizer(_toy("local"), [(p, p) for p in ours], {"lr": 0.1, "momentum": 0.9}, False)
+    opt = make_optimizer(
+        _toy("local"), [(p, p, "") for p in ours], {"lr": 0.1, "momentum": 0.9}, False
+    )
     torch_opt = torch.optim.SGD(ref, lr=0.1, momentum=0.9, foreach=False)
     for step in range(3):
         _grads(ours, step)
@@ -143,9 +146,18 @@ ARGUMENT_CASES = [
         "offload=True: optimizer 'unit_whole' needs whole matrices",
     ),
     (
-        dict(optimizer="unit_whole", zero_stage=1, dp_shard=2),
-        "dp_shard=2: optimizer 'unit_whole' needs whole matrices",
+        dict(optimizer="muon", optimizer_args={"ns_steps": 0}),
+        "optimizer_args={'ns_steps': 0}: muon hyperparameter ns_steps=0: must be a whole number",
     ),
+    (
+        dict(optimizer="muon", optimizer_args={"muon_params": ("attention", "norm")}),
+        "muon_params=('attention', 'norm'): 'norm' parameters are not matrices (Muon's are)",
+    ),
+    (
+        dict(optimizer="muon", optimizer_args={"muon_params": ("attn",)}),
+        "'attn' is not a parameter kind",
+    ),
+    (dict(optimizer="muon", zero_stage=1, offload=True), "offload=True: optimizer 'muon' needs"),
 ]
 
 
@@ -209,14 +221,15 @@ def test_param_group_rule_is_the_spec():
         states=(),
         hyperparameters={"lr": 1.0, "momentum": 0.0},
         groups=(
-            ParamGroup("matrices", lambda p: p.dim() >= 2),
+            ParamGroup("matrices", lambda p, name: p.dim() >= 2),
             ParamGroup("rest", overrides={"lr": 0.0}),
         ),
         update=lambda p, g, s, group: p.add_(g, alpha=-group["lr"]),
     )
     matrix, vector = nn.Parameter(torch.ones(2, 2)), nn.Parameter(torch.ones(2))
     pieces = [matrix.detach().view(-1)[:3].clone(), vector.detach().clone()]
-    opt = make_optimizer(spec, list(zip(pieces, (matrix, vector), strict=True)), {"lr": 1.0}, False)
+    named = list(zip(pieces, (matrix, vector), ("m", "v"), strict=True))
+    opt = make_optimizer(spec, named, {"lr": 1.0}, False)
     assert [len(g["params"]) for g in opt.param_groups] == [1, 1]
     assert [g["lr"] for g in opt.param_groups] == [1.0, 0.0]
 

@@ -131,7 +131,8 @@ def check_values(where: str, args: dict[str, Any]) -> None:
 def check_optimizer(where: str, args: dict[str, Any]) -> None:
     """`optimizer` is an OptimizerSpec or a registered name; the hyperparameters passed are
     the spec's (betas, eps: when not None; weight_decay: when not 0; `optimizer_args`: the
-    others); a spec needing whole matrices runs without offload and hybrid sharding."""
+    others) and in the spec's ranges (`OptimizerSpec.check`); a spec needing whole matrices
+    runs without offload."""
     opt = args["optimizer"]
     named = isinstance(opt, str) and opt in optimizer_names()
     ok = isinstance(opt, OptimizerSpec) or named
@@ -152,15 +153,19 @@ def check_optimizer(where: str, args: dict[str, Any]) -> None:
                 f"{sorted(spec.hyperparameters)})",
                 f"leave {name} out, or pass optimizer= one that has it",
             )  # fmt: skip
-    if not spec.elementwise:  # whole_matrix.py assigns whole parameters over the whole group
-        for name, used in (("offload", args.get("offload")), ("dp_shard", args.get("dp_shard"))):
-            _require(
-                where, name, used,
-                f"optimizer {spec.name!r} needs whole matrices; its ranks own whole parameters "
-                "over the whole data-parallel group, without offload or hybrid sharding"
-                if used not in (None, False) else None,
-                f"pass {name}={'False' if name == 'offload' else 'None'}",
-            )  # fmt: skip
+    if spec.check is not None:
+        try:
+            spec.check({**spec.hyperparameters, **_given(args)})
+        except ValueError as e:
+            _require(where, "optimizer_args", extra, str(e), "pass a value in its range")
+    if not spec.elementwise:  # whole_matrix.py assigns whole parameters to owner ranks
+        used = args.get("offload")
+        _require(
+            where, "offload", used,
+            f"optimizer {spec.name!r} needs whole matrices: their owners step them on the "
+            "device, without optimizer offload" if used else None,
+            "pass offload=False",
+        )  # fmt: skip
 
 
 def _given(args: dict[str, Any]) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from megatron_lite.parallel.data_parallel.buffers import GradBuffer
 from megatron_lite.parallel.data_parallel.finalize import LocalGrad, tied_params
 from megatron_lite.parallel.data_parallel.memory import buffer_state_bytes, buffer_state_tensors
 from megatron_lite.parallel.data_parallel.optimizer import ShardedOptimizer, make_pieces
-from megatron_lite.parallel.data_parallel.optimizer_spec import OptimizerSpec
+from megatron_lite.parallel.data_parallel.optimizer_spec import OptimizerSpec, needs_whole
 from megatron_lite.parallel.mesh import ParallelMesh
 from megatron_lite.parallel.params import meta_of
 
@@ -95,61 +95,74 @@ class DataParallel:
             zero_stage,
             overlap_param_gather,
         )
-        whole = not spec.elementwise  # whole parameters to ranks (whole_matrix.py)
+        named = [(n, p) for c in chunks for n, p in c.named_parameters() if p.requires_grad]
+        # parameters whose update needs the whole matrix (whole_matrix.py); the others flat
+        whole = {} if spec.elementwise else needs_whole(spec, hyper, named)
         self.groups = {}
         for name in ("dp_cp", "edp"):
             full = getattr(mesh, name)
             n = dp_shard or full.size
-            if zero_stage == 0 or whole:
+            if zero_stage == 0:
                 self.groups[name] = (full.group, None, None)
             elif n == full.size:
                 self.groups[name] = (full.group, full.group, None)
             else:
                 self.groups[name] = (full.group, *hybrid_groups(mesh, name, n))
         self.tied = [] if mesh.pp.size == 1 or not tie_embeddings else tied_params(chunks)
-        keep_full = zero_stage < 2 or whole
-        self.buffers, kinds = self._build_buffers(chunks, bucket_size, grad_reduce_dtype,
-                                                  keep_full, overlap_grad_reduce)  # fmt: skip
+        self.buffers, kinds, wholes = self._build_buffers(
+            chunks, bucket_size, grad_reduce_dtype, zero_stage < 2, overlap_grad_reduce, whole
+        )
+        self.whole_buffers = [b for b, w in zip(self.buffers, wholes, strict=True) if w]
+        flat = [b for b, w in zip(self.buffers, wholes, strict=True) if not w]
         self.owners = None  # whole_matrix.py: {id(param): owner} under ZeRO-1/2
-        if whole:
-            self.owners = whole_matrix.assign_owners(self.buffers, kinds) if zero_stage else None
-            self.pieces = whole_matrix.whole_pieces(self.buffers, self.owners)
-        else:
-            self.pieces = make_pieces(self.buffers, offload)
-        self.optimizer = ShardedOptimizer(self.pieces, spec, hyper, offload)
+        if self.whole_buffers and zero_stage:
+            cost = (lambda p: spec.cost(p, hyper)) if spec.cost else (lambda p: p.numel())
+            whole_kinds = [k for k, w in zip(kinds, wholes, strict=True) if w]
+            self.owners = whole_matrix.assign_owners(self.whole_buffers, whole_kinds, cost)
+        self.pieces = make_pieces(flat, offload)
+        self.pieces += whole_matrix.whole_pieces(self.whole_buffers, self.owners)
+        self.optimizer = ShardedOptimizer(self.pieces, spec, hyper, offload, mesh.tp.group)
         # the next forward waits for the weights only when their all-gather overlaps it
         waits = zero_stage and overlap_param_gather
         self._gather_hooks = [self._register_gather_waits(c) for c in chunks] if waits else []
 
-    def _build_buffers(self, chunks, bucket_size, reduce_dtype, keep_full, overlap):
-        """The gradient buffers, one per chunk and reduction group, and each one's group name
-        (dp_cp or edp)."""
-        buffers, kinds = [], []
+    def _build_buffers(self, chunks, bucket_size, reduce_dtype, keep_full, overlap, whole):
+        """The gradient buffers, one per chunk, reduction group and kind of update (flat
+        shards; whole parameters, `whole` {id(param): True}: all-reduced whole, whole_matrix.py),
+        each one's group name (dp_cp or edp) and whether it holds whole parameters."""
+        buffers, kinds, wholes = [], [], []
         in_flight = {"dp_cp": [], "edp": []}  # ZeRO-2: one reduce-scatter per group at a time
         for chunk in chunks:
             params = [p for p in chunk.parameters() if p.requires_grad]
             names = {id(p): n for n, p in chunk.named_parameters()}
             for name, expert in (("dp_cp", False), ("edp", True)):
-                mine = [p for p in params if meta_of(p).is_expert == expert]
-                if not mine:
-                    continue
-                group, shard, replica = self.groups[name]
-                buf = GradBuffer(
-                    mine,
-                    group,
-                    shard_group=shard,
-                    replica_group=replica,
-                    bucket_size=bucket_size,
-                    own_bucket={id(p) for p in self.tied},
-                    reduce_dtype=reduce_dtype,
-                    keep_full_grads=keep_full,
-                    overlap=overlap,
-                    in_flight=in_flight[name],
-                    names=names,
-                )
-                buffers.append(buf)
-                kinds.append(name)
-        return buffers, kinds
+                for is_whole in (False, True):
+                    mine = [
+                        p for p in params
+                        if meta_of(p).is_expert == expert and whole.get(id(p), False) == is_whole
+                    ]  # fmt: skip
+                    if not mine:
+                        continue
+                    group, shard, replica = self.groups[name]
+                    if is_whole:  # every rank reduces the whole gradient (ZeRO-0's buffers)
+                        shard, replica = None, None
+                    buf = GradBuffer(
+                        mine,
+                        group,
+                        shard_group=shard,
+                        replica_group=replica,
+                        bucket_size=bucket_size,
+                        own_bucket={id(p) for p in self.tied},
+                        reduce_dtype=reduce_dtype,
+                        keep_full_grads=keep_full or is_whole,
+                        overlap=overlap,
+                        in_flight=[] if is_whole else in_flight[name],
+                        names=names,
+                    )
+                    buffers.append(buf)
+                    kinds.append(name)
+                    wholes.append(is_whole)
+        return buffers, kinds, wholes
 
     def _register_gather_waits(self, chunk: torch.nn.Module):
         """Before a module's forward, wait for the all-gather of the buckets holding its
@@ -181,17 +194,17 @@ class DataParallel:
     def local_grads(self) -> list[LocalGrad]:
         """This rank's reduced gradient shard, one entry per piece (parameter ∩ shard; whole
         parameters this rank owns, whole_matrix.py)."""
-        if self.owners is not None:
-            return whole_matrix.owned_grads(self.pieces)
-        return [LocalGrad(pc.param, pc.grad, pc.buffer.replicas) for pc in self.pieces]
+        return [LocalGrad(pc.param, pc.grad, 1 if pc.owned else pc.buffer.replicas)
+                for pc in self.pieces]  # fmt: skip
 
     def finish_grad_sync(self) -> None:
         """Every bucket reduced, then the sums over TP (sequence-parallel replicas) and over the
         embedding group (tied embeddings) on this rank's shard (see finalize.py)."""
         for buf in self.buffers:
             buf.finish()
-        owned = self.owners is not None  # every whole gradient, whoever owns it
-        grads = whole_matrix.whole_grads(self.buffers) if owned else self.local_grads()
+        grads = [g for g, pc in zip(self.local_grads(), self.pieces, strict=True) if not pc.owned]
+        if self.owners is not None:  # every whole gradient, whoever owns it
+            grads += whole_matrix.whole_grads(self.whole_buffers)
         finalize.sum_model_parallel_copies(grads, self.mesh, self.tied)
 
     def grad_square_sum(self) -> torch.Tensor:
@@ -208,7 +221,7 @@ class DataParallel:
         before each module's next forward when overlap_param_gather, else here)."""
         self.optimizer.step()
         if self.owners is not None:  # whole parameters from their owners
-            whole_matrix.broadcast_params(self.buffers, self.owners)
+            whole_matrix.broadcast_params(self.whole_buffers, self.owners)
         for buf in self.buffers:
             buf.gather_params(wait=not self.overlap_param_gather)
 

@@ -242,9 +242,13 @@ class FullyShardedDataParallel:
         self.params = [p for c in chunks for p in c.parameters() if p.requires_grad]
         self.tied = tied_params(chunks) if mesh.pp.size > 1 and tie_embeddings else []
         spec, hyper = arguments.optimizer_settings(args)
-        whole = not spec.elementwise  # gathered whole to an owner each step
-        cls = FSDPWholeMatrixOptimizer if whole else FSDPOptimizer
-        self.optimizer = cls(self.params, spec, hyper, param_dtype)
+        names = {id(p): n for c in chunks for n, p in c.named_parameters()}
+        if spec.elementwise:
+            self.optimizer = FSDPOptimizer(self.params, spec, hyper, param_dtype, names)
+        else:  # gathered whole to an owner each step
+            self.optimizer = FSDPWholeMatrixOptimizer(
+                self.params, spec, hyper, param_dtype, names, mesh.tp.group
+            )
         self.expected = 1
         self.unsynced: set[int] = set()  # chunks announced "not last" and not yet "last"
 

@@ -21,6 +21,7 @@ from megatron_lite.parallel.data_parallel.optimizer_spec import (
     OptimizerSpec,
     init_states,
     make_optimizer,
+    tensor_groups,
 )
 from megatron_lite.parallel.params import fsdp_replicas, fsdp_rows
 
@@ -30,10 +31,15 @@ class FSDPOptimizer:
     them; AdamW: per tensor on CPU, fused on CUDA), with the checkpoint interface of
     `ShardedOptimizer`."""
 
-    def __init__(self, params, spec: OptimizerSpec, hyper: dict, param_dtype: torch.dtype):
+    def __init__(
+        self, params, spec: OptimizerSpec, hyper: dict, param_dtype: torch.dtype, names=None
+    ):
         self.params, self.param_dtype, self.spec = params, param_dtype, spec
         fused = any(p.is_cuda for p in params) or fake.active()
-        self.inner = make_optimizer(spec, [(p, p) for p in params], hyper, fused)
+        names = names or {}
+        named = [(p, p, names.get(id(p), "")) for p in params]
+        self.inner = make_optimizer(spec, named, hyper, fused)
+        self.group_of = tensor_groups(self.inner)
 
     @property
     def param_groups(self):
@@ -69,10 +75,11 @@ class FSDPOptimizer:
             state = self.inner.state[p]
             if not state:  # what the optimizer's first step would create
                 step = torch.zeros((), dtype=torch.float32, device=p.device if fused else "cpu")
-                state.update(step=step, **init_states(self.spec, p))
+                state.update(step=step, **init_states(self.spec, p, self.group_of[id(p)]))
             start, end = fsdp_rows(p)
             inner = math.prod(p.shape[1:])
-            states = {k: state[k].to_local().view(-1) for k in self.spec.state_names}
+            names = (s.name for s in self.spec.group_states(self.group_of[id(p)]))
+            states = {k: state[k].to_local().view(-1) for k in names}
             out.append(
                 StateShard(p, start * inner, end * inner, states, state["step"], fsdp_replicas(p))
             )

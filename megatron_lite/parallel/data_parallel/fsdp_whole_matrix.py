@@ -17,7 +17,7 @@ Hybrid sharding (dp_shard) and offload are refused for such specs (arguments.che
 
 from __future__ import annotations
 
-import functools
+import math
 
 import torch
 import torch.distributed as dist
@@ -28,37 +28,50 @@ from megatron_lite.parallel.data_parallel.optimizer_spec import (
     OptimizerSpec,
     init_states,
     make_optimizer,
+    needs_whole,
+    tensor_groups,
 )
-from megatron_lite.parallel.data_parallel.whole_matrix import least_loaded
-from megatron_lite.parallel.params import fsdp_rows
+from megatron_lite.parallel.data_parallel.whole_matrix import owner_table
+from megatron_lite.parallel.params import fsdp_replicas, fsdp_rows
 
 
 class FSDPWholeMatrixOptimizer:
     """The spec's optimizer on whole parameters gathered from FSDP2's shards, each stepped by
-    its owner (module docstring); the checkpoint interface of `FSDPOptimizer` (the owner's
-    states over the whole parameter, held by it alone)."""
+    its owner (module docstring), and on the DTensor shards themselves for the groups whose
+    update is elementwise (Muon's AdamW groups); the checkpoint interface of `FSDPOptimizer`
+    (the owner's states over the whole parameter, held by it alone)."""
 
-    def __init__(self, params, spec: OptimizerSpec, hyper: dict, param_dtype: torch.dtype):
+    def __init__(
+        self, params, spec: OptimizerSpec, hyper: dict, param_dtype: torch.dtype, names=None,
+        tp_group=None,
+    ):  # fmt: skip
         self.params, self.param_dtype, self.spec = params, param_dtype, spec
-        groups = [p.device_mesh.get_group(0) for p in params]  # 1-D: no hybrid sharding
-        loads: dict[int, list[int]] = {}
+        names = names or {}
+        whole = needs_whole(spec, hyper, [(names.get(id(p), ""), p) for p in params])
+        self.gathered = [p for p in params if whole[id(p)]]  # stepped whole by an owner
+        # the sharding group: the last mesh dim (HSDP's replicas repeat the same work)
+        groups = [p.device_mesh.get_group(p.device_mesh.ndim - 1) for p in self.gathered]
+        self.groups = {id(p): g for p, g in zip(self.gathered, groups, strict=True)}
         self.owner: dict[int, int] = {}  # id(param) -> its owner's rank in its group
-        order = sorted(range(len(params)), key=lambda i: (-params[i].numel(), i))
-        for i in order:
-            load = loads.setdefault(id(groups[i]), [0] * mappings.size(groups[i]))
-            self.owner[id(params[i])] = least_loaded(load, params[i].numel())
-        self.groups = {id(p): g for p, g in zip(params, groups, strict=True)}
+        cost = (lambda p: spec.cost(p, hyper)) if spec.cost else (lambda p: p.numel())
+        for group in {id(g): g for g in groups}.values():
+            mine = [p for p in self.gathered if self.groups[id(p)] is group]
+            table = owner_table(mine, mappings.size(group), cost)
+            self.owner.update({id(p): r for p, r in zip(mine, table, strict=True)})
         self.whole: dict[int, torch.nn.Parameter] = {}  # id(param) -> fp32 whole copy (owner)
-        for p in params:
+        for p in self.gathered:
             if self._owns(p):
                 local = p.to_local()
                 self.whole[id(p)] = torch.nn.Parameter(torch.empty(p.shape, device=local.device))
-        mine = [(self.whole[id(p)], p) for p in params if id(p) in self.whole]
-        fused = any(w.is_cuda for w, _ in mine) or fake.active()
-        self.inner = make_optimizer(spec, mine, hyper, fused)
-        for w, _ in mine:  # states exist from the start (memory before step 1, checkpoints)
-            step = torch.zeros((), device=w.device if w.is_cuda else "cpu")
-            self.inner.state[w] = {"step": step, **init_states(spec, w)}
+        steps = [(self.whole[id(p)], p) for p in self.gathered if id(p) in self.whole]
+        steps += [(p, p) for p in params if not whole[id(p)]]
+        fused = any(t.is_cuda for t, _ in steps) or fake.active()
+        named = [(t, p, names.get(id(p), "")) for t, p in steps]
+        self.inner = make_optimizer(spec, named, hyper, fused, tp_group)
+        self.group_of = tensor_groups(self.inner)
+        for t, _ in steps:  # states exist from the start (memory before step 1, checkpoints)
+            step = torch.zeros((), device=t.device if t.is_cuda else "cpu")
+            self.inner.state[t] = {"step": step, **init_states(spec, t, self.group_of[id(t)])}
 
     def _owns(self, p) -> bool:
         group = self.groups[id(p)]
@@ -76,25 +89,34 @@ class FSDPWholeMatrixOptimizer:
 
     @torch.no_grad()
     def step(self) -> None:
-        """Per parameter: gather it, the owner steps it, broadcast, keep this rank's rows
-        (module docstring). One parameter at a time, so the step holds one whole parameter
-        and its gradient beyond the shards (the optimizer steps only the one with a grad)."""
-        for p in self.params:
+        """Every gathered parameter's gradient and weight made whole on its owner (all-gathers
+        every rank of its group joins), one optimizer step (the owners' whole copies, the
+        elementwise groups' shards), then each whole copy broadcast from its owner and every
+        rank keeps its rows. An owner holds the whole gradients of its parameters until the
+        step (about 1/N of them)."""
+        for p in self.gathered:
             if p.grad is None:
                 continue
-            grad, full = p.grad.full_tensor(), p.full_tensor()
+            group = self.groups[id(p)]
+            grad = mappings.gathered("gather_whole", group, p.grad.to_local(), p.grad.full_tensor)
+            full = mappings.gathered("gather_whole", group, p.to_local(), p.full_tensor)
             w = self.whole.get(id(p))
             if w is not None:
                 w.copy_(full)
                 w.grad = grad.to(torch.float32)
-                self.inner.step()
-                w.grad = None
-                full.copy_(w)
+        self.inner.step()
+        for p in self.gathered:
+            if p.grad is None:
+                continue
+            w = self.whole.get(id(p))
+            if w is not None:
+                full, w.grad = w.detach().to(p.dtype), None
+            else:
+                full = torch.empty(p.shape, dtype=p.dtype, device=p.to_local().device)
             group = self.groups[id(p)]
             if mappings.size(group) > 1:
                 src = dist.get_process_group_ranks(group)[self.owner[id(p)]]
-                send = functools.partial(dist.broadcast, full, src, group)
-                mappings.guarded("broadcast_dp", group, send)
+                mappings.broadcast(full, src, group, kind="broadcast_dp")
             start, end = fsdp_rows(p)
             p.to_local().copy_(full[start:end])
 
@@ -107,14 +129,25 @@ class FSDPWholeMatrixOptimizer:
         return self.param_dtype
 
     def state_shards(self) -> list[StateShard]:
-        """The owner's states of each of its parameters, over the whole parameter (no other
-        rank holds them)."""
+        """The owner's states of each of its whole parameters, over the whole parameter (no
+        other rank holds them); the elementwise groups' over this rank's rows (FSDPOptimizer)."""
         out = []
         for p in self.params:
-            if id(p) in self.whole:
-                state = self.inner.state[self.whole[id(p)]]
-                states = {k: state[k].view(-1) for k in self.spec.state_names}
-                out.append(StateShard(p, 0, p.numel(), states, state["step"], None))
+            t = self.whole.get(id(p), None if id(p) in self.groups else p)
+            if t is None:
+                continue
+            state = self.inner.state[t]
+            names = [s.name for s in self.spec.group_states(self.group_of[id(t)])]
+            if t is p:  # an elementwise group's shard, as FSDPOptimizer
+                start, end = fsdp_rows(p)
+                inner = math.prod(p.shape[1:])
+                states = {k: state[k].to_local().view(-1) for k in names}
+                shard = StateShard(p, start * inner, end * inner, states, state["step"],
+                                   fsdp_replicas(p))  # fmt: skip
+            else:
+                states = {k: state[k].view(-1) for k in names}
+                shard = StateShard(p, 0, p.numel(), states, state["step"], None)
+            out.append(shard)
         return out
 
     @torch.no_grad()

@@ -37,6 +37,7 @@ from megatron_lite.parallel.data_parallel.optimizer_spec import (
     OptimizerSpec,
     init_states,
     make_optimizer,
+    tensor_groups,
 )
 
 
@@ -184,9 +185,12 @@ class _Transfers:
 
 class ShardedOptimizer:
     """The spec's optimizer over `pieces` (its parameter groups rule reads each piece's
-    parameter; `hyper`: its hyperparameters, see optimizer_spec.hyperparameters)."""
+    parameter and its name; `hyper`: its hyperparameters, see optimizer_spec.hyperparameters;
+    `tp_group`: for a whole-matrix update that gathers TP shards)."""
 
-    def __init__(self, pieces: list[Piece], spec: OptimizerSpec, hyper: dict, offload: bool):
+    def __init__(
+        self, pieces: list[Piece], spec: OptimizerSpec, hyper: dict, offload: bool, tp_group=None
+    ):
         self.pieces, self.offload, self.spec = pieces, offload, spec
         self.transfers = None  # offload: the host copies (module docstring)
         if offload:
@@ -195,10 +199,13 @@ class ShardedOptimizer:
             self.transfers = _Transfers(pieces, _CudaOps() if cuda else _HostOps())
         on_cuda = bool(pieces) and pieces[0].master.is_cuda
         fused = any(pc.master.is_cuda for pc in pieces) or fake.active()
-        self.inner = make_optimizer(spec, [(pc.master, pc.param) for pc in pieces], hyper, fused)
+        named = [(pc.master, pc.param, pc.buffer.names.get(id(pc.param), "")) for pc in pieces]
+        self.inner = make_optimizer(spec, named, hyper, fused, tp_group)
+        self.group_of = tensor_groups(self.inner)  # id(master) -> its ParamGroup
         for pc in pieces:  # states exist from the start, so memory is measured before step 1
             step = torch.zeros((), device=pc.master.device if on_cuda else "cpu")
-            self.inner.state[pc.master] = {"step": step, **init_states(spec, pc.master)}
+            group = self.group_of[id(pc.master)]
+            self.inner.state[pc.master] = {"step": step, **init_states(spec, pc.master, group)}
 
     @property
     def param_groups(self):
@@ -243,7 +250,8 @@ class ShardedOptimizer:
         out = []
         for pc in self.pieces:
             state = self.inner.state[pc.master]
-            states = {k: state[k].view(-1) for k in self.spec.state_names}
+            names = (st.name for st in self.spec.group_states(self.group_of[id(pc.master)]))
+            states = {k: state[k].view(-1) for k in names}
             if not pc.aliased:
                 states["master"] = pc.master.data.view(-1)
             buf = pc.buffer

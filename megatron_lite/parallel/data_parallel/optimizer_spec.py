@@ -29,8 +29,9 @@ from megatron_lite.registry import Registry
 
 __all__ = [
     "ADAMW", "NAMED_HYPERPARAMETERS", "OptimizerSpec", "ParamGroup", "SpecOptimizer",
-    "StateSpec", "get_optimizer", "hyperparameters", "init_states", "make_optimizer",
-    "optimizer_names", "register_optimizer", "resolve_optimizer", "unregister_optimizer",
+    "StateSpec", "get_optimizer", "group_index", "hyperparameters", "init_states",
+    "make_optimizer", "needs_whole", "optimizer_names", "register_optimizer",
+    "resolve_optimizer", "tensor_groups", "unregister_optimizer",
 ]  # fmt: skip
 
 SHAPES = ("param",)  # what a state's shape may be relative to its parameter (see StateSpec)
@@ -55,19 +56,24 @@ class StateSpec:
         return torch.empty((), dtype=self.dtype).element_size()
 
 
-def _everything(param: torch.nn.Parameter) -> bool:
+def _everything(param: torch.nn.Parameter, name: str) -> bool:
     return True
 
 
 @dataclass(frozen=True)
 class ParamGroup:
-    """A parameter group: the parameters `applies(param)` picks (the model's parameter, with
-    its TP-local shape, never a shard of it) step with the spec's hyperparameters updated by
-    `overrides`. A spec's groups are tried in order, the first that applies wins."""
+    """A parameter group: the parameters `applies(param, name)` picks (the model's parameter,
+    with its TP-local shape, never a shard of it, and its name in its model chunk, "" where
+    unknown) step with the spec's hyperparameters updated by `overrides`. A spec's groups are
+    tried in order, the first that applies wins. `states` / `elementwise`: this group's own
+    (None: the spec's), for a spec that steps groups with different rules (Muon's matrices
+    whole, AdamW's others elementwise): its states must be among the spec's."""
 
     name: str
-    applies: Callable[[torch.nn.Parameter], bool] = _everything
+    applies: Callable[[torch.nn.Parameter, str], bool] = _everything
     overrides: Mapping[str, Any] = field(default_factory=dict)
+    states: tuple[StateSpec, ...] | None = None
+    elementwise: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -81,16 +87,26 @@ class OptimizerSpec:
         optimizer.py; ZeRO-3 is refused).
     hyperparameters: names and defaults; "lr" is required (the trainer's schedule sets it).
     groups: the parameter groups rule (`ParamGroup`s, the last should apply to every
-        parameter). update / make: the module docstring (exactly one of them).
+        parameter), or a function of the hyperparameters returning them (groups the user
+        configures, e.g. which parameters Muon steps). update / make: the module docstring
+        (exactly one of them). states: every state any group holds; elementwise: False when
+        any group needs whole matrices.
+    check: raises ValueError naming a hyperparameter that is out of its range (None: none).
+    cost: one step's cost of a parameter's whole-matrix update (ownership is balanced by it,
+        whole_matrix.py; None: its elements).
     """
 
     name: str
     states: tuple[StateSpec, ...]
     hyperparameters: Mapping[str, Any]
     elementwise: bool = True
-    groups: tuple[ParamGroup, ...] = (ParamGroup("all"),)
+    groups: tuple[ParamGroup, ...] | Callable[[Mapping[str, Any]], tuple[ParamGroup, ...]] = (
+        ParamGroup("all"),
+    )
     update: Callable[[torch.Tensor, torch.Tensor, dict, dict], None] | None = None
     make: Callable[[list[dict], dict, bool], torch.optim.Optimizer] | None = None
+    check: Callable[[Mapping[str, Any]], None] | None = None
+    cost: Callable[[torch.nn.Parameter, Mapping[str, Any]], float] | None = None
 
     def __post_init__(self) -> None:
         where = f"optimizer {self.name!r}"
@@ -107,8 +123,24 @@ class OptimizerSpec:
                     f"{where}: state {s.name!r} has shape={s.shape!r}; only {SHAPES} is "
                     "supported (checkpoints and ZeRO shards cut states like the parameter)"
                 )
-        if not self.groups:
-            raise ValueError(f"{where}: groups must hold at least one ParamGroup")
+        if not callable(self.groups):
+            check_groups(self, self.groups)
+
+    def param_groups(self, hyper: Mapping[str, Any]) -> tuple[ParamGroup, ...]:
+        """The groups rule for these hyperparameters."""
+        if not callable(self.groups):
+            return self.groups
+        groups = tuple(self.groups(hyper))
+        check_groups(self, groups)
+        return groups
+
+    def group_states(self, group: ParamGroup) -> tuple[StateSpec, ...]:
+        """The states a parameter of `group` holds."""
+        return self.states if group.states is None else group.states
+
+    def group_elementwise(self, group: ParamGroup) -> bool:
+        """Whether `group`'s update is elementwise (any shard of a parameter will do)."""
+        return self.elementwise if group.elementwise is None else group.elementwise
 
     @property
     def state_names(self) -> tuple[str, ...]:
@@ -116,8 +148,48 @@ class OptimizerSpec:
 
     @property
     def state_bytes(self) -> int:
-        """Optimizer-state bytes per parameter element (the memory report's "optimizer")."""
+        """Optimizer-state bytes per parameter element of a group holding every state (the
+        memory report's "optimizer"; a group's own: `group_state_bytes`)."""
         return sum(s.bytes_per_element for s in self.states)
+
+    def group_state_bytes(self, group: ParamGroup) -> int:
+        """Optimizer-state bytes per element of a parameter of `group`."""
+        return sum(s.bytes_per_element for s in self.group_states(group))
+
+
+def check_groups(spec: OptimizerSpec, groups: tuple[ParamGroup, ...]) -> None:
+    """At least one group; each group's states among the spec's; a whole-matrix group only in
+    a spec that says it is not elementwise."""
+    where = f"optimizer {spec.name!r}"
+    if not groups:
+        raise ValueError(f"{where}: groups must hold at least one ParamGroup")
+    for g in groups:
+        extra = set(s.name for s in spec.group_states(g)) - set(spec.state_names)
+        if extra:
+            raise ValueError(f"{where}: group {g.name!r} has states {sorted(extra)} the spec lacks")
+        if not spec.group_elementwise(g) and spec.elementwise:
+            raise ValueError(
+                f"{where}: group {g.name!r} needs whole matrices; say elementwise=False on the spec"
+            )
+
+
+def group_index(
+    spec: OptimizerSpec, groups: tuple[ParamGroup, ...], param: torch.nn.Parameter, name: str
+) -> int:
+    """The index of the first of `groups` that applies to `param` (named `name`)."""
+    i = next((i for i, g in enumerate(groups) if g.applies(param, name)), None)
+    if i is None:
+        raise ValueError(f"optimizer {spec.name!r}: no group applies to parameter {name!r}")
+    return i
+
+
+def needs_whole(spec: OptimizerSpec, hyper: Mapping[str, Any], named_params) -> dict[int, bool]:
+    """{id(param): whether its group needs it whole} over (name, param) pairs."""
+    groups = spec.param_groups(hyper)
+    return {
+        id(p): not spec.group_elementwise(groups[group_index(spec, groups, p, n)])
+        for n, p in named_params
+    }
 
 
 _SPECS: Registry[OptimizerSpec] = Registry("optimizer")
@@ -150,40 +222,61 @@ def resolve_optimizer(optimizer: str | OptimizerSpec) -> OptimizerSpec:
 
 
 def hyperparameters(spec: OptimizerSpec, given: Mapping[str, Any]) -> dict[str, Any]:
-    """The spec's defaults updated by `given` (names the spec lacks: a ValueError)."""
+    """The spec's defaults updated by `given` (names the spec lacks, or values its `check`
+    refuses: a ValueError)."""
     unknown = sorted(set(given) - set(spec.hyperparameters))
     if unknown:
         raise ValueError(
             f"optimizer {spec.name!r} has no hyperparameter(s) {unknown}; "
             f"its hyperparameters: {sorted(spec.hyperparameters)}"
         )
-    return {**spec.hyperparameters, **given}
+    hyper = {**spec.hyperparameters, **given}
+    if spec.check is not None:
+        spec.check(hyper)
+    return hyper
 
 
-def init_states(spec: OptimizerSpec, like: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Zeroed states of one tensor (a parameter, a piece of one), as its first step sees them."""
-    return {s.name: torch.zeros_like(like, dtype=s.dtype) for s in spec.states}
+def init_states(
+    spec: OptimizerSpec, like: torch.Tensor, group: ParamGroup | None = None
+) -> dict[str, torch.Tensor]:
+    """Zeroed states of one tensor (a parameter, a piece of one) of `group` (None: every
+    state of the spec), as its first step sees them."""
+    states = spec.states if group is None else spec.group_states(group)
+    return {s.name: torch.zeros_like(like, dtype=s.dtype) for s in states}
 
 
 def make_optimizer(
     spec: OptimizerSpec,
-    tensors: list[tuple[torch.Tensor, torch.nn.Parameter]],
+    tensors: list[tuple[torch.Tensor, torch.nn.Parameter, str]],
     hyper: dict[str, Any],
     fused: bool,
+    tp_group=None,
 ) -> torch.optim.Optimizer:
     """The torch optimizer stepping `tensors` ((what steps: a master or a sharded parameter,
-    the model parameter it stands for)), grouped by `spec.groups` in their order (empty groups
-    kept, so every layout has the same groups). `fused`: the GPU's kernels (CUDA, a dry run)."""
-    members: list[list[torch.Tensor]] = [[] for _ in spec.groups]
-    for t, param in tensors:
-        i = next((i for i, g in enumerate(spec.groups) if g.applies(param)), None)
-        if i is None:
-            raise ValueError(f"optimizer {spec.name!r}: no group applies to a parameter")
+    the model parameter it stands for, that parameter's name)), grouped by the spec's groups
+    in their order (empty groups kept, so every layout has the same groups). Each torch group
+    dict also holds "sources" (the model parameters, for a whole-matrix update that reads
+    their TP layout, params.ParamMeta), "group" (its ParamGroup) and "tp_group" (the TP
+    process group, None: one rank). `fused`: the GPU's kernels (CUDA, a dry run)."""
+    rule = spec.param_groups(hyper)
+    members: list[list[torch.Tensor]] = [[] for _ in rule]
+    sources: list[list[torch.nn.Parameter]] = [[] for _ in rule]
+    for t, param, name in tensors:
+        i = group_index(spec, rule, param, name)
         members[i].append(t)
-    groups = [{"params": m, **g.overrides} for g, m in zip(spec.groups, members, strict=True)]
+        sources[i].append(param)
+    groups = [
+        {"params": m, "sources": s, "group": g, "tp_group": tp_group, **g.overrides}
+        for g, m, s in zip(rule, members, sources, strict=True)
+    ]
     if spec.make is not None:
         return spec.make(groups, hyper, fused)
     return SpecOptimizer(groups, spec, hyper)
+
+
+def tensor_groups(optimizer: torch.optim.Optimizer) -> dict[int, ParamGroup]:
+    """{id(tensor it steps): its ParamGroup} of an optimizer `make_optimizer` built."""
+    return {id(t): g["group"] for g in optimizer.param_groups for t in g["params"]}
 
 
 class SpecOptimizer(torch.optim.Optimizer):
@@ -202,7 +295,7 @@ class SpecOptimizer(torch.optim.Optimizer):
                     continue
                 state = self.state[p]
                 if not state:
-                    state.update(step=torch.zeros(()), **init_states(self.spec, p))
+                    state.update(step=torch.zeros(()), **init_states(self.spec, p, group["group"]))
                 state["step"] += 1
                 self.spec.update(p, p.grad, state, group)
 
@@ -222,7 +315,7 @@ def _torch_adamw(groups: list[dict], hyper: dict[str, Any], fused: bool) -> torc
     )
 
 
-def _is_matrix(param: torch.nn.Parameter) -> bool:
+def _is_matrix(param: torch.nn.Parameter, name: str) -> bool:
     return param.dim() >= 2
 
 
@@ -239,3 +332,6 @@ ADAMW = register_optimizer(
         make=_torch_adamw,
     )
 )
+
+# the other shipped spec registers itself (last: it imports this module's names)
+from megatron_lite.parallel.data_parallel import muon as _muon  # noqa: E402,F401

@@ -32,24 +32,34 @@ from megatron_lite.parallel.data_parallel.finalize import LocalGrad
 from megatron_lite.parallel.data_parallel.optimizer import Piece
 
 
-def least_loaded(loads: list[int], cost: int) -> int:
+def least_loaded(loads: list, cost) -> int:
     """The rank with the smallest load so far (ties: the lower rank), charged `cost`."""
     rank = min(range(len(loads)), key=lambda k: (loads[k], k))
     loads[rank] += cost
     return rank
 
 
-def assign_owners(buffers: list[GradBuffer], groups: list[str]) -> dict[int, int]:
+def owner_table(params: list, n: int, cost) -> list[int]:
+    """Each parameter's owner among n ranks: largest `cost(param)` first, each to the
+    least-loaded rank so far (ties: the lower rank; the same table on every rank)."""
+    costs = [cost(p) for p in params]
+    order = sorted(range(len(params)), key=lambda i: (-costs[i], i))
+    loads, owner = [0] * n, [0] * len(params)
+    for i in order:
+        owner[i] = least_loaded(loads, costs[i])
+    return owner
+
+
+def assign_owners(buffers: list[GradBuffer], groups: list[str], cost=None) -> dict[int, int]:
     """{id(param): its owner's rank in its buffer's group}: per reduction group (`groups[i]`
-    names buffers[i]'s), parameters largest first, each to the least-loaded rank (elements)."""
+    names buffers[i]'s), by `owner_table` with `cost` (the spec's, `OptimizerSpec.cost`;
+    None: elements)."""
     owners: dict[int, int] = {}
     for name in dict.fromkeys(groups):
         mine = [b for b, g in zip(buffers, groups, strict=True) if g == name]
         params = [r.param for b in mine for r in b.ranges.values()]
-        order = sorted(range(len(params)), key=lambda i: (-params[i].numel(), i))
-        loads = [0] * mappings.size(mine[0].group)
-        for i in order:
-            owners[id(params[i])] = least_loaded(loads, params[i].numel())
+        table = owner_table(params, mappings.size(mine[0].group), cost or (lambda p: p.numel()))
+        owners.update({id(p): r for p, r in zip(params, table, strict=True)})
     return owners
 
 
@@ -83,14 +93,9 @@ def whole_grads(buffers: list[GradBuffer]) -> list[LocalGrad]:
     return out
 
 
-def owned_grads(pieces: list[Piece]) -> list[LocalGrad]:
-    """The owned parameters' gradients, each held by this rank alone for the norm."""
-    return [LocalGrad(pc.param, pc.grad, 1) for pc in pieces]
-
-
 def broadcast_params(buffers: list[GradBuffer], owners: dict[int, int]) -> None:
     """Every parameter from its owner to the other ranks of its buffer's group (after the
-    owners' step), all in flight together."""
+    owners' step), all in flight together (comm stats kind "broadcast_dp")."""
     works = []
     for buf in buffers:
         if mappings.size(buf.group) == 1:
@@ -99,12 +104,6 @@ def broadcast_params(buffers: list[GradBuffer], owners: dict[int, int]) -> None:
         for r in buf.ranges.values():
             data = buf.param_data[r.start : r.start + r.param.numel()]
             src = ranks[owners[id(r.param)]]
-            works.append(
-                mappings.guarded(
-                    "broadcast_dp",
-                    buf.group,
-                    lambda d=data, s=src, g=buf.group: dist.broadcast(d, s, g, async_op=True),
-                )
-            )
+            works.append(mappings.broadcast_async(data, src, buf.group, kind="broadcast_dp"))
     for work in works:
-        mappings.guarded("broadcast_dp", None, work.wait)
+        work.wait()
