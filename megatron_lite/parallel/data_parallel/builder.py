@@ -46,8 +46,10 @@ def build_data_parallel(
     zero_stage: 0 replicated optimizer (all-reduce); 1 optimizer states and fp32 masters
         sharded (reduce-scatter, weights all-gathered after the step); 2 also the gradients
         between steps; 3 also the weights, through FSDP2 (one unit per layer, see `layers_of`).
-        An optimizer whose update needs whole matrices runs under 0-2 only (whole_matrix.py).
-    optimizer: an `OptimizerSpec` or a registered name (optimizer_spec.py; default "adamw").
+        An optimizer whose update needs whole matrices (Muon's) gives each such parameter
+        to one owner rank (whole_matrix.py; stage 3: fsdp_whole_matrix.py).
+    optimizer: an `OptimizerSpec` or a registered name (optimizer_spec.py; default "adamw";
+        "muon": Muon for the hidden matrices, AdamW for the rest, muon.py).
     lr, betas, eps, weight_decay: its hyperparameters of those names (betas, eps: None for
         the spec's defaults; AdamW's are (0.9, 0.95), 1e-8); optimizer_args: its others by
         name. AdamW's weight decay applies to matrices only (parameters with dim >= 2), not

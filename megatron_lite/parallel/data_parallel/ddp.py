@@ -14,8 +14,9 @@ then all-reduced across the replicas). Gradients that need another sum first (se
 replicas over TP, tied embeddings over the first/last stage) are summed after the data-parallel
 reduction on this rank's shard: every TP rank (every holder of the tied weight) lays its buffer
 out alike, so their shards cover the same elements. ZeRO-2's memory and communication with
-gradient accumulation: buffers.py. An optimizer that needs whole matrices gets whole
-parameters assigned to ranks instead of flat shards: whole_matrix.py.
+gradient accumulation: buffers.py. Parameters whose optimizer group needs whole matrices
+(Muon's) sit in buffers of their own and are assigned whole to owner ranks instead of flat
+shards: whole_matrix.py.
 """
 
 from __future__ import annotations

@@ -1,18 +1,20 @@
-"""ZeRO-3 (FSDP2) for an optimizer whose update needs whole matrices (`OptimizerSpec.elementwise`
-False): FSDP2 keeps rows of each parameter on each rank, so every step each parameter is made
-whole, updated by one rank and cut again.
+"""ZeRO-3 (FSDP2) for the parameters whose update needs whole matrices (a group of an
+`OptimizerSpec` that is not elementwise, e.g. Muon's): FSDP2 keeps rows of each parameter on
+each rank, so every step each such parameter is made whole, updated by one rank and cut again.
 
 - ownership: each parameter is owned by one rank of its sharding group (dp×cp, or edp for
-  experts), by whole_matrix.assign's rule (largest first to the least-loaded rank, by elements);
+  experts; with HSDP the shard group, each replica doing the same), by whole_matrix's
+  `owner_table` (largest cost first to the least-loaded rank, `OptimizerSpec.cost`);
 - the owner keeps an fp32 copy of the whole parameter (its master while it steps) and the
   spec's states for it, so masters and states are about 1/N per rank as under ZeRO-1/2;
-- step: for each parameter, its reduced gradient rows and its weight rows are all-gathered
-  (DTensor.full_tensor), the owner steps it whole, broadcasts the result over the group, and
-  every rank copies back its rows: about 12 bytes per element per step (fp32) beyond FSDP2's
-  own traffic, one parameter at a time (so one whole parameter and its gradient are held at
-  once; nothing overlaps: the simple version, a first step).
+- step: each parameter's reduced gradient rows and weight rows are all-gathered
+  (DTensor.full_tensor, comm stats kind "gather_whole"), the owner keeps them; one optimizer
+  step; each owner's result is broadcast over the group ("broadcast_dp") and every rank copies
+  back its rows: 12 bytes per element per step (fp32) beyond FSDP2's own traffic. An owner
+  holds the whole gradients of its parameters until the step (about 1/N of them).
 
-Hybrid sharding (dp_shard) and offload are refused for such specs (arguments.check_optimizer).
+The spec's elementwise groups (Muon's AdamW) step on their DTensor shards as in
+fsdp_optimizer.py. Optimizer offload is refused for such specs (arguments.check_optimizer).
 """
 
 from __future__ import annotations

@@ -6,7 +6,9 @@ hyperparameters with their defaults, and the update. `register_optimizer` adds o
 its registered name is what `build_data_parallel(optimizer=...)` and `train.optimizer` take.
 
 The registry (`_SPECS`, filled by `register_optimizer` calls) is the one module-level mutable
-state allowed here, as in pipeline/registry.py. AdamW is registered below.
+state allowed here, as in pipeline/registry.py. AdamW is registered below, Muon (with AdamW for
+the parameters that are not hidden matrices: a spec whose groups differ in states and update)
+in muon.py.
 
 The update is either
 - `update(param, grad, state, group)`: one tensor in place (the fp32 master, its gradient, its
@@ -14,7 +16,8 @@ The update is either
   hyperparameters); elementwise specs get flat pieces of a parameter, whole-matrix specs the
   parameter's shape. `SpecOptimizer` runs it as a torch optimizer; or
 - `make(groups, hyperparameters, fused)`: a torch optimizer over `groups` (torch param-group
-  dicts), for a spec whose arithmetic is torch's own (AdamW: per tensor on CPU, fused on CUDA).
+  dicts, see `make_optimizer`), for a spec whose arithmetic is torch's own (AdamW: per tensor
+  on CPU, fused on CUDA), or several (muon.py's `Chained`).
 """
 
 from __future__ import annotations
@@ -80,17 +83,18 @@ class ParamGroup:
 class OptimizerSpec:
     """One optimizer (the value of `train.optimizer`, or `build_data_parallel(optimizer=)`).
 
-    states: its per-parameter state tensors (a "step" count is kept beside them, always).
+    states: its per-parameter state tensors (a "step" count is kept beside them, always);
+        every state any group holds (a group may hold some of them, `ParamGroup.states`).
     elementwise: True when the update of an element reads only that element's parameter,
         gradient and states (any shard will do: ZeRO-1/2 flat ranges, FSDP2 rows); False when
-        it needs each parameter whole (ZeRO-1/2 then assign whole parameters to ranks, see
-        optimizer.py; ZeRO-3 is refused).
+        it needs each parameter whole, or some group does (`ParamGroup.elementwise`): those
+        parameters get whole-parameter owner ranks (whole_matrix.py; ZeRO-3:
+        fsdp_whole_matrix.py).
     hyperparameters: names and defaults; "lr" is required (the trainer's schedule sets it).
     groups: the parameter groups rule (`ParamGroup`s, the last should apply to every
         parameter), or a function of the hyperparameters returning them (groups the user
         configures, e.g. which parameters Muon steps). update / make: the module docstring
-        (exactly one of them). states: every state any group holds; elementwise: False when
-        any group needs whole matrices.
+        (exactly one of them).
     check: raises ValueError naming a hyperparameter that is out of its range (None: none).
     cost: one step's cost of a parameter's whole-matrix update (ownership is balanced by it,
         whole_matrix.py; None: its elements).

@@ -1,24 +1,29 @@
-"""ZeRO-1/2 for an optimizer whose update needs whole matrices (`OptimizerSpec.elementwise` is
-False, e.g. Muon's orthogonalized update): Megatron's layer-wise distributed optimizer. The flat
-`[lo, hi)` shards of ddp.py cut matrices across ranks, so instead:
+"""ZeRO-1/2 for the parameters whose update needs whole matrices (a group of an
+`OptimizerSpec` that is not elementwise, e.g. Muon's orthogonalized update): Megatron's
+layer-wise distributed optimizer. The flat `[lo, hi)` shards of ddp.py cut matrices across
+ranks, so these parameters live in gradient buffers of their own (ddp.py), where:
 
 - gradients are all-reduced whole (the buffers as under ZeRO-0), so every rank of a reduction
-  group holds each reduced gradient whole; ZeRO-2's sharded gradients do not apply (its grads
-  term is stage 1's 4 bytes per parameter, memory.py);
+  group holds each reduced gradient whole; ZeRO-2's sharded gradients do not apply to them
+  (4 bytes per element, as stage 1, memory.py);
 - each parameter is owned by one rank of its reduction group (dp×cp, or edp for experts),
-  balanced by the update's cost taken as the parameter's elements: largest first, each to the
-  least-loaded rank so far (ties: the lower rank), over all the rank's chunks (Graham's LPT
-  rule: within 4/3 of the best largest load). Every rank computes the same table;
+  balanced by the spec's cost of its update (`OptimizerSpec.cost`, Muon's Newton–Schulz FLOPs;
+  elements when it has none): largest first, each to the least-loaded rank so far (ties: the
+  lower rank), over all the rank's chunks (Graham's LPT rule: within 4/3 of the best largest
+  load). Every rank computes the same table, so TP peers own the same parameter's shards;
 - a rank keeps fp32 masters and optimizer states only for the parameters it owns (about 1/N),
-  steps them whole, and each parameter is then broadcast from its owner over the group.
+  steps them whole, and each parameter is then broadcast from its owner over the group
+  (comm stats kind "broadcast_dp": each parameter's bytes once per step).
 
+The spec's elementwise groups (Muon's AdamW) keep the usual flat shards in the other buffers.
 The sums over TP (sequence-parallel replicas) and over the embedding group (tied embeddings)
-run on every parameter's whole gradient before the update, so every rank takes part whatever
-it owns; the gradient norm counts each owned element once. Hybrid sharding (dp_shard) and
-optimizer offload are refused for such specs (arguments.check_optimizer).
+run on every whole gradient before the update, so every rank takes part whatever it owns; the
+gradient norm counts each owned element once. With hybrid sharding (dp_shard) the whole
+parameters are owned over the whole group (the flat shards are hybrid); optimizer offload is
+refused for such specs (arguments.check_optimizer).
 
-ZeRO-3 (FSDP2 keeps rows of each matrix on each rank) gathers each parameter whole to its owner
-every step instead: fsdp_whole_matrix.py.
+ZeRO-3 (FSDP2 keeps rows of each matrix on each rank) gathers each such parameter whole to its
+owner every step instead: fsdp_whole_matrix.py.
 """
 
 from __future__ import annotations
