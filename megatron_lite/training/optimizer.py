@@ -10,7 +10,7 @@ import torch
 from megatron_lite import resolve
 from megatron_lite.config import Config, TrainConfig
 from megatron_lite.parallel import data_parallel
-from megatron_lite.parallel.data_parallel import DataParallelWrapper, muon
+from megatron_lite.parallel.data_parallel import DataParallelWrapper, muon_spec
 from megatron_lite.parallel.data_parallel.optimizer_spec import get_optimizer
 from megatron_lite.parallel.data_parallel.rules import REDUCE_DTYPES
 
@@ -22,7 +22,7 @@ def optimizer_arguments(t: TrainConfig) -> dict:
     own = get_optimizer(t.optimizer).hyperparameters
     args = t.optimizer_args
     if t.optimizer == "muon":
-        args = {**muon.config_arguments(t), **args}
+        args = {**muon_spec.config_arguments(t), **args}
     return dict(
         optimizer=t.optimizer,
         lr=t.lr,

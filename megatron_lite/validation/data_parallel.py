@@ -83,7 +83,7 @@ def _validate_optimizer(cfg: Config) -> None:
 def _validate_muon(t: TrainConfig) -> None:
     """The train.muon_* keys, by the muon spec's own rule (data_parallel/muon.py), named by
     their keys."""
-    from megatron_lite.parallel.data_parallel import muon
+    from megatron_lite.parallel.data_parallel import muon_spec as muon
 
     _rule(1 <= t.muon_ns_steps <= 99, "train.muon_ns_steps", t.muon_ns_steps,
           "must be a whole number from 1 to 99 (Newton-Schulz iterations)",

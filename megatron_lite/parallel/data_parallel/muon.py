@@ -1,5 +1,5 @@
-"""Muon for the hidden matrices, AdamW for the rest (`train.optimizer=muon`), as an
-`OptimizerSpec` (optimizer_spec.py).
+"""Muon for the hidden matrices, AdamW for the rest (`train.optimizer=muon`): the update of the
+`OptimizerSpec` that muon_spec.py registers (its groups, hyperparameters and checks).
 
 Muon (Keller Jordan 2024; Moonlight, Liu et al. 2025) steps each matrix W with gradient G:
 
@@ -15,9 +15,9 @@ rows/cols)) (Keller Jordan's), "match_rms_adamw" 0.2·sqrt(max(rows, cols)) (Moo
 update's RMS matches AdamW's, so Muon shares AdamW's learning rate and weight decay; our
 default, since one train.lr serves both optimizers by default).
 
-What Muon steps: the parameter kinds of `hyper["muon_params"]` (`param_kind`: attention, mlp,
-experts, hidden by default; embedding, output and router may be added; norm, bias and
-expert_bias are not matrices). AdamW (torch's, with its weight decay on matrices only, as
+What Muon steps: the parameter kinds of `hyper["muon_params"]` (muon_spec.param_kind:
+attention, mlp, experts, hidden by default; embedding, output and router may be added; norm,
+bias and expert_bias are not matrices). AdamW (torch's, with its weight decay on matrices only, as
 train.optimizer=adamw) steps every other parameter. A stack of experts [E, rows, cols] is E
 matrices, each orthogonalized alone.
 
@@ -46,47 +46,15 @@ from typing import Any
 import torch
 
 from megatron_lite.parallel import mappings
-from megatron_lite.parallel.data_parallel.optimizer_spec import (
-    OptimizerSpec,
-    ParamGroup,
-    StateSpec,
-    register_optimizer,
-)
 from megatron_lite.parallel.params import ParamMeta, meta_of
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's, Keller Jordan's
 NS_EPS = 1e-7
-MATRIX_KINDS = ("attention", "mlp", "experts", "hidden", "embedding", "output", "router")
-VECTOR_KINDS = ("norm", "bias", "expert_bias")
-KINDS = MATRIX_KINDS + VECTOR_KINDS
-DEFAULT_MUON_PARAMS = ("attention", "mlp", "experts", "hidden")
-ADJUST_LR = ("original", "match_rms_adamw")
 NS_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def param_kind(param: torch.nn.Parameter, name: str) -> str:
-    """The kind of a model parameter (one of KINDS) from its name in its chunk and its rank:
-    embedding (word or position tables), output (the output layer), router (MoE router and
-    shared-expert gate), experts (an expert stack), attention, mlp, hidden (any other
-    matrix); norm, bias and expert_bias for vectors."""
-    dotted = f".{name}."
-    if "expert_bias" in name:
-        return "expert_bias"
-    if param.dim() < 2:
-        return "norm" if "norm" in name else "bias"
-    if "embedding" in name:
-        return "embedding"
-    if "output_layer" in name:
-        return "output"
-    if ".router." in dotted or "shared_expert_gate" in name:
-        return "router"
-    if ".experts." in dotted or meta_of(param).is_expert:
-        return "experts"
-    if "attention" in name:
-        return "attention"
-    if ".mlp." in dotted:
-        return "mlp"
-    return "hidden"
+MUON_KEYS = ("lr", "weight_decay", "momentum", "nesterov", "ns_steps", "ns_dtype", "adjust_lr",
+             "split_fused")  # fmt: skip
 
 
 # ---------------------------------------------------------------- the whole matrices
@@ -231,7 +199,7 @@ class Chained:
             part.step()
 
 
-def _make(groups: list[dict], hyper: dict, fused: bool) -> Chained:
+def make(groups: list[dict], hyper: dict, fused: bool) -> Chained:
     """torch AdamW over the adamw groups (as train.optimizer=adamw: per tensor on CPU, fused
     on CUDA), Muon over the muon group."""
     adamw = [g for g in groups if g["algorithm"] == "adamw"]
@@ -242,104 +210,3 @@ def _make(groups: list[dict], hyper: dict, fused: bool) -> Chained:
         Muon(muon, {k: hyper[k] for k in MUON_KEYS}),
     ]  # fmt: skip
     return Chained(groups, parts)
-
-
-MUON_KEYS = ("lr", "weight_decay", "momentum", "nesterov", "ns_steps", "ns_dtype", "adjust_lr",
-             "split_fused")  # fmt: skip
-
-
-def _groups(hyper: Mapping[str, Any]) -> tuple[ParamGroup, ...]:
-    """Muon's group (the kinds of muon_params), then AdamW's two (decay on matrices only)."""
-    kinds = set(hyper["muon_params"])
-    muon_lr = hyper["muon_lr"]
-    lr = {"lr": muon_lr, "lr_scale": muon_lr / hyper["lr"]} if muon_lr is not None else {}
-    adam = (StateSpec("exp_avg"), StateSpec("exp_avg_sq"))
-    return (
-        ParamGroup(
-            "muon",
-            lambda p, name: param_kind(p, name) in kinds,
-            {"algorithm": "muon", **lr},
-            states=(StateSpec("momentum_buffer"),),
-            elementwise=False,
-        ),
-        ParamGroup("adamw_decay", lambda p, name: p.dim() >= 2, {"algorithm": "adamw"}, adam,
-                   elementwise=True),
-        ParamGroup("adamw_no_decay", overrides={"algorithm": "adamw", "weight_decay": 0.0},
-                   states=adam, elementwise=True),
-    )  # fmt: skip
-
-
-def check_hyperparameters(hyper: Mapping[str, Any]) -> None:
-    """Each Muon hyperparameter in its range; the ValueError names it, the rule and a fix."""
-
-    def bad(name: str, rule: str, fix: str) -> ValueError:
-        return ValueError(f"muon hyperparameter {name}={hyper[name]!r}: {rule}. Fix: {fix}")
-
-    steps = hyper["ns_steps"]
-    if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= 99:
-        raise bad("ns_steps", "must be a whole number from 1 to 99", "use 5 (the default)")
-    if not (isinstance(hyper["momentum"], int | float) and 0 <= hyper["momentum"] < 1):
-        raise bad("momentum", "must be in [0, 1)", "use 0.95 (the default)")
-    if hyper["ns_dtype"] not in NS_DTYPES:
-        raise bad("ns_dtype", f"must be one of {list(NS_DTYPES)}", "use bf16 (the default)")
-    if hyper["adjust_lr"] not in ADJUST_LR:
-        raise bad("adjust_lr", f"must be one of {list(ADJUST_LR)}", "use match_rms_adamw")
-    if not isinstance(hyper["nesterov"], bool) or not isinstance(hyper["split_fused"], bool):
-        which = "nesterov" if not isinstance(hyper["nesterov"], bool) else "split_fused"
-        raise bad(which, "must be true or false", f"set {which} to a bool")
-    lr = hyper["muon_lr"]
-    if lr is not None and not (isinstance(lr, int | float) and lr > 0 and math.isfinite(lr)):
-        raise bad("muon_lr", "must be a positive number or None (train.lr)", "use e.g. 0.02")
-    kinds = hyper["muon_params"]
-    if isinstance(kinds, str) or not all(isinstance(k, str) for k in kinds):
-        raise bad(
-            "muon_params", "must be a list of parameter kinds", f"use e.g. {DEFAULT_MUON_PARAMS}"
-        )
-    for k in kinds:
-        if k in VECTOR_KINDS:
-            fix = f"leave {k!r} to AdamW; matrix kinds: {', '.join(MATRIX_KINDS)}"
-            raise bad("muon_params", f"{k!r} parameters are not matrices (Muon's are)", fix)
-        if k not in MATRIX_KINDS:
-            raise bad("muon_params", f"{k!r} is not a parameter kind (kinds: "
-                      f"{', '.join(MATRIX_KINDS)})", "use kinds from that list")  # fmt: skip
-
-
-CONFIG_KEYS = {  # train.<key> -> the muon spec's hyperparameter (the config's names)
-    "muon_params": "muon_params", "muon_momentum": "momentum", "muon_nesterov": "nesterov",
-    "muon_ns_steps": "ns_steps", "muon_ns_dtype": "ns_dtype", "muon_adjust_lr": "adjust_lr",
-    "muon_split_fused": "split_fused", "muon_lr": "muon_lr",
-}  # fmt: skip
-
-
-def config_arguments(train) -> dict[str, Any]:
-    """The spec's own hyperparameters from a run config's train section (train.muon_*)."""
-    out = {name: getattr(train, key) for key, name in CONFIG_KEYS.items()}
-    out["muon_params"] = tuple(out["muon_params"])
-    return out
-
-
-MUON = register_optimizer(
-    OptimizerSpec(
-        name="muon",
-        states=(StateSpec("momentum_buffer"), StateSpec("exp_avg"), StateSpec("exp_avg_sq")),
-        hyperparameters={
-            "lr": 1e-3,
-            "betas": (0.9, 0.95),
-            "eps": 1e-8,
-            "weight_decay": 0.0,
-            "momentum": 0.95,
-            "nesterov": True,
-            "ns_steps": 5,
-            "ns_dtype": "bf16",
-            "adjust_lr": "match_rms_adamw",
-            "split_fused": True,
-            "muon_lr": None,
-            "muon_params": DEFAULT_MUON_PARAMS,
-        },  # fmt: skip
-        elementwise=False,
-        groups=_groups,
-        make=_make,
-        check=check_hyperparameters,
-        cost=param_ns_flops,
-    )
-)

@@ -22,6 +22,7 @@ The update is either
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -197,6 +198,15 @@ def needs_whole(spec: OptimizerSpec, hyper: Mapping[str, Any], named_params) -> 
 
 
 _SPECS: Registry[OptimizerSpec] = Registry("optimizer")
+# modules registering the other shipped specs, loaded on the first lookup (they import this one)
+BUILTIN_SPECS = ("megatron_lite.parallel.data_parallel.muon_spec",)
+
+
+def _specs() -> Registry[OptimizerSpec]:
+    """The registry, with the shipped specs of BUILTIN_SPECS registered."""
+    for module in BUILTIN_SPECS:
+        importlib.import_module(module)
+    return _SPECS
 
 
 def register_optimizer(spec: OptimizerSpec) -> OptimizerSpec:
@@ -210,12 +220,12 @@ def unregister_optimizer(name: str) -> None:
 
 
 def optimizer_names() -> tuple[str, ...]:
-    return _SPECS.names()
+    return _specs().names()
 
 
 def get_optimizer(name: str) -> OptimizerSpec:
     """The registered spec `name`; a KeyError names the registered ones."""
-    if name not in _SPECS:
+    if name not in _specs():
         raise KeyError(f"optimizer {name!r} is not registered; registered: {optimizer_names()}")
     return _SPECS.get(name)
 
@@ -336,6 +346,3 @@ ADAMW = register_optimizer(
         make=_torch_adamw,
     )
 )
-
-# the other shipped spec registers itself (last: it imports this module's names)
-from megatron_lite.parallel.data_parallel import muon as _muon  # noqa: E402,F401
