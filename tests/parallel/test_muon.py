@@ -121,7 +121,7 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / abs(b)
 
 
-@pytest.mark.parametrize("ns", ["bf16", "fp32"])
+@pytest.mark.parametrize("ns", ["bf16", pytest.param("fp32", marks=pytest.mark.slow)])
 def test_one_rank_muon_matches_torch(ns):
     """bf16 NS against torch.optim.Muon + AdamW: bitwise the same losses and updates
     (measured; the issue's allowance, a few percent of an update for bf16 NS flips, is not

@@ -20,8 +20,9 @@ from megatron_lite.parallel.params import set_meta
 
 LR, WD, MOMENTUM, STEPS = 0.02, 0.1, 0.95, 3
 Q, KV, H, F, E = 64, 32, 64, 96, 3  # llama-like: 4 heads of 16 (q), 2 groups (k, v)
-# the bound test_muon.py holds on each Muon tensor's change, relative to its update: bf16 NS
-# rounding differs between layouts by ~1e-2 of an update there (tests/parallel/test_muon.py)
+# the allowance on a Muon tensor's change for bf16 NS rounding, a few percent of its
+# update: bf16 NS is 2.5e-2 of an update from the exact one (measured below); one rank's bf16
+# steps equal torch.optim.Muon's bitwise (tests/parallel/test_muon.py), so it is not needed there
 UPDATE_TOL = 5e-2
 
 
