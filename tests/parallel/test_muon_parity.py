@@ -63,6 +63,9 @@ LAYOUTS = {
     ),  # fmt: skip
     "ep2": (2, "moe", ["parallel.ep=2"]),
     "hsdp_dp4_shard2": (4, "llama", ["parallel.zero_stage=3", "parallel.dp_shard=2"]),
+    # TP peers of a ZeRO-3 owner gather the same matrix over TP (the owners agree across TP)
+    "tp2_dp2_sp_zero3": (4, "llama", [*TP2_SP, "parallel.zero_stage=3"]),
+    "ep2_tp2_sp_zero3": (4, "moe", ["parallel.ep=2", *TP2_SP, "parallel.zero_stage=3"]),
     "tp2_sp_vocab_padded": (2, "llama_vocab", TP2_SP),
     # the default bf16 NS: the same code on another dtype, to the suite's own bounds
     "tp2_sp_bf16": (2, "llama_bf16", TP2_SP),
