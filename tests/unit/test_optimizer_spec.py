@@ -198,10 +198,29 @@ CONFIG_CASES = [
         ],
         "train.optimizer_offload='cpu': train.optimizer=unit_whole: its update needs whole",
     ),
+    # the muon keys (the API side: ARGUMENT_CASES above), each named by its train.* key
+    (
+        ["train.optimizer=muon", "parallel.zero_stage=1", "train.optimizer_offload=cpu"],
+        "train.optimizer_offload='cpu': train.optimizer=muon: its update needs whole matrices",
+    ),
+    (["train.optimizer=muon", "train.muon_ns_steps=0"], "train.muon_ns_steps=0: must be a whole"),
+    (["train.optimizer=muon", "train.muon_ns_steps=100"], "train.muon_ns_steps=100: must be"),
+    (
+        ["train.optimizer=muon", "train.muon_params=[attention,norm]"],
+        "train.muon_params=['attention', 'norm']: 'norm' parameters are not 2-D matrices",
+    ),
+    (
+        ["train.optimizer=muon", "train.muon_params=[attn]"],
+        "train.muon_params=['attn']: 'attn' is not a parameter group (groups: attention, mlp",
+    ),
+    (["train.optimizer=muon", "train.muon_ns_dtype=fp16"], "train.muon_ns_dtype='fp16': must be"),
+    (["train.optimizer=muon", "train.muon_adjust_lr=rms"], "train.muon_adjust_lr='rms': must be"),
+    (["train.optimizer=muon", "train.muon_momentum=1"], "train.muon_momentum=1.0: must be in [0"),
+    (["train.optimizer=muon", "train.muon_lr=0"], "train.muon_lr=0.0: must be > 0"),
 ]
 
 
-@pytest.mark.parametrize("overrides, needle", CONFIG_CASES)
+@pytest.mark.parametrize("overrides, needle", CONFIG_CASES, ids=[c[1][:40] for c in CONFIG_CASES])
 def test_bad_config(toys, overrides, needle):
     with pytest.raises(ConfigError) as err:
         validate(load_config(SMOKE, overrides), 1)

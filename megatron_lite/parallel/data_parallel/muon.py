@@ -135,6 +135,15 @@ def _gather_tp(u: torch.Tensor, dim: int, sizes: list[int], group) -> list[torch
     return [torch.cat([p[i] for p in pieces]).movedim(0, dim) for i in range(len(sizes))]
 
 
+def _logical_scale(shape: tuple[int, ...], meta: ParamMeta, dim: int, rule: str) -> float:
+    """The scale of a whole matrix of `shape`, counted without its vocabulary padding (the
+    zero rows NS leaves zero; the padding grows with the TP degree, the logical matrix not)."""
+    rows, cols = shape
+    if meta.padded is not None:
+        rows, cols = (meta.full_shape[0], cols) if dim == 0 else (rows, meta.full_shape[1])
+    return scale(rows, cols, rule)
+
+
 def _step_matrix(w, u, meta: ParamMeta, group: dict, tp_group) -> None:
     """w (one matrix, TP-local) -= lr·scale·NS(u) over its logical matrices (module
     docstring): u's TP shards gathered, each fused part alone (split_fused) or together."""
@@ -145,10 +154,12 @@ def _step_matrix(w, u, meta: ParamMeta, group: dict, tp_group) -> None:
     parts = _gather_tp(u, dim, sizes, tp_group) if tp > 1 else list(u.split(sizes, dim))
     rank = mappings.group_rank(tp_group) if tp > 1 else 0
     if group["split_fused"]:
-        updates = [(newton_schulz(x, steps, dtype), scale(*x.shape, rule)) for x in parts]
+        ratios = [_logical_scale(tuple(x.shape), meta, dim, rule) for x in parts]
+        updates = [(newton_schulz(x, steps, dtype), r) for x, r in zip(parts, ratios, strict=True)]
     else:  # the fused matrix as one, in logical order
         whole = torch.cat(parts, dim) if len(parts) > 1 else parts[0]
-        o, ratio = newton_schulz(whole, steps, dtype), scale(*whole.shape, rule)
+        o = newton_schulz(whole, steps, dtype)
+        ratio = _logical_scale(tuple(whole.shape), meta, dim, rule)
         updates = [(x, ratio) for x in o.split(sizes, dim)]
     for wp, (o, ratio) in zip(w.split([s // tp for s in sizes], dim), updates, strict=True):
         mine = o.narrow(dim, rank * wp.shape[dim], wp.shape[dim])
