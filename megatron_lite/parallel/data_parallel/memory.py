@@ -18,7 +18,8 @@ dtype sizes; AdamW's m and v in fp32: K = 8, the totals below):
 An optimizer whose update needs whole matrices keeps the whole gradients under ZeRO-2 too
 (grads 4, as stage 1: whole_matrix.py), and its masters and states are those of the
 parameters assigned to this rank, about 1/N of them (the formula's figure); under ZeRO-3 the
-owner also keeps an fp32 whole copy of its parameters (master 4/N, fsdp_whole_matrix.py).
+owner also keeps an fp32 whole copy of its parameters (master 4/N, fsdp_whole_matrix.py) and
+holds their whole fp32 gradients during the step (grads: 4/N more).
 
 fp32 masters are the parameters themselves (0 extra) unless the optimizer is offloaded (then
 4/N on the host). Buckets are padded to a multiple of N, so a measurement can exceed the formula
@@ -179,7 +180,9 @@ def formula_bytes(
     if zero_stage == 3:  # the fp32 shards are the weights and the masters
         unsharded = reduce_bytes * num_params if microbatches > 1 else 0.0
         whole = 0.0 if optimizer.elementwise else 4 * num_params * shard  # the owners' copies
-        return {"weights": 4 * num_params * shard, "grads": 4 * num_params * shard + unsharded,
+        # (a whole-matrix spec: the owners' whole gradients during the step, as many again)
+        return {"weights": 4 * num_params * shard,
+                "grads": 4 * num_params * shard + unsharded + whole,
                 "master": whole, "optimizer": states}  # fmt: skip
     weight = 2 if precision == "bf16" else 4
     sharded_grads = zero_stage == 2 and optimizer.elementwise
