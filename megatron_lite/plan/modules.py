@@ -30,7 +30,7 @@ import dataclasses
 import math
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -55,6 +55,9 @@ class LayerParams:
     linear_shapes: tuple[tuple[int, int], ...]  # [out, in] of each queueable linear weight
     buffer_bytes: int  # its buffers' bytes
     gated: bool  # its MLPs' fc1 holds [gate, up] (the model spec's gated_mlp)
+    # (name in the layer, parameter on the meta device with its ParamMeta), as `params`: what
+    # an optimizer's groups rule and whole-matrix cost read (plan/optimizer_states.py)
+    named: tuple[tuple[str, torch.nn.Parameter], ...] = field(default=(), compare=False)
 
     @property
     def linear_weights(self) -> int:
@@ -74,6 +77,8 @@ class ChunkParams:
     buffer_bytes: int  # its buffers' bytes (RoPE tables, the vocabulary padding mask)
     linear_shapes: tuple[tuple[int, int], ...]  # [out, in] of its queueable linear weights
     last_grad: int | None = None  # index into `before` of the one whose gradient comes last
+    # (name in the chunk, meta-device parameter) of before + after, as LayerParams.named
+    named: tuple[tuple[str, torch.nn.Parameter], ...] = field(default=(), compare=False)
 
 
 _SCALARS = frozenset((int, float, str, bool, type(None)))  # model_key's fields kept as they are
@@ -250,7 +255,8 @@ def _build_layer(cfg: Config, moe: bool) -> LayerParams:
         layer = new_layer(config, mesh, RNGStatesTracker(), layer_number(config, moe))
     params = _param_list(layer.parameters())
     gated = bool(config.spec.gated_mlp)
-    return LayerParams(params, _linear_shapes(layer), _buffer_bytes(layer), gated)
+    named = tuple((n, q) for n, q in layer.named_parameters() if q.requires_grad)
+    return LayerParams(params, _linear_shapes(layer), _buffer_bytes(layer), gated, named)
 
 
 def chunk_params(cfg: Config, pre_process: bool, post_process: bool) -> ChunkParams:
@@ -333,6 +339,7 @@ def _chunk_params(chunk: torch.nn.Module, last_grad: int | None = None) -> Chunk
     after = [q for _, c in children[cut + 1 :] for q in c.parameters()]
     ordered = [q for q in before + after if q.requires_grad]
     tied = {id(q) for q in tied_params([chunk])}
+    names = {id(q): n for n, q in chunk.named_parameters()}
     return ChunkParams(
         before=_param_list(before),
         after=_param_list(after),
@@ -340,4 +347,5 @@ def _chunk_params(chunk: torch.nn.Module, last_grad: int | None = None) -> Chunk
         buffer_bytes=_buffer_bytes(chunk),
         linear_shapes=_linear_shapes(chunk),
         last_grad=last_grad,
+        named=tuple((names[id(q)], q) for q in ordered),
     )

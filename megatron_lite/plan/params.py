@@ -6,6 +6,8 @@ built at the layout's local shapes (plan/modules.py)."""
 from __future__ import annotations
 
 from megatron_lite.config import Config
+from megatron_lite.parallel.data_parallel import arguments
+from megatron_lite.parallel.data_parallel.optimizer_spec import OptimizerSpec, group_index
 from megatron_lite.pipeline.schedules import schedule_placement, virtual_stage
 from megatron_lite.plan import modules
 from megatron_lite.resolve import moe_layer_pattern, stage_layers
@@ -137,7 +139,8 @@ def buckets(cfg: Config, pp_rank: int, chunk: int, expert: bool, shard: int) -> 
     """(elements, parameters) of each gradient bucket of the chunk's dense (or expert) buffer,
     in backward order, as GradBuffer._layout cuts them: the parameters reversed, a bucket
     closed once it reaches bucket_size (tied embeddings under pp > 1 alone), padded to a
-    multiple of `shard`."""
+    multiple of `shard`. A parameter the optimizer steps whole (whole_matrix.py: its own
+    buffer, no sharded buckets) counts as 0 elements of the bucket it arrives in."""
     key = ("buckets", pp_rank, chunk, expert, shard)
     return list(modules.per_config(cfg, key, lambda: _buckets(cfg, pp_rank, chunk, expert, shard)))
 
@@ -150,11 +153,13 @@ def _buckets(cfg: Config, pp_rank: int, chunk: int, expert: bool, shard: int) ->
     alone = set()
     if m.tie_embeddings and p.pp > 1:  # the tied embedding weights (ddp.py: own buckets)
         alone = {i if i < len(before) else i + layers for i in own.tied}
+    whole = whole_flags(cfg, pp_rank, chunk)
     out, size, count = [], 0, 0
     for i in reversed(range(len(params))):
         n, is_expert = params[i]
         if is_expert != expert:
             continue
+        n = 0 if whole and whole[i] else n  # in a gradient buffer of its own, reduced whole
         if i in alone and size:
             out.append((-(-size // shard) * shard, count))
             size = count = 0
@@ -196,3 +201,46 @@ def buffer_bytes(cfg: Config, pp_rank: int) -> int:
         return out
 
     return modules.per_config(cfg, ("buffer_bytes", pp_rank), answer)
+
+
+def optimizer_settings(cfg: Config) -> tuple[OptimizerSpec, dict]:
+    """(spec, hyperparameters) of the config's optimizer, as the trainer builds them."""
+    from megatron_lite.training.optimizer import optimizer_arguments
+
+    return arguments.optimizer_settings(optimizer_arguments(cfg.train))
+
+
+def named_rank_params(cfg: Config, pp_rank: int) -> list[list[tuple[str, object]]]:
+    """Per model chunk of the pipeline rank, its (name, meta-device parameter) pairs in
+    registration order: the chunk's own before its layers, each layer's (as layers.<i>.*),
+    its own after them."""
+    p, out = cfg.parallel, []
+    for c in range(p.vpp):
+        stage, last = virtual_stage(pp_rank, c, p.pp, placement(cfg)), p.pp * p.vpp - 1
+        own = modules.chunk_params(cfg, stage == 0, stage == last)
+        cut = len(own.before)
+        layers = [
+            (f"layers.{i}.{n}", q)
+            for i, moe in enumerate(chunk_moe(cfg, pp_rank, c))
+            for n, q in modules.layer_params(cfg, moe).named
+        ]
+        out.append(list(own.named[:cut]) + layers + list(own.named[cut:]))
+    return out
+
+
+def whole_flags(cfg: Config, pp_rank: int, chunk: int) -> tuple[bool, ...]:
+    """Whether the optimizer steps each parameter of the model chunk whole (its group is not
+    elementwise), in registration order (chunk_param_list's); () for an elementwise spec
+    (none is)."""
+
+    def answer():
+        spec, hyper = optimizer_settings(cfg)
+        if spec.elementwise:
+            return ()
+        named = named_rank_params(cfg, pp_rank)[chunk]
+        groups = spec.param_groups(hyper)
+        return tuple(
+            not spec.group_elementwise(groups[group_index(spec, groups, q, n)]) for n, q in named
+        )
+
+    return modules.per_config(cfg, ("whole_flags", pp_rank, chunk), answer)
