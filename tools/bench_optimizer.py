@@ -21,7 +21,7 @@ Load balance: ZeRO-1 owns each Muon parameter whole on one rank of its reduction
 the least-loaded rank). Per config (its own tp, pp, cp and ep; parallel.dp and zero_stage=1
 set here), per pipeline rank and reduction group (dense over dp·cp, experts over dp·cp/ep), the
 cost of each owner rank (muon.param_ns_flops of the parameters the planner measures on the meta
-device, plan/optimizer_states.py) and max/mean over the ranks; the table gives the worst
+device, plan/params.optimizer_rows) and max/mean over the ranks; the table gives the worst
 pipeline rank's. LPT over whole parameters cannot beat the largest parameter's cost: the
 table gives that bound (largest / mean) beside it. A layout the config validation refuses is
 listed with its reason.
@@ -136,33 +136,23 @@ def layout_config(path: str, dp: int):
 
 def rank_costs(cfg, pp_rank: int) -> dict[str, list[float]]:
     """{"dense" / "experts": the NS FLOPs each owner rank of that reduction group steps} on
-    pipeline rank `pp_rank` (whole_matrix.owner_table by muon.param_ns_flops, the trainer's
-    rule, over the parameters in the gradient buffers' order), and each group's largest
-    parameter's cost ("dense_largest", "experts_largest")."""
-    from megatron_lite.parallel.data_parallel.optimizer_spec import group_index
+    pipeline rank `pp_rank` (whole_matrix.owner_table by the spec's cost, muon.param_ns_flops,
+    the trainer's rule, over the parameters in the gradient buffers' order: the planner's
+    plan/params.optimizer_rows), and each group's largest parameter's cost
+    ("dense_largest", "experts_largest")."""
     from megatron_lite.parallel.data_parallel.whole_matrix import owner_table
-    from megatron_lite.parallel.params import meta_of
-    from megatron_lite.plan.optimizer_states import named_rank_params, optimizer_settings
+    from megatron_lite.plan.params import optimizer_rows
 
     p = cfg.parallel
-    spec, hyper = optimizer_settings(cfg)
-    groups = spec.param_groups(hyper)
+    rows = [r for c in range(p.vpp) for r in reversed(optimizer_rows(cfg, pp_rank, c))]
     out = {}
     for key, expert, n in (("dense", False, p.dp * p.cp), ("experts", True, p.dp * p.cp // p.ep)):
-        whole = [
-            q
-            for chunk in named_rank_params(cfg, pp_rank)
-            for name, q in reversed(chunk)
-            if meta_of(q).is_expert == expert
-            and not spec.group_elementwise(groups[group_index(spec, groups, q, name)])
-        ]
-        costs = [muon.param_ns_flops(q, hyper) for q in whole]
+        whole = [r for r in rows if r.whole and r.is_expert == expert]
         n = max(n, 1)
         loads = [0.0] * n
-        owners = owner_table(whole, n, lambda q: spec.cost(q, hyper))
-        for c, r in zip(costs, owners, strict=True):
-            loads[r] += c
-        out[key], out[f"{key}_largest"] = loads, max(costs, default=0.0)
+        for r, k in zip(whole, owner_table(whole, n, lambda r: r.cost), strict=True):
+            loads[k] += r.cost
+        out[key], out[f"{key}_largest"] = loads, max((r.cost for r in whole), default=0.0)
     return out
 
 

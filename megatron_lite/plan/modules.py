@@ -84,11 +84,12 @@ class ChunkParams:
 _SCALARS = frozenset((int, float, str, bool, type(None)))  # model_key's fields kept as they are
 
 
-def _frozen(v):
+def frozen(v):
+    """`v` hashable: lists and tuples as tuples, dicts as sorted item tuples, recursively."""
     if isinstance(v, list | tuple):
-        return tuple(_frozen(x) for x in v)
+        return tuple(frozen(x) for x in v)
     if isinstance(v, dict):
-        return tuple(sorted((k, _frozen(x)) for k, x in v.items()))
+        return tuple(sorted((k, frozen(x)) for k, x in v.items()))
     return v
 
 
@@ -103,7 +104,7 @@ def model_key(cfg: Config) -> int:
     if hit is not None and hit[0] is m and hit[1] == precision:
         return hit[2]
     fields = (v for k, v in vars(m).items() if not k.startswith("recompute_"))
-    key = tuple(v if type(v) in _SCALARS else _frozen(v) for v in fields) + (precision,)
+    key = tuple(v if type(v) in _SCALARS else frozen(v) for v in fields) + (precision,)
     number = _MODEL_NUMBERS.setdefault(key, len(_MODEL_NUMBERS))
     if len(_MODEL_KEYS) >= _MAX_ENTRIES:
         _MODEL_KEYS.clear()

@@ -4,7 +4,8 @@ parameters each group steps, with that group's state bytes, and, for the groups 
 whole matrices, how many elements the most-loaded owner rank holds.
 
 Read off the real modules' parameters on the meta device (plan/modules.py: names, TP-local
-shapes and ParamMeta), put through the spec's groups rule and its `cost`, and assigned to
+shapes and ParamMeta), put through the spec's groups rule and its `cost` (plan/params.py
+`optimizer_rows`), and assigned to
 owners by the trainer's own rule (parallel/data_parallel/whole_matrix.owner_table, over all
 the rank's chunks per reduction group, in the gradient buffers' order: each chunk's parameters
 reversed). The figure is the owner with the most state bytes: the planner's rank is the
@@ -20,11 +21,9 @@ from megatron_lite.parallel.data_parallel.memory import (
     split_formula_bytes,
     zero2_in_flight,
 )
-from megatron_lite.parallel.data_parallel.optimizer_spec import group_index
 from megatron_lite.parallel.data_parallel.whole_matrix import owner_table
-from megatron_lite.parallel.params import meta_of
 from megatron_lite.plan import modules
-from megatron_lite.plan.params import named_rank_params, optimizer_settings
+from megatron_lite.plan.params import optimizer_rows
 from megatron_lite.resolve import num_microbatches
 
 
@@ -37,35 +36,31 @@ def rank_splits(cfg: Config, pp_rank: int) -> tuple[GroupSplit, GroupSplit, int,
 
 def _splits(cfg: Config, pp_rank: int) -> tuple[GroupSplit, GroupSplit, int, int]:
     p = cfg.parallel
-    spec, hyper = optimizer_settings(cfg)
-    groups = spec.param_groups(hyper)
-    cost = (lambda q: spec.cost(q, hyper)) if spec.cost else (lambda q: q.numel())
+    # each chunk's rows reversed: the gradient buffers' order, owner_table's ties
+    rows = [r for c in range(p.vpp) for r in reversed(optimizer_rows(cfg, pp_rank, c))]
     out = []
     for expert, n in ((False, p.dp * p.cp), (True, max(p.dp * p.cp // p.ep, 1))):
         # owners over the whole reduction group (ZeRO-1/2), FSDP2's sharding group (ZeRO-3)
         n = (p.dp_shard or n) if p.zero_stage == 3 else n
-        flat = flat_state = largest = 0
-        whole = []  # (param, its state bytes per element), in the buffers' order
-        for chunk in named_rank_params(cfg, pp_rank):
-            for name, q in reversed(chunk):
-                if meta_of(q).is_expert != expert:
-                    continue
-                g = groups[group_index(spec, groups, q, name)]
-                if spec.group_elementwise(g):
-                    flat, largest = flat + q.numel(), max(largest, q.numel())
-                    flat_state += spec.group_state_bytes(g) * q.numel()
-                else:
-                    whole.append((q, spec.group_state_bytes(g)))
+        mine = [r for r in rows if r.is_expert == expert]
+        flat = [r for r in mine if not r.whole]
+        whole = [r for r in mine if r.whole]
         owners = [0] * len(whole)
         if p.zero_stage >= 1 and n > 1:
-            owners = owner_table([q for q, _ in whole], n, cost)
+            owners = owner_table(whole, n, lambda r: r.cost)
         loads = [[0, 0] for _ in range(max(owners, default=0) + 1)]  # [state bytes, elements]
-        for (q, b), r in zip(whole, owners, strict=True):
-            loads[r][0] += b * q.numel()
-            loads[r][1] += q.numel()
+        for r, k in zip(whole, owners, strict=True):
+            loads[k][0] += r.state_bytes * r.elements
+            loads[k][1] += r.elements
         state, owned = max(loads, default=[0, 0])
-        total = sum(q.numel() for q, _ in whole)
-        out.append((GroupSplit(flat, flat_state, total, owned, state), largest))
+        split = GroupSplit(
+            flat=sum(r.elements for r in flat),
+            flat_state=sum(r.state_bytes * r.elements for r in flat),
+            whole=sum(r.elements for r in whole),
+            owned=owned,
+            owned_state=state,
+        )
+        out.append((split, max((r.elements for r in flat), default=0)))
     (dense, dense_largest), (experts, expert_largest) = out
     return dense, experts, dense_largest, expert_largest
 

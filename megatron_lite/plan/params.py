@@ -5,9 +5,12 @@ built at the layout's local shapes (plan/modules.py)."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from megatron_lite.config import Config
 from megatron_lite.parallel.data_parallel import arguments
 from megatron_lite.parallel.data_parallel.optimizer_spec import OptimizerSpec, group_index
+from megatron_lite.parallel.params import meta_of
 from megatron_lite.pipeline.schedules import schedule_placement, virtual_stage
 from megatron_lite.plan import modules
 from megatron_lite.resolve import moe_layer_pattern, stage_layers
@@ -153,7 +156,7 @@ def _buckets(cfg: Config, pp_rank: int, chunk: int, expert: bool, shard: int) ->
     alone = set()
     if m.tie_embeddings and p.pp > 1:  # the tied embedding weights (ddp.py: own buckets)
         alone = {i if i < len(before) else i + layers for i in own.tied}
-    whole = whole_flags(cfg, pp_rank, chunk)
+    whole = [r.whole for r in optimizer_rows(cfg, pp_rank, chunk)]
     out, size, count = [], 0, 0
     for i in reversed(range(len(params))):
         n, is_expert = params[i]
@@ -203,6 +206,16 @@ def buffer_bytes(cfg: Config, pp_rank: int) -> int:
     return modules.per_config(cfg, ("buffer_bytes", pp_rank), answer)
 
 
+class OptimizerRow(NamedTuple):
+    """How train.optimizer steps one parameter (its spec's groups rule, optimizer_spec.py)."""
+
+    elements: int
+    is_expert: bool
+    whole: bool  # its group needs whole matrices (whole_matrix.py)
+    state_bytes: int  # its group's optimizer-state bytes per element
+    cost: float  # the spec's cost of its whole-matrix update (elements without one)
+
+
 def optimizer_settings(cfg: Config) -> tuple[OptimizerSpec, dict]:
     """(spec, hyperparameters) of the config's optimizer, as the trainer builds them."""
     from megatron_lite.training.optimizer import optimizer_arguments
@@ -210,37 +223,45 @@ def optimizer_settings(cfg: Config) -> tuple[OptimizerSpec, dict]:
     return arguments.optimizer_settings(optimizer_arguments(cfg.train))
 
 
-def named_rank_params(cfg: Config, pp_rank: int) -> list[list[tuple[str, object]]]:
-    """Per model chunk of the pipeline rank, its (name, meta-device parameter) pairs in
-    registration order: the chunk's own before its layers, each layer's (as layers.<i>.*),
-    its own after them."""
-    p, out = cfg.parallel, []
-    for c in range(p.vpp):
-        stage, last = virtual_stage(pp_rank, c, p.pp, placement(cfg)), p.pp * p.vpp - 1
-        own = modules.chunk_params(cfg, stage == 0, stage == last)
-        cut = len(own.before)
-        layers = [
-            (f"layers.{i}.{n}", q)
-            for i, moe in enumerate(chunk_moe(cfg, pp_rank, c))
-            for n, q in modules.layer_params(cfg, moe).named
-        ]
-        out.append(list(own.named[:cut]) + layers + list(own.named[cut:]))
-    return out
-
-
-def whole_flags(cfg: Config, pp_rank: int, chunk: int) -> tuple[bool, ...]:
-    """Whether the optimizer steps each parameter of the model chunk whole (its group is not
-    elementwise), in registration order (chunk_param_list's); () for an elementwise spec
-    (none is)."""
+def optimizer_rows(cfg: Config, pp_rank: int, chunk: int) -> tuple[OptimizerRow, ...]:
+    """An OptimizerRow per parameter of the model chunk, in registration order
+    (chunk_param_list's); () for an elementwise spec (every group flat). A layer's parameters
+    are put through the groups rule once per layer kind (named as layer 0's), a search's
+    layouts sharing the rows of one measured layer."""
 
     def answer():
         spec, hyper = optimizer_settings(cfg)
         if spec.elementwise:
             return ()
-        named = named_rank_params(cfg, pp_rank)[chunk]
-        groups = spec.param_groups(hyper)
-        return tuple(
-            not spec.group_elementwise(groups[group_index(spec, groups, q, n)]) for n, q in named
-        )
+        key = (spec.name, modules.frozen(hyper))
+        own, moe = _chunk_own(cfg, pp_rank, chunk), _chunk_moe(cfg, pp_rank, chunk)
+        rows = _rows(own, own.named, spec, hyper, key)
+        cut = len(own.before)
+        layers = {e: _rows(m, [(f"layers.0.{n}", q) for n, q in m.named], spec, hyper, key)
+                  for e in set(moe) for m in [modules.layer_params(cfg, e)]}  # fmt: skip
+        return rows[:cut] + tuple(r for e in moe for r in layers[e]) + rows[cut:]
 
-    return modules.per_config(cfg, ("whole_flags", pp_rank, chunk), answer)
+    return modules.per_config(cfg, ("optimizer_rows", pp_rank, chunk), answer)
+
+
+_ROWS: dict[tuple, tuple] = {}  # (id(measured), settings) -> (measured, its rows), bounded
+
+
+def _rows(measured, named, spec: OptimizerSpec, hyper: dict, key: tuple) -> tuple:
+    """The OptimizerRows of `named` ((name, parameter) of `measured`, a cached LayerParams or
+    ChunkParams: remembered while it is the same object)."""
+    hit = _ROWS.get((id(measured), key))
+    if hit is not None and hit[0] is measured:
+        return hit[1]
+    groups = spec.param_groups(hyper)
+    rows = []
+    for name, q in named:
+        g = groups[group_index(spec, groups, q, name)]
+        whole = not spec.group_elementwise(g)
+        cost = spec.cost(q, hyper) if whole and spec.cost else q.numel()
+        rows.append(OptimizerRow(q.numel(), meta_of(q).is_expert, whole,
+                                 spec.group_state_bytes(g), cost))  # fmt: skip
+    if len(_ROWS) >= 4096:
+        _ROWS.clear()
+    _ROWS[(id(measured), key)] = (measured, tuple(rows))
+    return tuple(rows)
