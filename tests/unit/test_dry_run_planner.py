@@ -146,6 +146,14 @@ LAYOUTS = {
         "model.num_layers=2", "train.optimizer=muon", "parallel.zero_stage=2"], [0]),
     "muon-8b-tp2-dp4-zero3": ("configs/llama3_8b.yaml", 8, [
         "model.num_layers=2", "train.optimizer=muon", "parallel.zero_stage=3"], [0]),
+    # hybrid sharding (dp_shard 2 of dp 4): ZeRO-1/2 owners over all 4 ranks, AdamW's shards
+    # over 2; ZeRO-3 owners over FSDP2's sharding group of 2
+    "muon-8b-tp2-dp4-hsdp2-zero1": ("configs/llama3_8b.yaml", 8, [
+        "model.num_layers=2", "train.optimizer=muon", "parallel.zero_stage=1",
+        "parallel.dp_shard=2"], [0]),
+    "muon-8b-tp2-dp4-hsdp2-zero3": ("configs/llama3_8b.yaml", 8, [
+        "model.num_layers=2", "train.optimizer=muon", "parallel.zero_stage=3",
+        "parallel.dp_shard=2"], [0]),
     # Muon on a fine-grained MoE's expert stacks (each expert's matrices, owners over edp)
     "muon-moe-ep8": ("configs/moe_fine_grained.yaml", 8, [
         "model.num_layers=2", "train.optimizer=muon"], [0]),
@@ -199,6 +207,8 @@ SLOW_LAYOUTS = {
     "dsv3-mtp-experts-tp2-sp-pp2",
     "muon-8b-tp2-dp4-zero1",
     "muon-8b-tp2-dp4-zero3",
+    "muon-8b-tp2-dp4-hsdp2-zero1",
+    "muon-8b-tp2-dp4-hsdp2-zero3",
     "muon-moe-ep8",
 }  # (budget)
 
