@@ -12,6 +12,7 @@ from megatron_lite.parallel.data_parallel.memory import TERMS, formula_bytes, ze
 from megatron_lite.parallel.data_parallel.optimizer_spec import get_optimizer
 from megatron_lite.pipeline.registry import in_flight
 from megatron_lite.plan.activations import layer_bytes, layer_shape, resolved
+from megatron_lite.plan.optimizer_states import split_states
 from megatron_lite.plan.params import largest_params, rank_params
 from megatron_lite.plan.peak import peak_moment, saved_peak
 from megatron_lite.resolve import moe_layer_pattern, num_microbatches
@@ -23,8 +24,11 @@ def model_states(cfg: Config, pp_rank: int) -> dict[str, float]:
     the dense parameters sharded over dp·cp (or dp_shard) and the experts over dp·cp/ep, with
     the transient gradients' bound: ZeRO-2's buckets in flight (two per reduction group, over
     all model chunks), ZeRO-3's unsharded gradients under gradient accumulation. The peak's
-    own are rank_memory's (plan/peak.py). The optimizer's state bytes: train.optimizer's spec."""
+    own are rank_memory's (plan/peak.py). The optimizer's state bytes: train.optimizer's spec
+    (one whose groups differ: plan/optimizer_states.py)."""
     p = cfg.parallel
+    if not get_optimizer(cfg.train.optimizer).elementwise:  # groups stepped whole or flat
+        return split_states(cfg, pp_rank, transient=True)
     dense, expert = rank_params(cfg, pp_rank)
     n_dense = p.dp_shard or p.dp * p.cp
     n_expert = p.dp_shard or max(p.dp * p.cp // p.ep, 1)

@@ -30,7 +30,7 @@ import dataclasses
 import math
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -55,6 +55,9 @@ class LayerParams:
     linear_shapes: tuple[tuple[int, int], ...]  # [out, in] of each queueable linear weight
     buffer_bytes: int  # its buffers' bytes
     gated: bool  # its MLPs' fc1 holds [gate, up] (the model spec's gated_mlp)
+    # (name in the layer, parameter on the meta device with its ParamMeta), as `params`: what
+    # an optimizer's groups rule and whole-matrix cost read (plan/optimizer_states.py)
+    named: tuple[tuple[str, torch.nn.Parameter], ...] = field(default=(), compare=False)
 
     @property
     def linear_weights(self) -> int:
@@ -74,16 +77,19 @@ class ChunkParams:
     buffer_bytes: int  # its buffers' bytes (RoPE tables, the vocabulary padding mask)
     linear_shapes: tuple[tuple[int, int], ...]  # [out, in] of its queueable linear weights
     last_grad: int | None = None  # index into `before` of the one whose gradient comes last
+    # (name in the chunk, meta-device parameter) of before + after, as LayerParams.named
+    named: tuple[tuple[str, torch.nn.Parameter], ...] = field(default=(), compare=False)
 
 
 _SCALARS = frozenset((int, float, str, bool, type(None)))  # model_key's fields kept as they are
 
 
-def _frozen(v):
+def frozen(v):
+    """`v` hashable: lists and tuples as tuples, dicts as sorted item tuples, recursively."""
     if isinstance(v, list | tuple):
-        return tuple(_frozen(x) for x in v)
+        return tuple(frozen(x) for x in v)
     if isinstance(v, dict):
-        return tuple(sorted((k, _frozen(x)) for k, x in v.items()))
+        return tuple(sorted((k, frozen(x)) for k, x in v.items()))
     return v
 
 
@@ -98,7 +104,7 @@ def model_key(cfg: Config) -> int:
     if hit is not None and hit[0] is m and hit[1] == precision:
         return hit[2]
     fields = (v for k, v in vars(m).items() if not k.startswith("recompute_"))
-    key = tuple(v if type(v) in _SCALARS else _frozen(v) for v in fields) + (precision,)
+    key = tuple(v if type(v) in _SCALARS else frozen(v) for v in fields) + (precision,)
     number = _MODEL_NUMBERS.setdefault(key, len(_MODEL_NUMBERS))
     if len(_MODEL_KEYS) >= _MAX_ENTRIES:
         _MODEL_KEYS.clear()
@@ -250,7 +256,8 @@ def _build_layer(cfg: Config, moe: bool) -> LayerParams:
         layer = new_layer(config, mesh, RNGStatesTracker(), layer_number(config, moe))
     params = _param_list(layer.parameters())
     gated = bool(config.spec.gated_mlp)
-    return LayerParams(params, _linear_shapes(layer), _buffer_bytes(layer), gated)
+    named = tuple((n, q) for n, q in layer.named_parameters() if q.requires_grad)
+    return LayerParams(params, _linear_shapes(layer), _buffer_bytes(layer), gated, named)
 
 
 def chunk_params(cfg: Config, pre_process: bool, post_process: bool) -> ChunkParams:
@@ -333,6 +340,7 @@ def _chunk_params(chunk: torch.nn.Module, last_grad: int | None = None) -> Chunk
     after = [q for _, c in children[cut + 1 :] for q in c.parameters()]
     ordered = [q for q in before + after if q.requires_grad]
     tied = {id(q) for q in tied_params([chunk])}
+    names = {id(q): n for n, q in chunk.named_parameters()}
     return ChunkParams(
         before=_param_list(before),
         after=_param_list(after),
@@ -340,4 +348,5 @@ def _chunk_params(chunk: torch.nn.Module, last_grad: int | None = None) -> Chunk
         buffer_bytes=_buffer_bytes(chunk),
         linear_shapes=_linear_shapes(chunk),
         last_grad=last_grad,
+        named=tuple((names[id(q)], q) for q in ordered),
     )

@@ -5,7 +5,12 @@ built at the layout's local shapes (plan/modules.py)."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from megatron_lite.config import Config
+from megatron_lite.parallel.data_parallel import arguments
+from megatron_lite.parallel.data_parallel.optimizer_spec import OptimizerSpec, group_index
+from megatron_lite.parallel.params import meta_of
 from megatron_lite.pipeline.schedules import schedule_placement, virtual_stage
 from megatron_lite.plan import modules
 from megatron_lite.resolve import moe_layer_pattern, stage_layers
@@ -137,7 +142,8 @@ def buckets(cfg: Config, pp_rank: int, chunk: int, expert: bool, shard: int) -> 
     """(elements, parameters) of each gradient bucket of the chunk's dense (or expert) buffer,
     in backward order, as GradBuffer._layout cuts them: the parameters reversed, a bucket
     closed once it reaches bucket_size (tied embeddings under pp > 1 alone), padded to a
-    multiple of `shard`."""
+    multiple of `shard`. A parameter the optimizer steps whole (whole_matrix.py: its own
+    buffer, no sharded buckets) counts as 0 elements of the bucket it arrives in."""
     key = ("buckets", pp_rank, chunk, expert, shard)
     return list(modules.per_config(cfg, key, lambda: _buckets(cfg, pp_rank, chunk, expert, shard)))
 
@@ -150,11 +156,13 @@ def _buckets(cfg: Config, pp_rank: int, chunk: int, expert: bool, shard: int) ->
     alone = set()
     if m.tie_embeddings and p.pp > 1:  # the tied embedding weights (ddp.py: own buckets)
         alone = {i if i < len(before) else i + layers for i in own.tied}
+    whole = [r.whole for r in optimizer_rows(cfg, pp_rank, chunk)]
     out, size, count = [], 0, 0
     for i in reversed(range(len(params))):
         n, is_expert = params[i]
         if is_expert != expert:
             continue
+        n = 0 if whole and whole[i] else n  # in a gradient buffer of its own, reduced whole
         if i in alone and size:
             out.append((-(-size // shard) * shard, count))
             size = count = 0
@@ -196,3 +204,64 @@ def buffer_bytes(cfg: Config, pp_rank: int) -> int:
         return out
 
     return modules.per_config(cfg, ("buffer_bytes", pp_rank), answer)
+
+
+class OptimizerRow(NamedTuple):
+    """How train.optimizer steps one parameter (its spec's groups rule, optimizer_spec.py)."""
+
+    elements: int
+    is_expert: bool
+    whole: bool  # its group needs whole matrices (whole_matrix.py)
+    state_bytes: int  # its group's optimizer-state bytes per element
+    cost: float  # the spec's cost of its whole-matrix update (elements without one)
+
+
+def optimizer_settings(cfg: Config) -> tuple[OptimizerSpec, dict]:
+    """(spec, hyperparameters) of the config's optimizer, as the trainer builds them."""
+    from megatron_lite.training.optimizer import optimizer_arguments
+
+    return arguments.optimizer_settings(optimizer_arguments(cfg.train))
+
+
+def optimizer_rows(cfg: Config, pp_rank: int, chunk: int) -> tuple[OptimizerRow, ...]:
+    """An OptimizerRow per parameter of the model chunk, in registration order
+    (chunk_param_list's); () for an elementwise spec (every group flat). A layer's parameters
+    are put through the groups rule once per layer kind (named as layer 0's), a search's
+    layouts sharing the rows of one measured layer."""
+
+    def answer():
+        spec, hyper = optimizer_settings(cfg)
+        if spec.elementwise:
+            return ()
+        key = (spec.name, modules.frozen(hyper))
+        own, moe = _chunk_own(cfg, pp_rank, chunk), _chunk_moe(cfg, pp_rank, chunk)
+        rows = _rows(own, own.named, spec, hyper, key)
+        cut = len(own.before)
+        layers = {e: _rows(m, [(f"layers.0.{n}", q) for n, q in m.named], spec, hyper, key)
+                  for e in set(moe) for m in [modules.layer_params(cfg, e)]}  # fmt: skip
+        return rows[:cut] + tuple(r for e in moe for r in layers[e]) + rows[cut:]
+
+    return modules.per_config(cfg, ("optimizer_rows", pp_rank, chunk), answer)
+
+
+_ROWS: dict[tuple, tuple] = {}  # (id(measured), settings) -> (measured, its rows), bounded
+
+
+def _rows(measured, named, spec: OptimizerSpec, hyper: dict, key: tuple) -> tuple:
+    """The OptimizerRows of `named` ((name, parameter) of `measured`, a cached LayerParams or
+    ChunkParams: remembered while it is the same object)."""
+    hit = _ROWS.get((id(measured), key))
+    if hit is not None and hit[0] is measured:
+        return hit[1]
+    groups = spec.param_groups(hyper)
+    rows = []
+    for name, q in named:
+        g = groups[group_index(spec, groups, q, name)]
+        whole = not spec.group_elementwise(g)
+        cost = spec.cost(q, hyper) if whole and spec.cost else q.numel()
+        rows.append(OptimizerRow(q.numel(), meta_of(q).is_expert, whole,
+                                 spec.group_state_bytes(g), cost))  # fmt: skip
+    if len(_ROWS) >= 4096:
+        _ROWS.clear()
+    _ROWS[(id(measured), key)] = (measured, tuple(rows))
+    return tuple(rows)

@@ -51,6 +51,7 @@ from megatron_lite.plan.activations import (
     recompute_settings,
 )
 from megatron_lite.plan.modules import layer_kinds, per_config
+from megatron_lite.plan.optimizer_states import split_states
 from megatron_lite.plan.params import (
     buckets,
     buffer_bytes,
@@ -114,6 +115,8 @@ def static_states(cfg: Config, pp_rank: int) -> dict[str, float]:
 
 def _static(cfg: Config, pp_rank: int) -> dict[str, float]:
     p = cfg.parallel
+    if not get_optimizer(cfg.train.optimizer).elementwise:  # groups stepped whole or flat
+        return split_states(cfg, pp_rank, transient=False)
     dense, expert = rank_params(cfg, pp_rank)
     n_dense = p.dp_shard or p.dp * p.cp
     n_expert = p.dp_shard or max(p.dp * p.cp // p.ep, 1)

@@ -319,7 +319,12 @@ class FullyShardedDataParallel:
         # from the first microbatch's backward to the last's reduce-scatter (memory.py)
         unsharded = self.reduce_dtype.itemsize if self.expected > 1 else 0
         opt = self.optimizer
-        return sharded_state_bytes(self.params, opt.inner, device_type, unsharded, opt.masters)
+        out = sharded_state_bytes(self.params, opt.inner, device_type, unsharded, opt.masters)
+        # a whole-matrix optimizer's owner holds its parameters' whole fp32 gradients from
+        # their gathers to its step (fsdp_whole_matrix.py): one per whole copy
+        mine = [m for m in opt.masters if device_type is None or m.device.type == device_type]
+        out["grads"] += 4 * sum(m.numel() for m in mine)
+        return out
 
     def wait_params(self) -> None:
         """Nothing in flight between steps: FSDP2 all-gathers per unit in the forward."""

@@ -18,7 +18,10 @@ dtype sizes; AdamW's m and v in fp32: K = 8, the totals below):
 An optimizer whose update needs whole matrices keeps the whole gradients under ZeRO-2 too
 (grads 4, as stage 1: whole_matrix.py), and its masters and states are those of the
 parameters assigned to this rank, about 1/N of them (the formula's figure); under ZeRO-3 the
-owner also keeps an fp32 whole copy of its parameters (master 4/N, fsdp_whole_matrix.py).
+owner also keeps an fp32 whole copy of its parameters (master 4/N, fsdp_whole_matrix.py) and
+holds their whole fp32 gradients during the step (grads: 4/N more). When only some groups
+need whole matrices (train.optimizer=muon: Muon's matrices whole, AdamW's the rest flat), each
+part follows its own rule, with the owner's share as it is, not 1/N: `split_formula_bytes`.
 
 fp32 masters are the parameters themselves (0 extra) unless the optimizer is offloaded (then
 4/N on the host). Buckets are padded to a multiple of N, so a measurement can exceed the formula
@@ -40,6 +43,8 @@ holds them:
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -179,7 +184,9 @@ def formula_bytes(
     if zero_stage == 3:  # the fp32 shards are the weights and the masters
         unsharded = reduce_bytes * num_params if microbatches > 1 else 0.0
         whole = 0.0 if optimizer.elementwise else 4 * num_params * shard  # the owners' copies
-        return {"weights": 4 * num_params * shard, "grads": 4 * num_params * shard + unsharded,
+        # (a whole-matrix spec: the owners' whole gradients during the step, as many again)
+        return {"weights": 4 * num_params * shard,
+                "grads": 4 * num_params * shard + unsharded + whole,
                 "master": whole, "optimizer": states}  # fmt: skip
     weight = 2 if precision == "bf16" else 4
     sharded_grads = zero_stage == 2 and optimizer.elementwise
@@ -192,3 +199,47 @@ def formula_bytes(
         "master": (4 * num_params * shard) if precision == "bf16" else 0.0,
         "optimizer": states,
     }
+
+
+@dataclass(frozen=True)
+class GroupSplit:
+    """A rank's parameters of one reduction group (dense or expert; its TP/PP/EP shard) by how
+    the optimizer's groups step them (optimizer_spec.ParamGroup): flat ZeRO shards for the
+    elementwise groups, whole parameters on owner ranks for the others (whole_matrix.py)."""
+
+    flat: int = 0  # elements of the elementwise groups' parameters
+    flat_state: int = 0  # their optimizer-state bytes (Σ group_state_bytes · elements)
+    whole: int = 0  # elements of the whole-matrix groups' parameters, all of them
+    owned: int = 0  # of those, the elements this rank owns (ZeRO-0: all)
+    owned_state: int = 0  # the owned ones' optimizer-state bytes
+
+
+def split_formula_bytes(
+    split: GroupSplit,
+    precision: str,
+    zero_stage: int,
+    n: int,
+    *,
+    in_flight: float = 0.0,
+    microbatches: int = 1,
+    reduce_bytes: int = 4,
+) -> dict[str, float]:
+    """formula_bytes for an optimizer whose groups differ (train.optimizer=muon): the flat
+    groups as the table, with their own state bytes; the whole-matrix groups' gradients whole
+    (4 bytes per element, ZeRO-2 too), their fp32 masters (bf16) and states only on the owner.
+    ZeRO-3: the owner's fp32 whole copies (master) and the whole gradients it holds until its
+    step (grads, fsdp_whole_matrix.py). `in_flight`: ZeRO-2's buckets of the flat groups."""
+    total, shard = split.flat + split.whole, (1.0 / n if zero_stage >= 1 else 1.0)
+    states = split.flat_state * shard + split.owned_state
+    if zero_stage == 3:
+        unsharded = reduce_bytes * total if microbatches > 1 else 0.0
+        return {"weights": 4 * total * shard,
+                "grads": 4 * total * shard + unsharded + 4 * split.owned,
+                "master": 4.0 * split.owned, "optimizer": states}  # fmt: skip
+    sharded_grads = zero_stage == 2
+    grads = 4.0 * split.whole + 4 * split.flat * (shard if sharded_grads else 1.0)
+    if sharded_grads and n > 1:
+        grads += 4 * in_flight
+    master = 4 * (split.flat * shard + split.owned) if precision == "bf16" else 0.0
+    weight = 2 if precision == "bf16" else 4
+    return {"weights": weight * total, "grads": grads, "master": master, "optimizer": states}
