@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from megatron_lite.parallel.data_parallel.muon import MUON
+from megatron_lite.parallel.data_parallel.muon_spec import MUON
 from megatron_lite.parallel.data_parallel.optimizer_spec import make_optimizer
 from megatron_lite.parallel.params import set_meta
 
