@@ -10,7 +10,8 @@ from megatron_lite.parallel.comm_stats import bus_bytes
 from megatron_lite.parallel.mesh import RankLayout
 
 # ring steps per collective (latency term): all-reduce is a reduce-scatter plus an all-gather
-_STEPS = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "all_to_all": 1, "send": 0}
+_STEPS = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "all_to_all": 1, "send": 0,
+          "broadcast": 1}  # fmt: skip
 LATENCY_S = {"nvlink": 3e-6, "ib": 8e-6}  # per ring step, typical NCCL small-message figures
 
 

@@ -65,6 +65,34 @@ def _splits(cfg: Config, pp_rank: int) -> tuple[GroupSplit, GroupSplit, int, int
     return dense, experts, dense_largest, expert_largest
 
 
+def owner_step(cfg: Config, pp_rank: int) -> tuple[float, int, int]:
+    """The whole-matrix groups' optimizer step on the pipeline rank's most-loaded owner, summed
+    over its dense and expert groups (they step one after the other): (its update cost, the
+    spec's FLOPs: Muon's Newton–Schulz on whole logical matrices, every TP rank of the owner
+    computing it; the TP-local elements of its TP-sharded parameters, whose shards it
+    gathers; the elements of every whole-matrix parameter of the rank, which the owners
+    broadcast). ZeRO-0: every rank steps all of them."""
+    return modules.per_config(cfg, ("owner_step", pp_rank), lambda: _owner_step(cfg, pp_rank))
+
+
+def _owner_step(cfg: Config, pp_rank: int) -> tuple[float, int, int]:
+    p = cfg.parallel
+    rows = [r for c in range(p.vpp) for r in reversed(optimizer_rows(cfg, pp_rank, c))]
+    cost = gathered = whole_elements = 0
+    for expert, n in ((False, p.dp * p.cp), (True, max(p.dp * p.cp // p.ep, 1))):
+        n = (p.dp_shard or n) if p.zero_stage == 3 else n
+        whole = [r for r in rows if r.whole and r.is_expert == expert]
+        owners = owner_table(whole, n, lambda r: r.cost) if p.zero_stage >= 1 else [0] * len(whole)
+        loads = [[0.0, 0] for _ in range(max(owners, default=0) + 1)]  # [cost, gathered]
+        for r, k in zip(whole, owners, strict=True):
+            loads[k][0] += r.cost
+            loads[k][1] += r.elements if r.tp_sharded else 0
+        top = max(loads, default=[0.0, 0])
+        cost, gathered = cost + top[0], gathered + top[1]
+        whole_elements += sum(r.elements for r in whole)
+    return cost, gathered, whole_elements
+
+
 def split_states(cfg: Config, pp_rank: int, transient: bool) -> dict[str, float]:
     """{weights, grads, master, optimizer} bytes of the pipeline rank under a spec whose
     groups differ (memory.split_formula_bytes over its dense and expert GroupSplits);

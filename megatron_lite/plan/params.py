@@ -214,6 +214,7 @@ class OptimizerRow(NamedTuple):
     whole: bool  # its group needs whole matrices (whole_matrix.py)
     state_bytes: int  # its group's optimizer-state bytes per element
     cost: float  # the spec's cost of its whole-matrix update (elements without one)
+    tp_sharded: bool = False  # a whole-matrix update gathers its TP shards (not an expert's)
 
 
 def optimizer_settings(cfg: Config) -> tuple[OptimizerSpec, dict]:
@@ -259,8 +260,10 @@ def _rows(measured, named, spec: OptimizerSpec, hyper: dict, key: tuple) -> tupl
         g = groups[group_index(spec, groups, q, name)]
         whole = not spec.group_elementwise(g)
         cost = spec.cost(q, hyper) if whole and spec.cost else q.numel()
-        rows.append(OptimizerRow(q.numel(), meta_of(q).is_expert, whole,
-                                 spec.group_state_bytes(g), cost))  # fmt: skip
+        meta = meta_of(q)
+        sharded = whole and meta.tp_dim is not None and meta.tp_size > 1 and not meta.is_expert
+        rows.append(OptimizerRow(q.numel(), meta.is_expert, whole, spec.group_state_bytes(g),
+                                 cost, sharded))  # fmt: skip
     if len(_ROWS) >= 4096:
         _ROWS.clear()
     _ROWS[(id(measured), key)] = (measured, tuple(rows))

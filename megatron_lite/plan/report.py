@@ -42,6 +42,7 @@ def time_table(t: StepTime, world: int) -> str:
     parts = [
         ("compute", t.compute), ("tp exposed", t.tp), ("cp exposed", t.cp),
         ("ep exposed", t.ep), ("pp p2p", t.pp), ("dp exposed", t.dp), ("bubble", t.bubble),
+        ("optimizer", t.optimizer),
     ]  # fmt: skip
     cells = ", ".join(f"{k} {v:.3f}" for k, v in parts if v)
     return (

@@ -42,7 +42,13 @@ from megatron_lite.pipeline.schedules import (
 )
 from megatron_lite.plan.activations import layer_shape, recompute_settings, resolved
 from megatron_lite.plan.comm import collective_time, group_links
-from megatron_lite.plan.params import chunk_moe, rank_layers, rank_params
+from megatron_lite.plan.optimizer_states import owner_step, rank_splits
+from megatron_lite.plan.params import (
+    chunk_moe,
+    optimizer_settings,
+    rank_layers,
+    rank_params,
+)
 from megatron_lite.resolve import (
     cp_a2a_size,
     moe_layer_pattern,
@@ -69,6 +75,9 @@ class StepTime:
     tokens_per_s: float
     mfu: float
     bubble_fraction: float
+    # the optimizer step of whole-matrix groups (Muon): the most-loaded owner's update FLOPs
+    # and its TP gathers, and the owners' broadcasts (ZeRO-3: the gathers to the owners)
+    optimizer: float = 0.0
 
 
 def _pipeline(pp: int, vpp: int, m: int, weights: tuple, fwd: float, bwd: float, comm: float,
@@ -314,15 +323,45 @@ def step_time(cfg: Config, world: int, gpu, mfu: float, gpus_per_node: int,
     ep_exp = m * layers_busiest * (ep_f + ep_b)
 
     dp_exp, dp_hidden = _dp_time(r, world, gpu, links, m, t_fwd, layers_busiest)
-    total = busy + bubble + pp_exp + dp_exp
+    opt = _whole_matrix_step(r, gpu, links, rate)
+    total = busy + bubble + pp_exp + dp_exp + opt
     tokens = t_.global_batch_size * m_.seq_length
     model_flops = flops_tok * tokens
     return StepTime(
         compute=compute, tp=tp_exp, cp=cp_exp, ep=ep_exp, pp=pp_exp, dp=dp_exp, bubble=bubble,
         hidden=hidden + dp_hidden, total=total, tokens_per_s=tokens / total,
         mfu=model_flops / (total * world * gpu.peak_tflops * 1e12),
-        bubble_fraction=bubble / busy if busy else 0.0,
+        bubble_fraction=bubble / busy if busy else 0.0, optimizer=opt,
     )  # fmt: skip
+
+
+def _whole_matrix_step(r: Config, gpu, links, rate: float) -> float:
+    """Exposed seconds of the whole-matrix groups' optimizer step (Muon, whole_matrix.py and
+    fsdp_whole_matrix.py), on the busiest pipeline rank: the most-loaded owner's update FLOPs
+    at the compute rate, its TP gathers (in the NS dtype), then ZeRO-1/2's broadcasts of every
+    whole parameter from its owner (nothing overlaps them: the step waits), or ZeRO-3's two
+    fp32 all-gathers to the owner and the broadcast back."""
+    p = r.parallel
+    spec, hyper = optimizer_settings(r)
+    if spec.elementwise:
+        return 0.0
+    ns = 2 if hyper.get("ns_dtype") == "bf16" else 4  # what the update gathers over TP
+    worst = 0.0
+    for rank in range(p.pp):
+        cost, gathered, whole = owner_step(r, rank)
+        if not whole:
+            continue
+        t = cost / rate
+        t += collective_time("all_gather", ns * gathered * p.tp, p.tp, links["tp"], gpu)
+        n, w = p.dp * p.cp, 2 if r.train.precision == "bf16" else 4
+        if p.zero_stage in (1, 2):
+            t += collective_time("broadcast", w * whole, n, links["dp_cp"], gpu)
+        elif p.zero_stage == 3:
+            n = p.dp_shard or n
+            t += 2 * collective_time("all_gather", 4 * whole, n, links["dp_cp"], gpu)
+            t += collective_time("broadcast", 4 * whole, n, links["dp_cp"], gpu)
+        worst = max(worst, t)
+    return worst
 
 
 def _dp_time(r: Config, world: int, gpu, links, m: int, t_fwd: float, layers: int):
@@ -331,11 +370,17 @@ def _dp_time(r: Config, world: int, gpu, links, m: int, t_fwd: float, layers: in
     dense, expert = rank_params(r, 0)
     w_bytes = 2 if prec == "bf16" else 4
     g_bytes = 2 if p.grad_reduce_dtype == "bf16" else 4
+    # whole-matrix groups' parameters (Muon's) are all-reduced whole under ZeRO-1/2 and sent
+    # from their owners in the optimizer step (_whole_matrix_step), not all-gathered here
+    whole = (0, 0)
+    if p.zero_stage in (1, 2) and not optimizer_settings(r)[0].elementwise:
+        whole = tuple(s.whole for s in rank_splits(r, 0)[:2])
     exposed = hidden = 0.0
-    for count, n, link in (
-        (dense, p.dp_shard or p.dp * p.cp, links["dp_cp"]),
-        (expert, p.dp_shard or p.dp * p.cp // p.ep, links["edp"]),
+    for count, own, full, link in (
+        (dense, whole[0], p.dp * p.cp, links["dp_cp"]),
+        (expert, whole[1], p.dp * p.cp // p.ep, links["edp"]),
     ):
+        n = p.dp_shard or full  # the flat shards' group (whole parameters: the full one)
         if not count or n <= 1:
             continue
         last = min(1.0, p.ddp_bucket_size / count)  # the last bucket's share
@@ -343,8 +388,10 @@ def _dp_time(r: Config, world: int, gpu, links, m: int, t_fwd: float, layers: in
             reduce = collective_time("all_reduce", g_bytes * count, n, link, gpu)
             gather = 0.0
         elif p.zero_stage in (1, 2):
-            reduce = collective_time("reduce_scatter", g_bytes * count, n, link, gpu)
-            gather = collective_time("all_gather", w_bytes * count, n, link, gpu)
+            flat = count - own
+            reduce = collective_time("reduce_scatter", g_bytes * flat, n, link, gpu)
+            reduce += collective_time("all_reduce", g_bytes * own, full, link, gpu)
+            gather = collective_time("all_gather", w_bytes * flat, n, link, gpu)
         else:
             reduce = collective_time("reduce_scatter", g_bytes * count, n, link, gpu)
             gather = 2 * m * collective_time("all_gather", w_bytes * count, n, link, gpu)

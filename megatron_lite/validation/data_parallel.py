@@ -95,6 +95,9 @@ def _validate_muon(t: TrainConfig) -> None:
     if t.muon_lr is not None:
         _check(rules.positive_fp32(t.muon_lr), "train.muon_lr", t.muon_lr,
                "use e.g. 0.02, or null for train.lr")  # fmt: skip
+    fix = "list groups, e.g. [attention, mlp, experts, hidden]; or train.optimizer=adamw"
+    _rule(bool(t.muon_params), "train.muon_params", t.muon_params,
+          "is empty: Muon would step no parameter (an AdamW run)", fix)  # fmt: skip
     for kind in t.muon_params:
         _rule(kind not in muon.VECTOR_KINDS, "train.muon_params", t.muon_params,
               f"{kind!r} parameters are not 2-D matrices (Muon orthogonalizes matrices)",

@@ -154,6 +154,10 @@ ARGUMENT_CASES = [
         "muon_params=('attention', 'norm'): 'norm' parameters are not matrices (Muon's are)",
     ),
     (
+        dict(optimizer="muon", optimizer_args={"muon_params": ()}),
+        "muon hyperparameter muon_params=(): is empty: Muon would step nothing",
+    ),
+    (
         dict(optimizer="muon", optimizer_args={"muon_params": ("attn",)}),
         "'attn' is not a parameter kind",
     ),
@@ -208,6 +212,10 @@ CONFIG_CASES = [
     (
         ["train.optimizer=muon", "train.muon_params=[attention,norm]"],
         "train.muon_params=['attention', 'norm']: 'norm' parameters are not 2-D matrices",
+    ),
+    (
+        ["train.optimizer=muon", "train.muon_params=[]"],
+        "train.muon_params=[]: is empty: Muon would step no parameter",
     ),
     (
         ["train.optimizer=muon", "train.muon_params=[attn]"],

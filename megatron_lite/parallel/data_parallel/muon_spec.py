@@ -114,6 +114,9 @@ def check_hyperparameters(hyper: Mapping[str, Any]) -> None:
         raise bad(
             "muon_params", "must be a list of parameter kinds", f"use e.g. {DEFAULT_MUON_PARAMS}"
         )
+    if not kinds:
+        raise bad("muon_params", "is empty: Muon would step nothing (an AdamW run)",
+                  "list kinds, e.g. the default; or use the adamw optimizer")  # fmt: skip
     for k in kinds:
         if k in VECTOR_KINDS:
             fix = f"leave {k!r} to AdamW; matrix kinds: {', '.join(MATRIX_KINDS)}"
