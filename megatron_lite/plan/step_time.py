@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 from megatron_lite.config import Config
 from megatron_lite.context.ulysses import ulysses_kv_heads
+from megatron_lite.parallel.data_parallel.optimizer_spec import get_optimizer
 from megatron_lite.pipeline.schedules import (
     get_schedule_spec,
     schedule_placement,
@@ -342,9 +343,9 @@ def _whole_matrix_step(r: Config, gpu, links, rate: float) -> float:
     whole parameter from its owner (nothing overlaps them: the step waits), or ZeRO-3's two
     fp32 all-gathers to the owner and the broadcast back."""
     p = r.parallel
-    spec, hyper = optimizer_settings(r)
-    if spec.elementwise:
+    if get_optimizer(r.train.optimizer).elementwise:
         return 0.0
+    hyper = optimizer_settings(r)[1]
     ns = 2 if hyper.get("ns_dtype") == "bf16" else 4  # what the update gathers over TP
     worst = 0.0
     for rank in range(p.pp):
@@ -373,7 +374,7 @@ def _dp_time(r: Config, world: int, gpu, links, m: int, t_fwd: float, layers: in
     # whole-matrix groups' parameters (Muon's) are all-reduced whole under ZeRO-1/2 and sent
     # from their owners in the optimizer step (_whole_matrix_step), not all-gathered here
     whole = (0, 0)
-    if p.zero_stage in (1, 2) and not optimizer_settings(r)[0].elementwise:
+    if p.zero_stage in (1, 2) and not get_optimizer(r.train.optimizer).elementwise:
         whole = tuple(s.whole for s in rank_splits(r, 0)[:2])
     exposed = hidden = 0.0
     for count, own, full, link in (
@@ -389,9 +390,12 @@ def _dp_time(r: Config, world: int, gpu, links, m: int, t_fwd: float, layers: in
             gather = 0.0
         elif p.zero_stage in (1, 2):
             flat = count - own
-            reduce = collective_time("reduce_scatter", g_bytes * flat, n, link, gpu)
-            reduce += collective_time("all_reduce", g_bytes * own, full, link, gpu)
-            gather = collective_time("all_gather", w_bytes * flat, n, link, gpu)
+            reduce = (
+                collective_time("reduce_scatter", g_bytes * flat, n, link, gpu) if flat else 0.0
+            )
+            gather = collective_time("all_gather", w_bytes * flat, n, link, gpu) if flat else 0.0
+            if own:
+                reduce += collective_time("all_reduce", g_bytes * own, full, link, gpu)
         else:
             reduce = collective_time("reduce_scatter", g_bytes * count, n, link, gpu)
             gather = 2 * m * collective_time("all_gather", w_bytes * count, n, link, gpu)
