@@ -206,6 +206,7 @@ SLOW_LAYOUTS = {
     "dsv3-mtp-cp8-pp2",
     "dsv3-mtp-experts-tp2-sp-pp2",
     "muon-8b-tp2-dp4-zero1",
+    "muon-8b-tp2-dp4-zero2",
     "muon-8b-tp2-dp4-zero3",
     "muon-8b-tp2-dp4-hsdp2-zero1",
     "muon-8b-tp2-dp4-hsdp2-zero3",
