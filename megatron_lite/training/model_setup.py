@@ -37,6 +37,13 @@ def setup_model_and_optimizer(
             for p in c.parameters():
                 if p.requires_grad:
                     p.data = p.data.to(torch.bfloat16)
+    if cfg.model.compile:  # before the wrappers: their hooks then see the compiled regions
+        from megatron_lite.models.compile import compile_chunks
+        from megatron_lite.pipeline.registry import splits_backward
+
+        p = cfg.parallel
+        split = p.pp > 1 and splits_backward(p.pipeline_schedule, p.vpp)
+        compile_chunks(chunks, cfg.model.compile_mode, split_wgrad=split)
     dp = build_data_parallel(chunks, mesh, cfg, device)  # ZeRO-3: new parameters
     for c in chunks if zero3 else []:  # RoPE tables, vocabulary mask: built on meta
         c.init_buffers(device)
