@@ -31,20 +31,24 @@ from megatron_lite.parallel import compiled_comm
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
-def _eager(fn):
-    """`fn` run eagerly when a compiled region calls it (one graph break)."""
-    return torch.compiler.disable(fn, recursive=True)
+def _eager(fn, reason: str):
+    """`fn` run eagerly when a compiled region calls it (a graph break, reported with
+    `reason`; torch < 2.8 has no reason argument)."""
+    try:
+        return torch.compiler.disable(fn, recursive=True, reason=reason)
+    except TypeError:
+        return torch.compiler.disable(fn, recursive=True)
 
 
 def _exclude(layer: nn.Module, split_wgrad: bool) -> None:
     """Mark the parts of `layer` a region runs eagerly (module docstring)."""
     for m in layer.modules():
         if isinstance(m, MoELayer):
-            m.forward = _eager(m.forward)
+            m.forward = _eager(m.forward, "MoE block runs eagerly: data-dependent token counts")
         elif isinstance(m, AttentionCore) and m.ring_ranges is not None:
-            m.attention_over_cp = _eager(m.attention_over_cp)
+            m.attention_over_cp = _eager(m.attention_over_cp, "ring attention runs eagerly")
         elif split_wgrad and hasattr(m, "wgrad_queue"):
-            m.forward = _eager(m.forward)
+            m.forward = _eager(m.forward, "parallel linear runs eagerly: deferred wgrad")
 
 
 def compile_chunks(chunks: list[nn.Module], mode: str | None, split_wgrad: bool) -> int:
@@ -84,8 +88,17 @@ class CompileReport:
             f"{self.recompiles} recompiles"
         ]
         for reason, n in sorted(self.graph_breaks.items(), key=lambda kv: -kv[1]):
-            out.append(f"compile: graph break x{n}: {reason.splitlines()[0][:160]}")
+            out.append(f"compile: graph break x{n}: {_summary(reason)}")
         return out
+
+
+def _summary(reason: str) -> str:
+    """What a dynamo graph-break message says broke: the disable() reason where one was given,
+    else its first line."""
+    if "(reason: " in reason:  # ours: "... disable` (reason: <what runs eagerly>)"
+        return reason.split("(reason: ", 1)[1].split(")", 1)[0]
+    lines = [ln.strip() for ln in reason.splitlines() if ln.strip()]
+    return (lines[0] if lines else "?")[:160]
 
 
 def compile_report() -> CompileReport:
