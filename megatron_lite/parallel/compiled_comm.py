@@ -29,14 +29,18 @@ def _record_eager(kind: str, group_name: str, op: str, n: int, numel: int, dtype
     STATS.record(kind, torch.empty(numel, dtype=dtype, device="meta"), group_name, op=op, n=n)
 
 
-# dynamo must not trace the replayed call itself (it would guard on the counters' values)
-_record = torch.compiler.disable(_record_eager)
+# the replayed recorder: _record_eager under torch.compiler.disable (dynamo must not trace the
+# replayed call itself: it would guard on the counters' values), made by enable_stats_replay
+# once per process (not at import: torch.compiler.disable loads dynamo, ~1 s)
+_REPLAYED: list = []
 
 
 def enable_stats_replay() -> None:
-    """Let compiled regions count their collectives (the module docstring): registers `record`
-    as a reorderable logging function, torch's one hook for that (a private config)."""
-    torch._dynamo.config.reorderable_logging_functions.add(_record)
+    """Let compiled regions count their collectives (the module docstring): registers the
+    recorder as a reorderable logging function, torch's one hook for that (a private config)."""
+    if not _REPLAYED:
+        _REPLAYED.append(torch.compiler.disable(_record_eager))
+        torch._dynamo.config.reorderable_logging_functions.add(_REPLAYED[0])
 
 
 def record(kind: str, op: str, t: torch.Tensor, group) -> None:
@@ -44,7 +48,8 @@ def record(kind: str, op: str, t: torch.Tensor, group) -> None:
     import torch.distributed as dist
 
     name = getattr(group, "group_desc", "world")
-    _record(kind, name, op, dist.get_world_size(group), t.numel(), t.dtype)
+    if _REPLAYED:  # a region compiled without enable_stats_replay counts nothing
+        _REPLAYED[0](kind, name, op, dist.get_world_size(group), t.numel(), t.dtype)
 
 
 def all_reduce(t: torch.Tensor, group, op: str = "sum", kind: str = "all_reduce"):

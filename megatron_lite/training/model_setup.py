@@ -9,6 +9,7 @@ import torch
 from megatron_lite import resolve
 from megatron_lite.config import Config
 from megatron_lite.models import build_model
+from megatron_lite.parallel import fake
 from megatron_lite.parallel.data_parallel import DataParallelWrapper
 from megatron_lite.parallel.mesh import ParallelMesh
 from megatron_lite.parallel.random import RNGStatesTracker
@@ -37,7 +38,9 @@ def setup_model_and_optimizer(
             for p in c.parameters():
                 if p.requires_grad:
                     p.data = p.data.to(torch.bfloat16)
-    if cfg.model.compile:  # before the wrappers: their hooks then see the compiled regions
+    # before the wrappers, so their hooks see the compiled regions; a dry run (fake tensors)
+    # measures the eager step
+    if cfg.model.compile and not fake.active():
         from megatron_lite.models.compile import compile_chunks
         from megatron_lite.pipeline.registry import splits_backward
 

@@ -23,16 +23,27 @@ from tests.parallel.parity import (
 # and C++ builds (dynamo still traces); one compile thread: forked ranks on 2 cores
 CACHE = os.path.join(tempfile.gettempdir(), "megatron_lite_inductor_tests")
 ENV = {"TORCHINDUCTOR_CACHE_DIR": CACHE, "TORCHINDUCTOR_COMPILE_THREADS": "1"}
-KEYS = ("loss", "grad_norm", "compile/graph_breaks", "compile/recompiles", "compile/graphs")
+KEYS = (
+    "loss",
+    "grad_norm",
+    "compile/graph_breaks",
+    "compile/recompiles",
+    "compile/graphs",
+    "comm_bytes/reduce_scatter",
+    "comm_calls/reduce_scatter",
+    "comm_bytes/all_reduce",
+)
 MOE = ("model.num_experts=4", "model.moe_router_topk=2", "model.moe_aux_loss_coeff=0.01",
        "model.moe_ffn_hidden_size=64")  # fmt: skip
 ZB_V = ["parallel.pp=2", "parallel.pipeline_schedule=zb-v", "parallel.vpp=2"]
 
 
-def compiled_records(world: int, layout: list[str], model: tuple[str, ...] = ()) -> list[dict]:
-    """Rank 0's per-step records (KEYS) of a compiled run of TINY + model on `layout`."""
+def compiled_records(
+    world: int, layout: list[str], model: tuple[str, ...] = (), compiled: bool = True
+) -> list[dict]:
+    """Rank 0's per-step records (KEYS) of a compiled (or eager) run of TINY + model."""
     data = f"data.paths=[{structured_dataset()}]"
-    args = [*TINY, data, *SHORT, *model, "model.compile=true", *layout]
+    args = [*TINY, data, *SHORT, *model, f"model.compile={str(compiled).lower()}", *layout]
     with tempfile.TemporaryDirectory() as tmp:
         return run_ranks(world, _train, args, tmp, ENV, KEYS, timeout=900)[0]
 
@@ -46,6 +57,11 @@ def test_compiled_tp2_sp_matches_one_rank_without_graph_breaks():
     # layers share one, the loss head its own), no break and no recompile
     assert first["compile/graph_breaks"] == 0, first
     assert first["compile/recompiles"] == 0, first
+    # the traced collectives count in comm_stats as eager's do: the reduce-scatters (row
+    # linears' forward, the SP gather's backward) in calls and bytes, the loss's all-reduces
+    eager = compiled_records(2, ["parallel.tp=2", "parallel.sequence_parallel=true"], (), False)
+    for key in KEYS[5:]:
+        assert first[key] == eager[0][key], (key, first[key], eager[0][key])
 
 
 LAYOUTS = {
