@@ -26,7 +26,6 @@ from torch import nn
 
 from megatron_lite.models.transformer import AttentionCore
 from megatron_lite.moe.layer import MoELayer
-from megatron_lite.parallel import compiled_comm
 
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
@@ -55,7 +54,6 @@ def compile_chunks(chunks: list[nn.Module], mode: str | None, split_wgrad: bool)
     """Compile each layer's forward and each loss chunk's `loss` in place (lazily: the first
     call traces); mode: torch.compile's (None: inductor's default); split_wgrad: the pipeline
     schedule defers weight gradients (zero-bubble). Returns the number of regions."""
-    compiled_comm.enable_stats_replay()
     kw = {} if mode in (None, "default") else {"mode": mode}
     regions = 0
     for chunk in chunks:

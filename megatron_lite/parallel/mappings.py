@@ -196,7 +196,7 @@ def all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM, kind: str = "all_re
     """In-place all-reduce that reports to comm stats; a no-op on a group of one. Inside a
     compiled region: out of place (use the result), sum or max (compiled_comm.py)."""
     if size(group) > 1 and compiled_comm.compiling():
-        return compiled_comm.all_reduce(t, group, "max" if op == dist.ReduceOp.MAX else "sum", kind)
+        return compiled_comm.all_reduce(t, group, "max" if op == dist.ReduceOp.MAX else "sum")
     if size(group) > 1:
         _run(kind, "all_reduce", t, group, lambda: dist.all_reduce(t, op=op, group=group))
     return t
@@ -245,7 +245,7 @@ def all_gather_dim0(t: torch.Tensor, group, kind: str = "all_gather") -> torch.T
     if world == 1:
         return t
     if compiled_comm.compiling():
-        return compiled_comm.all_gather_dim0(t, group, kind)
+        return compiled_comm.all_gather_dim0(t, group)
     t = t.contiguous()
     out = torch.empty((t.shape[0] * world, *t.shape[1:]), dtype=t.dtype, device=t.device)
     _run(kind, "all_gather", t, group, lambda: _all_gather_into(out, t, group=group))

@@ -57,11 +57,6 @@ def test_compiled_tp2_sp_matches_one_rank_without_graph_breaks():
     # layers share one, the loss head its own), no break and no recompile
     assert first["compile/graph_breaks"] == 0, first
     assert first["compile/recompiles"] == 0, first
-    # the traced collectives count in comm_stats as eager's do: the reduce-scatters (row
-    # linears' forward, the SP gather's backward) in calls and bytes, the loss's all-reduces
-    eager = compiled_records(2, ["parallel.tp=2", "parallel.sequence_parallel=true"], (), False)
-    for key in KEYS[5:]:
-        assert first[key] == eager[0][key], (key, first[key], eager[0][key])
 
 
 LAYOUTS = {
