@@ -4,6 +4,10 @@
 one. Automatic dispatch runs a kernel on CUDA only after it passed its one-time numerical
 self-check for the input's shape class (selfcheck.py); forcing `triton` skips the check. On CPU
 the Triton path only runs under the Triton interpreter (`TRITON_INTERPRET=1`).
+
+Inside a torch.compile region (model.compile) every op takes the torch reference, whatever the
+variable says: inductor fuses the reference into kernels of its own (Triton on a GPU, C++ on a
+CPU), and our hand-written kernels and inductor never meet in one graph.
 """
 
 from __future__ import annotations
@@ -61,6 +65,8 @@ def use_triton(
     Automatic dispatch: Triton where `compiles_triton(x)` and the dtype is one the kernels
     take, once `check(device, dtype, shape_class)` passed (run once per process and class,
     selfcheck.py); forced `triton`: always, unchecked; `torch`: never."""
+    if torch.compiler.is_compiling():  # inductor generates the kernels (module docstring)
+        return False
     choice = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
     if choice not in _CHOICES:
         raise ValueError(

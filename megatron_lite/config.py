@@ -86,6 +86,10 @@ class ModelConfig:
     recompute_method: str | None = None  # full: uniform | block
     recompute_num_layers: int | None = None  # full: layers per group (uniform) / per stage
     fp32_residual_connection: bool = False  # bf16: keep the residual stream (and P2P) in fp32
+    # torch.compile each transformer layer and the loss head as its own region
+    # (models/compile.py, docs/performance.md); compile_mode: torch.compile's mode (None: default)
+    compile: bool = False
+    compile_mode: str | None = None  # None | default | max-autotune-no-cudagraphs | ...
     # multi-token prediction (DeepSeek-V3, Megatron's names; models/mtp.py)
     mtp_num_layers: int = 0  # D sequential MTP modules on the last stage (0 = off)
     mtp_loss_scaling_factor: float = 0.1  # λ: the objective adds λ/D · Σ_k MTP loss_k

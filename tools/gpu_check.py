@@ -12,7 +12,8 @@ Items, in the order they run (the verdicts and their bands: tools/gpu_check_verd
                  bandwidth, Triton against eager torch
   train/<name>   a ~1B Llama (TinyLlama-1.1B's shape, vocab 4096) in bf16 on one GPU for 30
                  steps: plain, selective and full recompute, TE linears, TE FP8, flash-attn
-                 (where installed): tokens/s, TFLOP/s, MFU, and the loss curve against plain's
+                 (where installed), model.compile (GPU only): tokens/s, TFLOP/s, MFU, and the
+                 loss curve against plain's
   memory         the plain run's allocator peak beside the planner's and the dry run's
   resume         a 4-layer model of the same width, 30 steps saving after 10, and a resume
                  from step 10: steps 11-30 bitwise equal (both under deterministic algorithms)
@@ -70,6 +71,7 @@ BACKENDS = {
     "te": ("model.linear_backend=te",),
     "te_fp8": ("model.linear_backend=te", "model.fp8=hybrid"),
     "flash": ("model.attention_backend=flash",),
+    "compile": ("model.compile=true",),  # GPU only: the CPU suite compiles in test_compile_*
 }
 
 
@@ -401,7 +403,8 @@ def probe_prepare(argv: list[str]) -> None:
     checks = {"te": lambda: resolve.linear_backend("te", None),
               "te_fp8": lambda: resolve.linear_backend("te", "hybrid"),
               "flash": lambda: resolve.attention_backend("flash", "bf16")}  # fmt: skip
-    unavailable = {}
+    # model.compile on CPU: tests/parallel/test_compile_parity.py
+    unavailable = {} if gpu else {"compile": "model.compile: needs a CUDA GPU here"}
     for backend, check in checks.items():
         try:
             check()

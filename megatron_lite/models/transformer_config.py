@@ -17,8 +17,9 @@ from megatron_lite.config import Config
 from megatron_lite.models.registry import ArchitectureSpec, get_architecture
 from megatron_lite.parallel.params import scaled_std
 
-# ModelConfig fields the layers never read: folded into `spec` and `padded_vocab_size`
-RUN_ONLY = frozenset({"arch", "make_vocab_size_divisible_by"})
+# ModelConfig fields the layers never read: folded into `spec` and `padded_vocab_size`, or
+# run-level choices (compile: models/compile.py wraps the built layers)
+RUN_ONLY = frozenset({"arch", "make_vocab_size_divisible_by", "compile", "compile_mode"})
 
 
 @dataclass(frozen=True)

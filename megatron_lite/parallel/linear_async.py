@@ -43,7 +43,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-from megatron_lite.parallel import mappings
+from megatron_lite.parallel import compiled_comm, mappings
 
 INPUT_COMMS = ("gather", "all_reduce", "none")
 
@@ -186,8 +186,28 @@ def parallel_linear(
         raise ValueError(f"input_comm={input_comm!r}: expected one of {INPUT_COMMS}")
     if mappings.size(group) == 1:
         input_comm = "none"
+    if compiled_comm.compiling() and wgrad_queue is None:
+        return _traced_linear(x, weight, bias, group, input_comm)
     fuse = accumulate_main_grad and not _has_grad_hooks(weight)
     return _ParallelLinear.apply(x, weight, bias, group, input_comm, overlap, wgrad_queue, fuse)
+
+
+def _traced_linear(x, weight, bias, group, input_comm: str) -> torch.Tensor:
+    """parallel_linear inside a compiled region (model.compile): the same product built from
+    mappings' conjugate collectives, its backward derived by AOTAutograd. It differs from the
+    eager function in what backward does, not in the numbers: the gathered input x̂ [s, b, h]
+    is saved (not re-gathered), the weight gradient is returned to autograd (the gradient
+    buffer's hook adds it into main_grad), and there is no deferred wgrad (a B/W-splitting
+    schedule runs the linears eagerly: models/compile.py)."""
+    dtype = _compute_dtype(x)
+    x = x.to(dtype)
+    if input_comm == "gather":
+        x = mappings.gather_from_sequence_parallel_region(x, group)  # [s/tp, b, h] -> [s, b, h]
+    elif input_comm == "all_reduce":
+        x = mappings.copy_to_tensor_parallel_region(x, group)
+    b = None if bias is None else bias.to(dtype)
+    with torch.autocast(x.device.type, enabled=False):
+        return F.linear(x, weight.to(dtype), b)  # [s, b, out/tp]
 
 
 @contextlib.contextmanager

@@ -23,6 +23,7 @@ import functools
 import torch
 import torch.distributed as dist
 
+from megatron_lite.parallel import compiled_comm
 from megatron_lite.parallel.comm_stats import STATS
 
 # torch 2.13 renamed the *_tensor collectives to *_single; older releases (2.6-2.12) only
@@ -192,7 +193,10 @@ def gathered(kind: str, group, shard: torch.Tensor, fn):
 
 # ---------------------------------------------------------------- raw (non-autograd) collectives
 def all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM, kind: str = "all_reduce"):
-    """In-place all-reduce that reports to comm stats; a no-op on a group of one."""
+    """In-place all-reduce that reports to comm stats; a no-op on a group of one. Inside a
+    compiled region: out of place (use the result), sum or max (compiled_comm.py)."""
+    if size(group) > 1 and compiled_comm.compiling():
+        return compiled_comm.all_reduce(t, group, "max" if op == dist.ReduceOp.MAX else "sum")
     if size(group) > 1:
         _run(kind, "all_reduce", t, group, lambda: dist.all_reduce(t, op=op, group=group))
     return t
@@ -240,6 +244,8 @@ def all_gather_dim0(t: torch.Tensor, group, kind: str = "all_gather") -> torch.T
     world = size(group)
     if world == 1:
         return t
+    if compiled_comm.compiling():
+        return compiled_comm.all_gather_dim0(t, group)
     t = t.contiguous()
     out = torch.empty((t.shape[0] * world, *t.shape[1:]), dtype=t.dtype, device=t.device)
     _run(kind, "all_gather", t, group, lambda: _all_gather_into(out, t, group=group))
@@ -253,6 +259,8 @@ def reduce_scatter_dim0(t: torch.Tensor, group) -> torch.Tensor:
         return t
     if t.shape[0] % world:
         raise ValueError(f"reduce_scatter: dim 0 ({t.shape[0]}) not divisible by {world}")
+    if compiled_comm.compiling():
+        return compiled_comm.reduce_scatter_dim0(t, group)
     t = t.contiguous()
     out = torch.empty((t.shape[0] // world, *t.shape[1:]), dtype=t.dtype, device=t.device)
     _run(
@@ -293,14 +301,17 @@ def _all_to_all(t: torch.Tensor, split_dim: int, concat_dim: int, group) -> torc
             f"by group size {world}"
         )
     inp = t.movedim(split_dim, 0).contiguous()  # chunk i of dim 0 goes to rank i
-    out = torch.empty_like(inp)
-    _run(
-        "all_to_all",
-        "all_to_all",
-        inp,
-        group,
-        lambda: dist.all_to_all_single(out, inp, group=group),
-    )
+    if compiled_comm.compiling():
+        out = compiled_comm.all_to_all_single(inp, group)
+    else:
+        out = torch.empty_like(inp)
+        _run(
+            "all_to_all",
+            "all_to_all",
+            inp,
+            group,
+            lambda: dist.all_to_all_single(out, inp, group=group),
+        )
     # out: [world·chunk, ...] where block i came from rank i; concat the blocks along concat_dim
     out = out.movedim(0, split_dim)
     parts = out.chunk(world, dim=split_dim)

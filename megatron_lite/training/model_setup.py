@@ -9,6 +9,7 @@ import torch
 from megatron_lite import resolve
 from megatron_lite.config import Config
 from megatron_lite.models import build_model
+from megatron_lite.parallel import fake
 from megatron_lite.parallel.data_parallel import DataParallelWrapper
 from megatron_lite.parallel.mesh import ParallelMesh
 from megatron_lite.parallel.random import RNGStatesTracker
@@ -37,6 +38,15 @@ def setup_model_and_optimizer(
             for p in c.parameters():
                 if p.requires_grad:
                     p.data = p.data.to(torch.bfloat16)
+    # before the wrappers, so their hooks see the compiled regions; a dry run (fake tensors)
+    # measures the eager step
+    if cfg.model.compile and not fake.active():
+        from megatron_lite.models.compile import compile_chunks
+        from megatron_lite.pipeline.registry import splits_backward
+
+        p = cfg.parallel
+        split = p.pp > 1 and splits_backward(p.pipeline_schedule, p.vpp)
+        compile_chunks(chunks, cfg.model.compile_mode, split_wgrad=split)
     dp = build_data_parallel(chunks, mesh, cfg, device)  # ZeRO-3: new parameters
     for c in chunks if zero3 else []:  # RoPE tables, vocabulary mask: built on meta
         c.init_buffers(device)

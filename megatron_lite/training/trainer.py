@@ -216,6 +216,20 @@ class Trainer:
         self.step += 1
         return record
 
+    def _report_compile(self, record: dict) -> None:
+        """model.compile: after this run's first step (the regions compile lazily, in it) add
+        the step's time and dynamo's counts to its record and print them on rank 0."""
+        from megatron_lite.models.compile import compile_report
+
+        report = compile_report()
+        record["compile/first_step_s"] = record["step_time_s"]
+        record["compile/graph_breaks"] = sum(report.graph_breaks.values())
+        record["compile/recompiles"] = report.recompiles
+        record["compile/graphs"] = report.graphs
+        if dist.get_rank() == 0:
+            print(f"compile: first step {record['step_time_s']:.1f} s (tracing and compiling)")
+            print("\n".join(report.lines()), flush=True)
+
     def _eval_due(self) -> bool:
         every = self.cfg.train.eval_interval
         return every > 0 and (self.step % every == 0 or self.step == self.cfg.train.steps)
@@ -248,6 +262,8 @@ class Trainer:
                     self.stop_requested,
                     f"could not write {failed.filename}" if failed else None,
                 )
+                if self.cfg.model.compile and record["step"] == first:
+                    self._report_compile(record)
                 self.logger.log(record, first)
                 records.append(record)
                 if stop:

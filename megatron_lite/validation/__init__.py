@@ -6,6 +6,7 @@ from __future__ import annotations
 from megatron_lite.config import Config
 from megatron_lite.resolve import resolve
 from megatron_lite.validation.backends import _validate_fp8, check_hardware
+from megatron_lite.validation.compile import _validate_compile
 from megatron_lite.validation.data_parallel import _validate_data_parallel
 from megatron_lite.validation.fields import (
     _validate_choices,
@@ -70,6 +71,7 @@ def validate(cfg: Config, world_size: int, warn: bool = True) -> Config:
     _validate_model_dtypes(r)
     _validate_train_ranges(r)
     _validate_fp8(r)
+    _validate_compile(r)
     _validate_data(r)
     _validate_documents(r)
     _validate_eval(r)

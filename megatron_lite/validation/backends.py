@@ -15,9 +15,11 @@ def check_hardware(cfg: Config) -> None:
     import torch
 
     from megatron_lite import resolve
+    from megatron_lite.validation.compile import check_compile_support
     from megatron_lite.validation.profiling import check_profile_hardware
 
     check_profile_hardware(cfg, torch.cuda.is_available())
+    check_compile_support(cfg)
     m = cfg.model
     try:
         resolve.attention_backend(m.attention_backend, cfg.train.precision)

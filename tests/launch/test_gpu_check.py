@@ -13,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 ITEMS = [
     "kernels/fp32", "kernels/bf16", "kernels/fp16", "kernels/other", "kernel_bench",
     "train/plain", "memory", "train/selective", "train/full", "train/te", "train/te_fp8",
-    "train/flash", "resume", "wall_time",
+    "train/flash", "train/compile", "resume", "wall_time",
 ]  # fmt: skip
 NEED_A_GPU = {
     "kernels/bf16": "needs a GPU",
@@ -22,6 +22,7 @@ NEED_A_GPU = {
     "train/te": "needs a CUDA GPU",
     "train/te_fp8": "needs a CUDA GPU",
     "train/flash": "needs a CUDA GPU",
+    "train/compile": "needs a CUDA GPU",
     "wall_time": "no budget on CPU",
 }
 

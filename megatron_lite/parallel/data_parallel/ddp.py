@@ -168,6 +168,11 @@ class DataParallel:
     def _register_gather_waits(self, chunk: torch.nn.Module):
         """Before a module's forward, wait for the all-gather of the buckets holding its
         parameters: the gathers of the last optimizer step overlap this step's forward."""
+        if any(getattr(m, "compiled_region", False) for m in chunk.modules()):
+            # model.compile: a compiled layer cannot wait inside itself, so the chunk waits for
+            # all of its gathers before its forward (no overlap with the forward)
+            own = list(chunk.parameters())
+            return [chunk.register_forward_pre_hook(lambda m, i: self._wait(own))]
         handles = []
         for module in chunk.modules():
             own = list(module.parameters(recurse=False))

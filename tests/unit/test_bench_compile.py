@@ -1,0 +1,17 @@
+"""tools/bench_compile.py --quick: the eager and compiled runs of a tiny model on one rank
+print both step times, the first step's time and dynamo's report (no graph break: a dense
+Llama on one rank is one graph per region kind)."""
+
+import pytest
+
+from tools.bench_compile import main
+
+
+@pytest.mark.slow  # two fresh ranks import torch, one compiles (~1 min on 2 free cores)
+@pytest.mark.timeout(900)
+def test_quick_run_prints_the_figures(capsys):
+    assert main(["--quick"]) == 0
+    out = capsys.readouterr().out
+    assert "quick: step eager" in out and "compiled/eager" in out, out
+    assert "quick: first step eager" in out, out
+    assert "quick: compile: 2 graphs, 0 graph breaks, 0 recompiles" in out, out
