@@ -48,6 +48,7 @@ def compiled_records(
         return run_ranks(world, _train, args, tmp, ENV, KEYS, timeout=900)[0]
 
 
+@pytest.mark.slow  # 30-55 s of compiling on 2 cores: over the suite's budget
 @pytest.mark.timeout(900)
 def test_compiled_tp2_sp_matches_one_rank_without_graph_breaks():
     records = compiled_records(2, ["parallel.tp=2", "parallel.sequence_parallel=true"])
@@ -69,10 +70,25 @@ LAYOUTS = {
 }
 
 
+# CI's slow tier runs the layouts that exercise a different path each (FSDP2, the eager MoE
+# block, zero-bubble's eager linears); the rest of the table on request (CI's 30-minute budget:
+# each compiles for 30-80 s on 2 cores): MEGATRON_LITE_COMPILE_TABLE=1. Not parity-marked: the
+# second ATEN_CPU_CAPABILITY pass does not compile again (inductor generates its own kernels).
+IN_CI = ("dp2_zero3", "moe_ep2", "pp2_zb_v")
+FULL = os.environ.get("MEGATRON_LITE_COMPILE_TABLE") == "1"
+ON_REQUEST = pytest.mark.skipif(not FULL, reason="MEGATRON_LITE_COMPILE_TABLE=1")
+
+
 @pytest.mark.slow
-@pytest.mark.parity
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("name", sorted(LAYOUTS))
+@pytest.mark.parametrize(
+    "name",
+    [
+        n if n in IN_CI
+        else pytest.param(n, marks=ON_REQUEST)
+        for n in sorted(LAYOUTS)
+    ],
+)  # fmt: skip
 def test_compiled_layout_matches_one_rank(name):
     world, model, layout = LAYOUTS[name]
     records = compiled_records(world, layout, model)

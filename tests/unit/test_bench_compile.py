@@ -2,12 +2,18 @@
 print both step times, the first step's time and dynamo's report (no graph break: a dense
 Llama on one rank is one graph per region kind)."""
 
+import os
+
 import pytest
 
 from tools.bench_compile import main
 
 
-@pytest.mark.slow  # two fresh ranks import torch, one compiles (~1 min on 2 free cores)
+# two fresh processes, one compiles (1-7 min on 2 cores): on request only (CI's budget)
+@pytest.mark.slow
+@pytest.mark.skipif(
+    os.environ.get("MEGATRON_LITE_COMPILE_TABLE") != "1", reason="MEGATRON_LITE_COMPILE_TABLE=1"
+)
 @pytest.mark.timeout(900)
 def test_quick_run_prints_the_figures(capsys):
     assert main(["--quick"]) == 0
