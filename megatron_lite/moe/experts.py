@@ -229,7 +229,7 @@ class LocalExperts(nn.Module):
             return grouped_mm(h, w2.transpose(1, 2), offsets)  # [N, h]
 
     def _fp8(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        """The grouped path with FP8 GEMMs, cast from the fp32 masters (one rounding)."""
+        """The grouped path with FP8 GEMMs, cast from the weights as stored."""
         dtype = x.dtype
         if torch.is_autocast_enabled(x.device.type):
             dtype = torch.get_autocast_dtype(x.device.type)

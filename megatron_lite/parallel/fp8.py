@@ -15,9 +15,11 @@ the scale must be the one a non-sharded run computes, so the amax is max-reduced
 the scale spans the sharded axis (tensorwise: the operand has that axis; rowwise: the sharded
 axis is the contraction). Column-parallel layers shard `out`, row-parallel ones `in`.
 
-Masters stay fp32; the weight is cast to FP8 from them directly (one rounding). Nothing FP8 is
-saved for backward: the layer saves what its bf16 form saves and casts again in backward (the
-scales are recomputed from the same values, so they are the forward's).
+The optimizer keeps fp32 masters (train.precision=bf16; FP8 under fp32 is refused); the weight
+is cast to FP8 as the module stores it. Nothing FP8 is saved for backward: the layer saves
+what its bf16 form saves and casts again in backward (the scales are recomputed from the same
+values, so they are the forward's), so activation memory is unchanged and each tensorwise
+weight costs one more amax and cast (and, under TP, one more amax all-reduce) per backward.
 """
 
 from __future__ import annotations

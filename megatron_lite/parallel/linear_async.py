@@ -130,7 +130,7 @@ class _ParallelLinear(torch.autograd.Function):
         with torch.autocast(x.device.type, enabled=False):
             if fp8 is None:
                 y = F.linear(total, weight.to(dtype), b)  # [s, b, out/tp]
-            else:  # from the fp32 master straight to FP8 (one rounding)
+            else:  # the weight as stored, straight to FP8 (no bf16 copy in between)
                 y = fp8.forward(total.reshape(-1, total.shape[-1]), weight)  # [s·b, out/tp]
                 y = y.view(*total.shape[:-1], -1)  # [s, b, out/tp]
                 y = y if b is None else y + b
