@@ -58,22 +58,35 @@ def test_fp8_layers_skip_the_output_layer_and_unaligned_widths():
         _chunk("model.fp8=tensorwise", "model.fp8_unaligned=error", *sizes)
 
 
-def test_experts_fp8_grouped_gemm_within_the_rowwise_bound():
+def _check(name, got, a, b):
+    """got ≈ a·b within the rowwise E4M3 bound (scales along the contraction), and FP8 really
+    ran: its mean error ≥ 3× the bf16 GEMM's (measured 10-17×)."""
+    exact = a.double() @ b.double()
+    err = (got.double() - exact).abs()
+    bound = _gemm_bound(a, b, E4M3, E4M3, -1, 0, got)
+    assert (err <= bound).all(), f"{name}: error exceeds the rowwise FP8 bound"
+    bf16 = (a.bfloat16() @ b.bfloat16()).double()
+    assert err.mean() > 3 * (bf16 - exact).abs().mean(), f"{name}: not FP8"
+
+
+def test_experts_fp8_grouped_gemm_and_its_gradients_within_the_rowwise_bound():
     from megatron_lite.moe.fp8_grouped import fp8_grouped_mm
 
     torch.manual_seed(0)
     sizes, a, b = [5, 0, 27, 16], 32, 48
-    x = torch.randn(sum(sizes), a).bfloat16()
-    w_t = torch.randn(len(sizes), b, a).transpose(1, 2) * 0.05  # [G, a, b] column-major
+    x = torch.randn(sum(sizes), a).bfloat16().requires_grad_()
+    w = (torch.randn(len(sizes), b, a) * 0.05).requires_grad_()  # [G, b, a] as the experts'
+    dy = torch.randn(sum(sizes), b).bfloat16()
     offsets = torch.tensor(sizes).cumsum(0, dtype=torch.int32)
-    y = fp8_grouped_mm(x, w_t, offsets)
-    for g, (xe, ye) in enumerate(zip(x.split(sizes), y.split(sizes), strict=True)):
+    y = fp8_grouped_mm(x, w.transpose(1, 2), offsets)  # [N, b]
+    y.backward(dy)
+    blocks = zip(x.detach().split(sizes), dy.split(sizes), y.detach().split(sizes), strict=True)
+    for g, (xe, dye, ye) in enumerate(blocks):
         if not len(xe):
+            assert not w.grad[g].any(), f"expert {g} has no rows but a gradient"
             continue
-        exact = xe.double() @ w_t[g].double()
-        err = (ye.double() - exact).abs()
-        bound = _gemm_bound(xe, w_t[g], E4M3, E4M3, -1, 0, ye)
-        assert (err <= bound).all(), f"expert {g}: error exceeds the rowwise FP8 bound"
-        # FP8 really ran: measured 16-17× the bf16 GEMM's mean error
-        bf16 = (xe @ w_t[g].bfloat16()).double()
-        assert err.mean() > 3 * (bf16 - exact).abs().mean(), f"expert {g}: not FP8"
+        _check(f"expert {g} forward", ye, xe, w[g].detach().t())
+        _check(f"expert {g} wgrad", w.grad[g].t(), xe.t(), dye)  # [a, b] = x_gᵀ · dy_g
+    for g, (dxe, dye) in enumerate(zip(x.grad.split(sizes), dy.split(sizes), strict=True)):
+        if len(dye):
+            _check(f"expert {g} dgrad", dxe, dye, w[g].detach())
