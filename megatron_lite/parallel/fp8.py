@@ -25,6 +25,7 @@ weight costs one more amax and cast (and, under TP, one more amax all-reduce) pe
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -37,7 +38,14 @@ ALIGN = 16  # torch._scaled_mm: every GEMM dimension a multiple of 16
 
 @functools.cache
 def _torchao():
-    """torchao's float8 modules, imported once (its import is slow and prints on CPU)."""
+    """torchao's float8 modules, imported once. Its import warns, on every rank, that its
+    optional C++ kernels (CUTLASS rowwise, MXFP8: none used here; our GEMMs are
+    torch._scaled_mm and torchao's Triton casts) do not load, and torch warns of an enum it
+    registers: both are silenced for the import only."""
+    quiet = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [log.level for log in quiet]
+    for log in quiet:
+        log.setLevel(logging.ERROR)
     try:
         from torchao.float8 import config, float8_training_tensor, float8_utils
     except ImportError as e:
@@ -45,6 +53,9 @@ def _torchao():
             "model.fp8=tensorwise|rowwise runs through torchao's float8 training: "
             "pip install 'torchao>=0.18' (or the megatron_lite[fp8] extra)"
         ) from e
+    finally:
+        for log, level in zip(quiet, levels, strict=True):
+            log.setLevel(level)
     return config, float8_training_tensor, float8_utils
 
 
