@@ -90,3 +90,12 @@ def test_experts_fp8_grouped_gemm_and_its_gradients_within_the_rowwise_bound():
     for g, (dxe, dye) in enumerate(zip(x.grad.split(sizes), dy.split(sizes), strict=True)):
         if len(dye):
             _check(f"expert {g} dgrad", dxe, dye, w[g].detach())
+
+
+def test_keys_of_the_other_fp8_family_warn_that_they_have_no_effect():
+    from megatron_lite.validation.inactive import config_warnings
+
+    local = config_warnings(_validate("model.fp8=tensorwise", "model.fp8_recipe=delayed"))
+    assert any("model.fp8_recipe" in w and "its own recipe" in w for w in local), local
+    off = config_warnings(_validate("model.fp8_skip=[mlp]", "model.fp8_unaligned=error"))
+    assert sum("model.fp8_skip" in w or "model.fp8_unaligned" in w for w in off) == 2, off
