@@ -154,7 +154,9 @@ def _losses(rank, world, overrides, out_dir):
 def test_fp8_training_loss_within_3_percent_of_bf16(tmp_path):
     """The issue's acceptance (100 quickstart steps, last-20 mean within 3% of bf16's; those
     figures are in docs/fp8.md) in small: the tiny model on the structured dataset, tp2+SP,
-    every linear but the output layer in FP8."""
+    every linear but the output layer in FP8. Measured (2026-12-05, 2 shared CPU cores, 637 s
+    beside other runs): last-20 means bf16 3.4084, tensorwise 3.3985 (−0.29%), rowwise 3.4058
+    (−0.08%)."""
     from tests.parallel.parity import TINY, structured_dataset
 
     args = [*TINY, f"data.paths=[{structured_dataset()}]", *TRAIN]
