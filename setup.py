@@ -56,11 +56,14 @@ setup(
             "zstandard>=0.22",
             "datasets>=2.16",
             "tensorboard>=2.14",
+            "torchao>=0.18,<0.19",  # model.fp8=tensorwise|rowwise (its float8 training)
         ],
         # tools/preprocess_data.py's Parquet, .jsonl.zst and saved-HF-dataset inputs
         "data": ["pyarrow>=14", "zstandard>=0.22"],
         # log.tensorboard=true
         "tensorboard": ["tensorboard>=2.14"],
+        # model.fp8=tensorwise|rowwise: torchao's float8 training recipes (docs/fp8.md)
+        "fp8": ["torchao>=0.18,<0.19"],
         "gpu": ["flash-attn>=2.6", "transformer-engine[pytorch]>=1.11"],
         # tools/bench_data_parallel.py's DeepSpeed ZeRO peer (skipped, saying why, without it)
         "bench": ["deepspeed==0.19.8"],

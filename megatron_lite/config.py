@@ -54,8 +54,13 @@ class ModelConfig:
     make_vocab_size_divisible_by: int = 128
     attention_backend: str = "auto"  # auto | sdpa | flash | te
     linear_backend: str = "local"  # local | te
-    fp8: str | None = None  # None | hybrid | e4m3 (needs linear_backend te, bf16)
-    fp8_recipe: str = "tensorwise"  # tensorwise | delayed | blockwise | mxfp8
+    # FP8 GEMMs (bf16 training): tensorwise | rowwise with linear_backend local (torchao's
+    # recipes, docs/fp8.md), hybrid | e4m3 with linear_backend te (TE, recipe fp8_recipe)
+    fp8: str | None = None
+    fp8_recipe: str = "tensorwise"  # TE only: tensorwise | delayed | blockwise | mxfp8
+    # local FP8: linears whose module name contains one of these stay bf16
+    fp8_skip: list[str] = field(default_factory=lambda: ["output_layer"])
+    fp8_unaligned: str = "bf16"  # local FP8, a GEMM dim not a multiple of 16: bf16 | error
     # mixture of experts (num_experts None = dense)
     num_experts: int | None = None
     moe_router_topk: int = 2

@@ -18,7 +18,7 @@ PYTHON=${PYTHON:-python}
 # (found, not imported: an import of torch costs seconds)
 "$PYTHON" -c "import importlib.metadata as m, importlib.util as u, sys; m.version('megatron_lite')
 sys.exit(any(u.find_spec(x) is None for x in sys.argv[1:]))" pytest pytest_timeout transformers ruff \
-    pyarrow zstandard datasets tensorboard 2>/dev/null ||
+    pyarrow zstandard datasets tensorboard torchao 2>/dev/null ||
     "$PYTHON" -m pip install -q -e ".[dev]" || exit 1
 
 checked() {  # pytest's exit code -> ours: 5 (no tests collected) is a failure

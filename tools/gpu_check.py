@@ -70,9 +70,28 @@ BACKENDS = {
     ),  # fmt: skip
     "te": ("model.linear_backend=te",),
     "te_fp8": ("model.linear_backend=te", "model.fp8=hybrid"),
+    "fp8_tensorwise": ("model.fp8=tensorwise",),  # our linears, torchao's recipes
+    "fp8_rowwise": ("model.fp8=rowwise",),
     "flash": ("model.attention_backend=flash",),
     "compile": ("model.compile=true",),  # GPU only: the CPU suite compiles in test_compile_*
 }
+
+
+def _local_fp8() -> None:
+    """model.fp8=tensorwise|rowwise: a GPU item (the CPU's are tests/parallel/test_fp8.py and
+    tools/bench_fp8.py), with torchao and FP8 GEMMs (compute capability >= 8.9)."""
+    import importlib.util
+
+    import torch
+
+    if importlib.util.find_spec("torchao") is None:
+        raise ValueError("torchao is not installed (pip install 'megatron_lite[fp8]')")
+    if not torch.cuda.is_available():
+        raise ValueError("GPU only: on a CPU see tests/parallel/test_fp8.py, tools/bench_fp8.py")
+    if torch.cuda.get_device_capability() < (8, 9):
+        raise ValueError(
+            f"FP8 GEMMs need compute capability >= 8.9, not {torch.cuda.get_device_capability()}"
+        )
 
 
 @dataclass(frozen=True)
@@ -299,7 +318,7 @@ class Check:
                 plain = self.add(plain_item(summary, failure, self.data != "mock"), wall_s)
                 self.add(memory_item(plain, dry_json, self.gpu, dry_failure))
             else:
-                item = backend_item(name, summary, failure, plain, name == "te_fp8")
+                item = backend_item(name, summary, failure, plain, "fp8" in name)
                 self.add(item, wall_s)
         self.resume(prep_failure)
 
@@ -402,6 +421,7 @@ def probe_prepare(argv: list[str]) -> None:
     name = torch.cuda.get_device_name() if gpu else platform.processor() or "cpu"
     checks = {"te": lambda: resolve.linear_backend("te", None),
               "te_fp8": lambda: resolve.linear_backend("te", "hybrid"),
+              "fp8_tensorwise": _local_fp8, "fp8_rowwise": _local_fp8,
               "flash": lambda: resolve.attention_backend("flash", "bf16")}  # fmt: skip
     # model.compile on CPU: tests/parallel/test_compile_parity.py
     unavailable = {} if gpu else {"compile": "model.compile: needs a CUDA GPU here"}

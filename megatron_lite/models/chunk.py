@@ -18,6 +18,7 @@ from megatron_lite.models.transformer import build_layer, rope_tables_at
 from megatron_lite.models.transformer_config import TransformerConfig
 from megatron_lite.parallel import mappings
 from megatron_lite.parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron_lite.parallel.fp8 import LOCAL_RECIPES, apply_fp8
 from megatron_lite.parallel.layers import (
     ColumnParallelLinear,
     VocabParallelEmbedding,
@@ -68,7 +69,8 @@ class ModelChunk(nn.Module):
         full = c.recompute_granularity == "full"
         self.full_recompute = (c.recompute_method, c.recompute_num_layers) if full else (None, 0)
         self.padded_vocab, self.vocab_size = c.padded_vocab_size, c.vocab_size
-        self.fp8_recipe = None if c.fp8 is None else fp8_recipe(c.fp8, c.fp8_recipe)
+        te_fp8 = c.fp8 is not None and c.fp8 not in LOCAL_RECIPES  # else parallel/fp8.py
+        self.fp8_recipe = fp8_recipe(c.fp8, c.fp8_recipe) if te_fp8 else None
         self.fp8_group = mesh.tp_dp_cp.group  # FP8 amax reduction: one pipeline stage
         s_local = c.seq_length // mesh.cp.size
         # this rank's global token positions (context/layout.py): one contiguous slice under
@@ -101,6 +103,8 @@ class ModelChunk(nn.Module):
             c.reset_position_ids,
         )
         self.eod_token_id = c.eod_token_id
+        if c.fp8 in LOCAL_RECIPES:
+            apply_fp8(self, c.fp8, c.fp8_skip, c.fp8_unaligned)
         self.init_buffers()
 
     def init_buffers(self, device: torch.device | None = None) -> None:

@@ -57,6 +57,8 @@ class TransformerConfig:
     linear_backend: str  # local | te
     fp8: str | None
     fp8_recipe: str
+    fp8_skip: list[str]
+    fp8_unaligned: str
     num_experts: int | None
     moe_router_topk: int
     moe_ffn_hidden_size: int

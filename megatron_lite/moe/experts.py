@@ -26,7 +26,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_lite import kernels
+from megatron_lite.moe.fp8_grouped import fp8_grouped_mm
 from megatron_lite.parallel import fake
+from megatron_lite.parallel.fp8 import Fp8Gemm
 from megatron_lite.parallel.params import set_meta
 
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # torch._grouped_mm on a CPU
@@ -178,6 +180,8 @@ class LocalExperts(nn.Module):
     ):
         super().__init__()
         self.grouped_gemm = grouped_gemm
+        # FP8 grouped GEMMs (moe/fp8_grouped.py), set by parallel.fp8.apply_fp8
+        self.fp8: Fp8Gemm | None = None
         if num_experts % ep_size:
             raise ValueError(f"num_experts={num_experts} not divisible by ep={ep_size}")
         self.num_local = num_experts // ep_size
@@ -207,6 +211,8 @@ class LocalExperts(nn.Module):
     def forward(self, x: torch.Tensor, tokens_per_expert: list[int] | torch.Tensor) -> torch.Tensor:
         """x [N, h] grouped by local expert (block e has tokens_per_expert[e] rows, a host list
         or an integer tensor [E_local]) -> [N, h]."""
+        if self.fp8 is not None and not fake.is_fake(x):
+            return self._fp8(x, expert_offsets(tokens_per_expert, x.device))
         if not self.grouped_gemm:
             if isinstance(tokens_per_expert, torch.Tensor):
                 tokens_per_expert = tokens_per_expert.tolist()
@@ -221,6 +227,16 @@ class LocalExperts(nn.Module):
             # [N, ffn]; fc1's output is not held through fc2 (the gate, up views die here)
             h = _swiglu(*h.chunk(2, dim=-1)) if self.gated else F.gelu(h)
             return grouped_mm(h, w2.transpose(1, 2), offsets)  # [N, h]
+
+    def _fp8(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """The grouped path with FP8 GEMMs, cast from the weights as stored."""
+        dtype = x.dtype
+        if torch.is_autocast_enabled(x.device.type):
+            dtype = torch.get_autocast_dtype(x.device.type)
+        with torch.autocast(x.device.type, enabled=False):
+            h = fp8_grouped_mm(x.to(dtype), self.weight1.transpose(1, 2), offsets)  # [N, 2·ffn]
+            h = _swiglu(*h.chunk(2, dim=-1)) if self.gated else F.gelu(h)  # [N, ffn]
+            return fp8_grouped_mm(h, self.weight2.transpose(1, 2), offsets)  # [N, h]
 
     def _loop(self, x: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
         """The reference path: one expert after another."""

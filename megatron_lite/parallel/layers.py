@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_lite.parallel import mappings
+from megatron_lite.parallel.fp8 import Fp8Gemm
 from megatron_lite.parallel.linear_async import parallel_linear
 from megatron_lite.parallel.params import set_meta
 
@@ -81,6 +82,7 @@ class ColumnParallelLinear(_GemmMode, nn.Module):
         )
         self.overlap_tp_comm = overlap_tp_comm
         self.wgrad_queue: list | None = None
+        self.fp8: Fp8Gemm | None = None  # FP8 GEMMs (parallel/fp8.py: apply_fp8 sets it)
         tp, rank = _tp(tp_group)
         segments = list(out_features) if isinstance(out_features, list | tuple) else [out_features]
         for seg in segments:
@@ -112,6 +114,7 @@ class ColumnParallelLinear(_GemmMode, nn.Module):
                 # a borrowed (tied) weight also gets the embedding's gradient in this backward:
                 # both are summed in .grad first, as under FSDP2 (the same bf16 arithmetic)
                 accumulate_main_grad=weight is None,
+                fp8=self.fp8,
             )  # [s, b, out/tp]
         else:
             y = self._te_forward(x, self.weight if weight is None else weight)
@@ -150,6 +153,7 @@ class RowParallelLinear(_GemmMode, nn.Module):
         super().__init__()
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         self.wgrad_queue: list | None = None
+        self.fp8: Fp8Gemm | None = None  # as in ColumnParallelLinear
         tp, rank = _tp(tp_group)
         if in_features % tp:
             raise ValueError(f"input size {in_features} not divisible by tp={tp}")
@@ -174,7 +178,13 @@ class RowParallelLinear(_GemmMode, nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._gemm is F.linear:  # main_grad accumulation and deferred wgrad; no input comm
             y = parallel_linear(
-                x, self.weight, None, self.tp_group, input_comm="none", wgrad_queue=self.wgrad_queue
+                x,
+                self.weight,
+                None,
+                self.tp_group,
+                input_comm="none",
+                wgrad_queue=self.wgrad_queue,
+                fp8=self.fp8,
             )
         else:
             y = self._gemm(x, self.weight)  # [s, b, out] partial sums over TP

@@ -66,10 +66,18 @@ def _placeholder(weight: torch.Tensor) -> torch.Tensor | None:
     return getattr(weight, "main_grad_placeholder", None)
 
 
-def _weight_grad(weight: torch.Tensor, g2d: torch.Tensor, x2d: torch.Tensor, fuse: bool):
-    """gᵀ·x̂ [out, in], or, when `fuse` and the weight has `main_grad`, added into it (the
-    placeholder returned)."""
+def _weight_grad(weight: torch.Tensor, g2d: torch.Tensor, x2d: torch.Tensor, fuse: bool, fp8=None):
+    """gᵀ·x̂ [out, in] (an FP8 GEMM with `fp8`, a parallel.fp8.Fp8Gemm), or, when `fuse` and
+    the weight has `main_grad`, added into it (the placeholder returned)."""
     main = getattr(weight, "main_grad", None) if fuse else None
+    if fp8 is not None:  # bf16 out of the FP8 GEMM, fp32 accumulation
+        grad = fp8.wgrad(g2d, x2d)  # [out, in]
+        if main is None:
+            return grad.to(weight.dtype)
+        if getattr(weight, "ensure_main_grad", None) is not None:
+            weight.ensure_main_grad()
+        main.add_(grad)
+        return _placeholder(weight)
     if main is None:
         return g2d.t().mm(x2d).to(weight.dtype)
     ensure = getattr(weight, "ensure_main_grad", None)
@@ -82,16 +90,16 @@ def _weight_grad(weight: torch.Tensor, g2d: torch.Tensor, x2d: torch.Tensor, fus
     return _placeholder(weight)
 
 
-def _queue_wgrad(queue: list, weight, g2d: torch.Tensor, x2d: torch.Tensor) -> None:
+def _queue_wgrad(queue: list, weight, g2d: torch.Tensor, x2d: torch.Tensor, fp8=None) -> None:
     weight.wgrad_queued = getattr(weight, "wgrad_queued", 0) + 1  # ever (run: wgrad_done)
 
     @torch.no_grad()  # run by the caller, outside backward
     def wgrad() -> None:
         # into main_grad whenever there is one: the buffer's hook has run, it would miss .grad
         if getattr(weight, "main_grad", None) is not None:
-            _weight_grad(weight, g2d, x2d, fuse=True)
+            _weight_grad(weight, g2d, x2d, fuse=True, fp8=fp8)
         else:
-            grad = _weight_grad(weight, g2d, x2d, fuse=False)
+            grad = _weight_grad(weight, g2d, x2d, fuse=False, fp8=fp8)
             weight.grad = grad if weight.grad is None else weight.grad + grad
         weight.wgrad_done = getattr(weight, "wgrad_done", 0) + 1
         done = getattr(weight, "after_wgrad", None)  # a gradient buffer counts what is ready
@@ -112,15 +120,20 @@ def _wait_unless_overlap(
 
 class _ParallelLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, group, input_comm, overlap, wgrad_queue, fuse):
-        ctx.in_dtype = x.dtype
+    def forward(ctx, x, weight, bias, group, input_comm, overlap, wgrad_queue, fuse, fp8):
+        ctx.in_dtype, ctx.fp8 = x.dtype, fp8
         dtype = _compute_dtype(x)
         x = x.to(dtype).contiguous()  # [s/tp, b, h] ("gather") or [s, b, h]
         # cast before the gather: the same values, in the compute dtype's bytes
         total = mappings.all_gather_dim0(x, group) if input_comm == "gather" else x  # [s, b, h]
         b = None if bias is None else bias.to(dtype)
         with torch.autocast(x.device.type, enabled=False):
-            y = F.linear(total, weight.to(dtype), b)  # [s, b, out/tp]
+            if fp8 is None:
+                y = F.linear(total, weight.to(dtype), b)  # [s, b, out/tp]
+            else:  # the weight as stored, straight to FP8 (no bf16 copy in between)
+                y = fp8.forward(total.reshape(-1, total.shape[-1]), weight)  # [s·b, out/tp]
+                y = y.view(*total.shape[:-1], -1)  # [s, b, out/tp]
+                y = y if b is None else y + b
         # the local shard, not `total`; the weight as itself: its main_grad / wgrad_queued
         # attributes are read in backward, and a saved-tensor hook (recompute, the activation
         # meter) would unpack a new tensor without them
@@ -142,7 +155,11 @@ class _ParallelLinear(torch.autograd.Function):
                 mappings.all_gather_async(total, x, group, "all_gather"), overlap
             )
         g = g.contiguous()
-        grad_x = g.matmul(weight.to(g.dtype)).to(ctx.in_dtype)  # [s, b, h] partial sums over TP
+        if ctx.fp8 is None:
+            grad_x = g.matmul(weight.to(g.dtype))  # [s, b, h] partial sums over TP
+        else:
+            grad_x = ctx.fp8.dgrad(g.reshape(-1, g.shape[-1]), weight).view(*g.shape[:-1], -1)
+        grad_x = grad_x.to(ctx.in_dtype)
         reducing = None
         if comm == "gather":
             gathering.wait()
@@ -156,14 +173,14 @@ class _ParallelLinear(torch.autograd.Function):
         grad_b = g2d.sum(0) if ctx.has_bias else None
         grad_w = None
         if ctx.queue is not None:
-            _queue_wgrad(ctx.queue, weight, g2d, x2d)
+            _queue_wgrad(ctx.queue, weight, g2d, x2d, ctx.fp8)
             if getattr(weight, "main_grad", None) is not None:  # the closure will write it
                 grad_w = _placeholder(weight)
         else:  # overlaps the reduction of grad_x
-            grad_w = _weight_grad(weight, g2d, x2d, ctx.fuse)
+            grad_w = _weight_grad(weight, g2d, x2d, ctx.fuse, ctx.fp8)
         if reducing is not None:
             reducing.wait()
-        return grad_x, grad_w, grad_b, None, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None
 
 
 def parallel_linear(
@@ -176,11 +193,13 @@ def parallel_linear(
     overlap: bool = True,
     wgrad_queue: list | None = None,
     accumulate_main_grad: bool = True,
+    fp8=None,
 ) -> torch.Tensor:
     """y = x̂·Wᵀ + b with x̂ = all_gather(x) along dim 0 ("gather"; x [s/tp, b, h]) or x itself
     ("all_reduce": its gradient is all-reduced over `group`; "none"). See the module docstring;
     `accumulate_main_grad=False` returns the weight gradient even where `main_grad` exists
     (a queued wgrad goes into `main_grad` all the same: the buffer's hook has run by then).
+    `fp8` (a parallel.fp8.Fp8Gemm) runs the three GEMMs in FP8 (parallel/fp8.py).
     """
     if input_comm not in INPUT_COMMS:
         raise ValueError(f"input_comm={input_comm!r}: expected one of {INPUT_COMMS}")
@@ -189,7 +208,9 @@ def parallel_linear(
     if compiled_comm.compiling() and wgrad_queue is None:
         return _traced_linear(x, weight, bias, group, input_comm)
     fuse = accumulate_main_grad and not _has_grad_hooks(weight)
-    return _ParallelLinear.apply(x, weight, bias, group, input_comm, overlap, wgrad_queue, fuse)
+    return _ParallelLinear.apply(
+        x, weight, bias, group, input_comm, overlap, wgrad_queue, fuse, fp8
+    )
 
 
 def _traced_linear(x, weight, bias, group, input_comm: str) -> torch.Tensor:

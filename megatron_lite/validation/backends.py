@@ -1,10 +1,12 @@
-"""Backend rules: FP8 through Transformer Engine (checked anywhere), and the hardware check that
-needs the machine the ranks run on."""
+"""Backend rules: FP8 through our own linears (torchao's tensorwise and rowwise recipes) or
+through Transformer Engine (checked anywhere), and the hardware check that needs the machine
+the ranks run on."""
 
 from __future__ import annotations
 
 from megatron_lite.config import Config, ConfigError
 from megatron_lite.models.decoder import latent_attention_gemm_widths
+from megatron_lite.parallel.fp8 import LOCAL_RECIPES, UNALIGNED
 from megatron_lite.resolve import kv_channels, moe_layer_pattern
 from megatron_lite.validation.rules import _choice, _rule
 
@@ -26,24 +28,42 @@ def check_hardware(cfg: Config) -> None:
         resolve.linear_backend(m.linear_backend, m.fp8, m.fp8_recipe)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if m.fp8 in LOCAL_RECIPES:
+        import importlib.util
+
+        _rule(
+            importlib.util.find_spec("torchao") is not None,
+            "model.fp8",
+            m.fp8,
+            "local FP8 GEMMs run through torchao's float8 training (not installed)",
+            "pip install 'torchao>=0.18' (the megatron_lite[fp8] extra), or set model.fp8=null",
+        )
 
 
 def _validate_fp8(cfg: Config) -> None:
-    """FP8 runs through Transformer Engine linears, in bf16 training, on GEMM shapes TE accepts
-    (every dimension a multiple of 16; of 32 for MXFP8's 32-element blocks)."""
+    """FP8 in bf16 training: tensorwise | rowwise through our linears (linear_backend=local,
+    torchao's recipes; a layer whose dims are not multiples of 16 stays bf16 or, with
+    model.fp8_unaligned=error, is refused when the model is built), hybrid | e4m3 through
+    Transformer Engine linears on GEMM shapes TE accepts (every dimension a multiple of 16; of
+    32 for MXFP8's 32-element blocks)."""
     from megatron_lite.parallel.te_linear import FP8_FORMATS, FP8_RECIPES
 
     m, p, t = cfg.model, cfg.parallel, cfg.train
     _choice("model.fp8_recipe", m.fp8_recipe, tuple(FP8_RECIPES))
+    _choice("model.fp8_unaligned", m.fp8_unaligned, UNALIGNED)
     if m.fp8 is None:
         return
-    _choice("model.fp8", m.fp8, (None, *FP8_FORMATS))
+    _choice("model.fp8", m.fp8, (None, *LOCAL_RECIPES, *FP8_FORMATS))
+    local = m.fp8 in LOCAL_RECIPES
     _rule(
-        m.linear_backend == "te",
+        m.linear_backend == ("local" if local else "te"),
         "model.fp8",
         m.fp8,
-        "FP8 GEMMs run through Transformer Engine linears",
-        "set model.linear_backend=te (or model.fp8=null)",
+        "tensorwise and rowwise are torchao's recipes for our own linears "
+        "(model.linear_backend=local); hybrid and e4m3 are Transformer Engine's FP8 formats "
+        "(model.linear_backend=te, the recipe in model.fp8_recipe)",
+        "set model.linear_backend=local for model.fp8=tensorwise|rowwise, or "
+        "model.linear_backend=te with model.fp8=hybrid|e4m3 (and model.fp8_recipe)",
     )
     _rule(
         t.precision == "bf16",
@@ -52,7 +72,7 @@ def _validate_fp8(cfg: Config) -> None:
         "FP8 training keeps bf16 activations around the FP8 GEMMs",
         "set train.precision=bf16",
     )
-    align = 32 if m.fp8_recipe == "mxfp8" else 16
+    align = 32 if m.fp8_recipe == "mxfp8" and not local else 16
     tokens = m.seq_length // p.cp * t.micro_batch_size
     _rule(
         tokens % align == 0,
@@ -62,6 +82,8 @@ def _validate_fp8(cfg: Config) -> None:
         f"multiple of {align} for {m.fp8_recipe} FP8 GEMMs",
         "change model.seq_length or train.micro_batch_size",
     )
+    if local:  # each layer's widths: parallel.fp8.apply_fp8 (model.fp8_unaligned)
+        return
     tp = p.tp
     head_dim = kv_channels(m)
     groups = m.num_query_groups or m.num_attention_heads

@@ -9,6 +9,7 @@ import dataclasses
 
 from megatron_lite.config import Config, DataConfig
 from megatron_lite.models.registry import get_architecture
+from megatron_lite.parallel.fp8 import LOCAL_RECIPES
 from megatron_lite.resolve import uses_documents
 from megatron_lite.validation.data_parallel import optimizer_warnings
 from megatron_lite.validation.moe import moe_warnings
@@ -45,9 +46,16 @@ def _model_warnings(cfg: Config) -> list[str]:
     out = []
     for key, why, fix in get_architecture(m.arch).unused_keys:  # e.g. gpt's rope_theta
         out += _each("model", m, [key], why, fix)
-    if m.fp8 is None:
+    if m.fp8 is None or m.fp8 in LOCAL_RECIPES:
+        why = "model.fp8 is null" if m.fp8 is None else f"model.fp8={m.fp8!r} is its own recipe"
+        out += _each("model", m, ["fp8_recipe"], why, "remove the key (TE FP8 only)")
+    if m.fp8 not in LOCAL_RECIPES:
         out += _each(
-            "model", m, ["fp8_recipe"], "model.fp8 is null", "set model.fp8, or remove the key"
+            "model",
+            m,
+            ["fp8_skip", "fp8_unaligned"],
+            "they apply to local FP8 (model.fp8=tensorwise|rowwise)",
+            "set model.fp8=tensorwise|rowwise, or remove the key",
         )
     if t.precision == "fp32":
         out += _each(

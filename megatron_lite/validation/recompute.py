@@ -18,13 +18,13 @@ def _validate_recompute(cfg: Config) -> None:
         m.recompute_granularity == "selective" and {"mlp", "moe"} & set(m.recompute_modules)
     )
     _rule(
-        not (recomputes_gemms and m.fp8 is not None),
+        not (recomputes_gemms and m.fp8 is not None and m.linear_backend == "te"),
         "model.recompute_granularity",
         m.recompute_granularity,
         f"recomputing GEMMs under model.fp8={m.fp8!r} is not supported (the recompute runs "
         f"outside TE's fp8_autocast, so it would not repeat the forward)",
         "recompute only core_attn (recompute_granularity=selective, recompute_modules="
-        "[core_attn]), or set model.fp8=null",
+        "[core_attn]), or use local FP8 (model.linear_backend=local, model.fp8=tensorwise)",
     )
     if m.recompute_granularity == "selective":
         _validate_modules(cfg)
