@@ -130,6 +130,20 @@ CALL_SITES: tuple[CallSite, ...] = (
     ),
     *_sites(
         "fake.active",
+        "megatron_lite/training/model_setup.py",
+        ("setup_model_and_optimizer", "model.compile: a dry run measures the eager step"),
+    ),
+    *_sites(
+        "fake.is_fake",
+        "megatron_lite/moe/experts.py",
+        (
+            "LocalExperts.forward",
+            "model.fp8's grouped GEMM casts by amax: fake tensors take "
+            "the bf16 GEMM (the same shapes)",
+        ),
+    ),
+    *_sites(
+        "fake.active",
         "megatron_lite/parallel/params.py",
         ("_draw", "a fake shard holds no values: draw nothing (shapes only)"),
     ),

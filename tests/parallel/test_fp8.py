@@ -149,7 +149,11 @@ def _losses(rank, world, overrides, out_dir):
     return [r["loss"] for r in Trainer(cfg, mesh, dataset, vocab).train() if "loss" in r]
 
 
-@pytest.mark.slow  # three 60-step runs on 2 ranks
+# three 60-step runs on 2 ranks (minutes on 2 cores): on request only, CI's 30-minute budget
+@pytest.mark.slow
+@pytest.mark.skipif(
+    os.environ.get("MEGATRON_LITE_FP8_TRAINING") != "1", reason="MEGATRON_LITE_FP8_TRAINING=1"
+)
 @pytest.mark.timeout(900)
 def test_fp8_training_loss_within_3_percent_of_bf16(tmp_path):
     """The issue's acceptance (100 quickstart steps, last-20 mean within 3% of bf16's; those
