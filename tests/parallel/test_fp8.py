@@ -2,6 +2,8 @@
 the FP8 rounding bound of the exact product; under tp2+SP with TP-reduced scales the layers
 equal one rank's, and without the reduction they do not."""
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
