@@ -13,12 +13,13 @@ from torch import nn
 
 from megatron_lite.context.documents import document_ids, document_position_ids
 from megatron_lite.context.layout import cp_ranges, positions
+from megatron_lite.models.fp8 import apply_fp8
 from megatron_lite.models.token_context import TokenContext
 from megatron_lite.models.transformer import build_layer, rope_tables_at
 from megatron_lite.models.transformer_config import TransformerConfig
 from megatron_lite.parallel import mappings
 from megatron_lite.parallel.cross_entropy import vocab_parallel_cross_entropy
-from megatron_lite.parallel.fp8 import LOCAL_RECIPES, apply_fp8
+from megatron_lite.parallel.fp8 import LOCAL_RECIPES
 from megatron_lite.parallel.layers import (
     ColumnParallelLinear,
     VocabParallelEmbedding,

@@ -180,7 +180,7 @@ class LocalExperts(nn.Module):
     ):
         super().__init__()
         self.grouped_gemm = grouped_gemm
-        # FP8 grouped GEMMs (moe/fp8_grouped.py), set by parallel.fp8.apply_fp8
+        # FP8 grouped GEMMs (moe/fp8_grouped.py), set by models.fp8.apply_fp8
         self.fp8: Fp8Gemm | None = None
         if num_experts % ep_size:
             raise ValueError(f"num_experts={num_experts} not divisible by ep={ep_size}")

@@ -82,7 +82,7 @@ class ColumnParallelLinear(_GemmMode, nn.Module):
         )
         self.overlap_tp_comm = overlap_tp_comm
         self.wgrad_queue: list | None = None
-        self.fp8: Fp8Gemm | None = None  # FP8 GEMMs (parallel/fp8.py: apply_fp8 sets it)
+        self.fp8: Fp8Gemm | None = None  # FP8 GEMMs (models/fp8.py: apply_fp8 sets it)
         tp, rank = _tp(tp_group)
         segments = list(out_features) if isinstance(out_features, list | tuple) else [out_features]
         for seg in segments:

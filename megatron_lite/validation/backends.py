@@ -82,7 +82,7 @@ def _validate_fp8(cfg: Config) -> None:
         f"multiple of {align} for {m.fp8_recipe} FP8 GEMMs",
         "change model.seq_length or train.micro_batch_size",
     )
-    if local:  # each layer's widths: parallel.fp8.apply_fp8 (model.fp8_unaligned)
+    if local:  # each layer's widths: models.fp8.apply_fp8 (model.fp8_unaligned)
         return
     tp = p.tp
     head_dim = kv_channels(m)

@@ -13,7 +13,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 ITEMS = [
     "kernels/fp32", "kernels/bf16", "kernels/fp16", "kernels/other", "kernel_bench",
     "train/plain", "memory", "train/selective", "train/full", "train/te", "train/te_fp8",
-    "train/flash", "train/compile", "resume", "wall_time",
+    "train/fp8_tensorwise", "train/fp8_rowwise", "train/flash", "train/compile", "resume",
+    "wall_time",
 ]  # fmt: skip
 NEED_A_GPU = {
     "kernels/bf16": "needs a GPU",
@@ -23,6 +24,8 @@ NEED_A_GPU = {
     "train/te_fp8": "needs a CUDA GPU",
     "train/flash": "needs a CUDA GPU",
     "train/compile": "needs a CUDA GPU",
+    "train/fp8_tensorwise": "GPU only",
+    "train/fp8_rowwise": "GPU only",
     "wall_time": "no budget on CPU",
 }
 

@@ -75,7 +75,7 @@ S, B, H, FFN = 32, 2, 64, 128
 def _tp_mlp(rank, world, recipe, reduce_scales):
     """fc2(fc1(x)) under tp=world with SP (world=1: one rank), bf16, FP8 GEMMs -> y, dx, and
     the full weight gradients."""
-    from megatron_lite.parallel import fp8
+    from megatron_lite.models import fp8
     from megatron_lite.parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron_lite.parallel.params import shard
 
