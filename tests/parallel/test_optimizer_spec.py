@@ -171,6 +171,7 @@ def _trainer(world: int, overrides: list[str], out_dir: str) -> list[float]:
     return run_ranks(world, _train_trainer, args, out_dir, timeout=240)[0]
 
 
+@pytest.mark.slow  # 7 s (the suite's budget); Muon's resharded resume is in the slow tier too
 def test_toy_optimizer_resumes_resharded(tmp_path):
     """train.optimizer=toy_sgd: save at step 10 on dp2 ZeRO-1, resume on dp2 ZeRO-3 and on one
     rank: steps 11-20 give the losses of the uninterrupted one-rank run (the checkpoint holds

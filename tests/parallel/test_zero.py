@@ -75,6 +75,7 @@ def test_resume_across_stages_and_dp_sizes(tmp_path):
     assert diff < 1e-5, f"resume across stages: {diff:.2e}\n{got}\n{ref}"
 
 
+@pytest.mark.slow  # 9 s (the suite's budget)
 def test_bf16_gradient_reduction_halves_the_bytes_and_tracks_fp32(tmp_path):
     """parallel.grad_reduce_dtype=bf16 with fp32 weights: every stage sends its gradients in
     bf16 (half the bytes of an fp32 reduction, counted in the run) and follows the fp32 single
