@@ -67,6 +67,7 @@ def _launch(out_dir, *overrides, ranks: int = 2) -> subprocess.Popen:
     )
 
 
+@pytest.mark.slow  # 31 s (the suite's budget): test_cli keeps the one-paragraph errors
 @pytest.mark.timeout(240)
 def test_launcher_exits_with_the_ranks_code_and_message(tmp_path):
     # a lock no run wrote (a dangling link): refused after the process group exists, on

@@ -9,6 +9,9 @@ import subprocess
 
 import pytest
 
+# the CPU run of every item (~50 s): in the slow tier (the suite's budget after #40/#41)
+pytestmark = pytest.mark.slow
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ITEMS = [
     "kernels/fp32", "kernels/bf16", "kernels/fp16", "kernels/other", "kernel_bench",

@@ -9,6 +9,8 @@ kind (>= 2 model sizes of fp32 more); the old load held the whole TP-local state
 
 import math
 
+import pytest
+
 from tests.dist_harness import run_ranks
 from tests.parallel.parity import TINY
 
@@ -106,6 +108,7 @@ def _measure(rank, world, out_dir):
     return rows
 
 
+@pytest.mark.slow  # 6 s (the suite's budget)
 def test_save_and_load_memory_within_one_bucket(tmp_path):
     out = run_ranks(2, _measure, str(tmp_path), timeout=240)
     for rank, rows in enumerate(out):

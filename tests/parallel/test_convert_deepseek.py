@@ -133,7 +133,7 @@ def hf_mtp_loss(model, layer_n: dict[str, torch.Tensor], batch: torch.Tensor) ->
 
 
 # one rank, pp2 and cp2 (p2p) in the slow tier (the suite's budget): tp2+SP·ep2 here
-SLOW_LAYOUTS = {"one_rank", "pp2", "cp2_p2p"}
+SLOW_LAYOUTS = {"one_rank", "pp2", "cp2_p2p", "tp2_sp_ep2"}  # all (the suite's budget)
 
 
 @pytest.mark.parametrize(

@@ -129,7 +129,9 @@ def results(ranks_out, family: str, index: int) -> list:
     return found
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize(
+    "layout", [pytest.param(k, marks=pytest.mark.slow) if k == "ep2" else k for k in LAYOUTS]
+)  # ep2 (and its export) in the slow tier: the suite's budget
 def test_hf_moe_logits_after_import(layout, tmp_path):
     world, parallel = LAYOUTS[layout]
     sources = hf_models_and_checkpoints(tmp_path)

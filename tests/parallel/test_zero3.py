@@ -37,7 +37,10 @@ LAYOUTS = {
 @pytest.mark.parity
 @pytest.mark.parametrize(
     "layout",
-    [pytest.param(k, marks=pytest.mark.slow) if k == "zero3_ep2_dp4" else k for k in LAYOUTS],
+    [
+        pytest.param(k, marks=pytest.mark.slow) if k in ("zero3_ep2_dp4", "zero3_dp4_shard2") else k
+        for k in LAYOUTS
+    ],
 )
 def test_zero3_loss_parity(layout, tmp_path):
     world, model, overrides = LAYOUTS[layout]
