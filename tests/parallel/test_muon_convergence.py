@@ -10,8 +10,7 @@ Measured (2 CPU ranks, 2026-12-05): at the default train.seed (1234) AdamW 4.130
 
 import pytest
 
-from tests.dist_harness import run_ranks
-from tests.parallel.parity import TINY, structured_dataset
+from tests.parallel.parity import train_records
 
 STEPS = 40
 RUN = [
@@ -24,27 +23,15 @@ RUN = [
 ]
 
 
-def _eval_loss(rank, world, overrides, out_dir):
-    import torch.distributed as dist
-
-    from megatron_lite.parallel.mesh import ParallelMesh, RankLayout
-    from megatron_lite.train import prepare
-    from megatron_lite.training.trainer import Trainer
-
-    cfg, dataset, vocab = prepare(["train.out_dir=" + out_dir, *overrides], world_size=world)
-    p = cfg.parallel
-    mesh = ParallelMesh(RankLayout(world, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep))
-    records = Trainer(cfg, mesh, dataset, vocab).train()
-    if dist.get_rank() != 0:
-        return None
+def _eval_loss(overrides: list[str]) -> float:
+    """Rank 0's last eval loss of a 2-rank run of TINY + RUN + `overrides`."""
+    records = train_records(2, [*RUN, *overrides], ("eval_loss",))
     return [r["eval_loss"] for r in records if "eval_loss" in r][-1]
 
 
 @pytest.mark.slow  # in CI's slow tier (bash tests/run.sh -m slow): two 40-step runs
-def test_muon_eval_loss_at_most_adamws(tmp_path):
-    args = [*TINY, f"data.paths=[{structured_dataset()}]", *RUN]
-    adamw = run_ranks(2, _eval_loss, args, str(tmp_path / "adamw"), timeout=180)[0]
-    muon_args = [*args, "train.optimizer=muon"]
-    muon = run_ranks(2, _eval_loss, muon_args, str(tmp_path / "muon"), timeout=180)[0]
+def test_muon_eval_loss_at_most_adamws():
+    adamw = _eval_loss([])
+    muon = _eval_loss(["train.optimizer=muon"])
     print(f"MUON eval loss after {STEPS} steps: adamw {adamw:.4f}, muon {muon:.4f}")
     assert muon <= adamw, f"Muon's eval loss {muon:.4f} is above AdamW's {adamw:.4f}"
