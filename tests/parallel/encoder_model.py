@@ -169,15 +169,19 @@ def train(rank: int, world: int, tp: int, zero_stage: int) -> list[tuple[float, 
         layers_of=lambda chunk: chunk.blocks,  # ZeRO-3's units: not our `layers`
     )  # fmt: skip
     assert isinstance(dp, DataParallelWrapper) and isinstance(dp.optimizer, DataParallelOptimizer)
-    out = []
-    for _ in range(STEPS):
-        dp.start_step(GLOBAL_BATCH // (mesh.dp.size * MICRO))
-        total = _loss_sum(mesh, model, dp.before_backward)
-        dp.finish_grad_sync()
-        grad_sq = dp.grad_square_sum()
-        dist.all_reduce(grad_sq)  # summed over the world it counts every element once
-        norm = grad_sq.item() ** 0.5
-        dp.clip(norm, MAX_NORM)
-        dp.step()
-        out.append((_global_loss(mesh, total), norm))
+    out = [dp_step(mesh, model, dp) for _ in range(STEPS)]
     return out if rank == 0 else None
+
+
+def dp_step(mesh: ParallelMesh, model: Encoder, dp) -> tuple[float, float]:
+    """One optimizer step of `model` through its DataParallelWrapper `dp` on the global batch:
+    (loss, gradient norm before clipping to MAX_NORM)."""
+    dp.start_step(GLOBAL_BATCH // (mesh.dp.size * MICRO))
+    total = _loss_sum(mesh, model, dp.before_backward)
+    dp.finish_grad_sync()
+    grad_sq = dp.grad_square_sum()
+    dist.all_reduce(grad_sq)  # summed over the world it counts every element once
+    norm = grad_sq.item() ** 0.5
+    dp.clip(norm, MAX_NORM)
+    dp.step()
+    return _global_loss(mesh, total), norm

@@ -77,7 +77,6 @@ def _torch_step(named: dict, ns: str):
 def run(rank: int, world: int, ns: str) -> dict:
     """Both models on the same batches for enc.STEPS steps: per step the (loss, grad norm) of
     each, and per Muon parameter ‖Δours − Δref‖ / ‖Δref‖ of that step's change."""
-    import torch.distributed as dist
 
     from megatron_lite.parallel.data_parallel import build_data_parallel
 
@@ -95,15 +94,7 @@ def run(rank: int, world: int, ns: str) -> dict:
     for _ in range(enc.STEPS):
         before = {n: (named_ours[n].detach().clone(), named_ref[n].detach().clone())
                   for n in MUON_NAMES}  # fmt: skip
-        dp.start_step(enc.GLOBAL_BATCH // enc.MICRO)
-        total = enc._loss_sum(mesh, ours, dp.before_backward)
-        dp.finish_grad_sync()
-        grad_sq = dp.grad_square_sum()
-        dist.all_reduce(grad_sq)
-        norm = grad_sq.item() ** 0.5
-        dp.clip(norm, enc.MAX_NORM)
-        dp.step()
-        out["ours"].append((enc._global_loss(mesh, total), norm))
+        out["ours"].append(enc.dp_step(mesh, ours, dp))  # one rank: mesh.dp.size is 1
         loss = enc._global_loss(mesh, enc._loss_sum(mesh, ref))
         out["ref"].append((loss, _clip(list(named_ref.values()))))
         torch_step()

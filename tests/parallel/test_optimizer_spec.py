@@ -72,7 +72,6 @@ def reference(rank: int, world: int) -> list[tuple[float, float]]:
 def train(rank: int, world: int, zero_stage: int) -> dict:
     """(loss, grad norm) per step through build_data_parallel(optimizer="toy_sgd") on dp=world,
     with this rank's optimizer bytes before and after the steps and the parameter count."""
-    import torch.distributed as dist
 
     from megatron_lite.parallel.data_parallel import build_data_parallel
 
@@ -84,17 +83,7 @@ def train(rank: int, world: int, zero_stage: int) -> dict:
         layers_of=lambda chunk: chunk.blocks,
     )  # fmt: skip
     before = dp.memory()["optimizer"]
-    out = []
-    for _ in range(enc.STEPS):
-        dp.start_step(enc.GLOBAL_BATCH // (mesh.dp.size * enc.MICRO))
-        total = enc._loss_sum(mesh, model, dp.before_backward)
-        dp.finish_grad_sync()
-        grad_sq = dp.grad_square_sum()
-        dist.all_reduce(grad_sq)
-        norm = grad_sq.item() ** 0.5
-        dp.clip(norm, enc.MAX_NORM)
-        dp.step()
-        out.append((enc._global_loss(mesh, total), norm))
+    out = [enc.dp_step(mesh, model, dp) for _ in range(enc.STEPS)]
     names = sorted(k for s in dp.optimizer.state_shards() for k in s.states)
     memory = {"before": before, "after": dp.memory()["optimizer"]}
     return {"curve": out, "params": params, "memory": memory, "states": sorted(set(names))}

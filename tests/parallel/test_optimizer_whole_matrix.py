@@ -78,7 +78,6 @@ def reference(rank: int, world: int) -> list[float]:
 def train(rank: int, world: int, zero_stage: int) -> dict:
     """Losses per step through build_data_parallel(optimizer=TOY) on dp=world; this rank's
     owned elements, whether it steps whole parameters, and its optimizer bytes."""
-    import torch.distributed as dist
 
     from megatron_lite.parallel.data_parallel import build_data_parallel
 
@@ -86,17 +85,7 @@ def train(rank: int, world: int, zero_stage: int) -> dict:
     sizes = [p.numel() for p in model.parameters()]
     dp = build_data_parallel([model], mesh, zero_stage=zero_stage, optimizer=TOY.name, lr=LR,
                              bucket_size=2000, layers_of=lambda chunk: chunk.blocks)  # fmt: skip
-    out = []
-    for _ in range(enc.STEPS):
-        dp.start_step(enc.GLOBAL_BATCH // (mesh.dp.size * enc.MICRO))
-        total = enc._loss_sum(mesh, model, dp.before_backward)
-        dp.finish_grad_sync()
-        grad_sq = dp.grad_square_sum()
-        dist.all_reduce(grad_sq)
-        norm = grad_sq.item() ** 0.5
-        dp.clip(norm, enc.MAX_NORM)
-        dp.step()
-        out.append(enc._global_loss(mesh, total))
+    out = [enc.dp_step(mesh, model, dp)[0] for _ in range(enc.STEPS)]
     if zero_stage == 3:  # fsdp_whole_matrix.py: the owner's whole fp32 copies
         pairs = [(w, w) for w in dp.optimizer.masters]
     else:
