@@ -107,9 +107,8 @@ def _validate_muon(t: TrainConfig) -> None:
               "use groups from that list")  # fmt: skip
     try:  # anything left to the spec's own rule, named by its key
         muon.check_hyperparameters({**muon.MUON.hyperparameters, **muon.config_arguments(t)})
-    except ValueError as e:
-        name = str(e).split("=", 1)[0].rsplit(" ", 1)[-1]
-        key = next((k for k, v in muon.CONFIG_KEYS.items() if v == name), "optimizer")
+    except muon.HyperparameterError as e:
+        key = next((k for k, v in muon.CONFIG_KEYS.items() if v == e.name), "optimizer")
         raise ConfigError(f"train.{key}: {e}") from e
 
 

@@ -88,11 +88,21 @@ def _groups(hyper: Mapping[str, Any]) -> tuple[ParamGroup, ...]:
     )  # fmt: skip
 
 
+class HyperparameterError(ValueError):
+    """A hyperparameter out of its range; `name` is the hyperparameter (CONFIG_KEYS maps it
+    to its train.* key)."""
+
+    def __init__(self, message: str, name: str):
+        super().__init__(message)
+        self.name = name
+
+
 def check_hyperparameters(hyper: Mapping[str, Any]) -> None:
     """Each Muon hyperparameter in its range; the ValueError names it, the rule and a fix."""
 
-    def bad(name: str, rule: str, fix: str) -> ValueError:
-        return ValueError(f"muon hyperparameter {name}={hyper[name]!r}: {rule}. Fix: {fix}")
+    def bad(name: str, rule: str, fix: str) -> HyperparameterError:
+        text = f"muon hyperparameter {name}={hyper[name]!r}: {rule}. Fix: {fix}"
+        return HyperparameterError(text, name)
 
     steps = hyper["ns_steps"]
     if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= 99:
