@@ -5,26 +5,15 @@ fabric file (JSON) that the planner reads instead of datasheet link figures.
     python tools/bench_comm.py --world 8 --config configs/quickstart.yaml --gpus-per-node 4
     torchrun --nproc-per-node 8 tools/bench_comm.py --config configs/quickstart.yaml
 
-Without torchrun's environment (RANK unset) the tool starts --world ranks on this machine (gloo
-over a FileStore on CPU, nccl on CUDA, one GPU per rank); under torchrun (or Slurm's srun with
-torchrun's variables) each process is one rank and joins the group as training does.
-
-The layout is the config's (`--config` and `section.key=value` overrides, as for training):
-megatron_lite's ParallelMesh builds its groups (tp, cp, dp, pp, dp_cp, ep, edp; the Ulysses and
-ring parts of CP; HSDP's shard and replica groups when parallel.dp_shard is set), and each kind
-is measured with every group of it running at once, as in a step. Kinds with the same groups
-(dp and dp_cp without CP, say) are measured once. For each kind, op and size from --min-bytes to
---max-bytes by factors of 2: --warmup untimed ops, a barrier, then --iters ops back to back,
-timed on each rank; a group's time is the slowest of its ranks (nccl-tests' `-a 3`), and a
-kind's, per scope, the slowest of its groups. A group's scope is 'inter' when its ranks are on
-more than one node (rank // --gpus-per-node), else 'intra'.
-
-Sizes, algbw and busbw are nccl-tests' (NVIDIA/nccl-tests doc/PERFORMANCE.md): S is the
-all_reduce tensor, the all_gather output, the reduce_scatter input, one rank's all_to_all input
-and the send/recv message (sendrecv_perf: every rank sends S to the next rank of its group and
-receives S from the previous); algbw = S / t, busbw = algbw · 2(n-1)/n for all_reduce,
-(n-1)/n for all_gather, reduce_scatter and all_to_all, 1 for send (parallel/comm_stats.py
-`bus_bytes`), in GB/s. The file's format: docs/bench_comm.md; reader: megatron_lite/plan/fabric.py.
+Without torchrun's environment (RANK unset) it starts --world ranks here (gloo over a FileStore
+on CPU, nccl on CUDA, one GPU per rank); under torchrun each process is one rank and joins as
+training does. Each group kind of the config's layout (ParallelMesh's groups, and HSDP's with
+parallel.dp_shard) runs each op at sizes --min-bytes to --max-bytes (doubling) on all its groups
+at once: --warmup ops, a barrier, --iters ops timed back to back; a group's time is its slowest
+rank's, and its scope 'inter' when its ranks span nodes (rank // --gpus-per-node), else 'intra'.
+Sizes, algbw and busbw are nccl-tests' (NVIDIA/nccl-tests doc/PERFORMANCE.md; busbw · time is
+parallel/comm_stats.py's `bus_bytes`). Details and the file's format: docs/bench_comm.md; the
+reader: megatron_lite/plan/fabric.py.
 """
 
 from __future__ import annotations
@@ -39,9 +28,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
+from megatron_lite.plan.fabric import OPS  # noqa: E402  (the ops a fabric file may hold)
+
 KINDS = ("tp", "cp", "cp_a2a", "cp_ring", "dp", "dp_cp", "pp", "ep", "edp")
-DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPES = ("float32", "bfloat16", "float16")
 _UNITS = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 
 
@@ -84,7 +74,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="largest size S (default 4M on CPU, 1G on CUDA)")  # fmt: skip
     p.add_argument("--warmup", type=int, default=5, help="untimed ops per size (nccl-tests: 5)")
     p.add_argument("--iters", type=int, default=20, help="timed ops per size (nccl-tests: 20)")
-    p.add_argument("--dtype", default="float32", choices=DTYPES)
+    p.add_argument("--dtype", default="float32", choices=DTYPES, help="the buffers' element type")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                    help="cpu: gloo; cuda: nccl; auto: cuda when available")  # fmt: skip
     p.add_argument("--out", default="runs/fabric.json", help="the fabric file to write")
