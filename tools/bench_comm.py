@@ -30,7 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_lite.plan.fabric import OPS  # noqa: E402  (the ops a fabric file may hold)
 
-KINDS = ("tp", "cp", "cp_a2a", "cp_ring", "dp", "dp_cp", "pp", "ep", "edp")
+KINDS = ("tp", "cp", "cp_a2a", "cp_ring", "dp", "dp_cp", "pp", "ep", "edp")  # ParallelMesh's
+HYBRID = ("dp_cp_shard", "dp_cp_replica")  # parallel.dp_shard's (data_parallel/ddp.py)
 DTYPES = ("float32", "bfloat16", "float16")
 _UNITS = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 
@@ -85,8 +86,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--ops: {bad} are not ops; choose from {', '.join(OPS)}")
     if a.groups is not None:
         a.groups = [g.strip() for g in a.groups.split(",") if g.strip()]
+        if bad := [g for g in a.groups if g not in (*KINDS, *HYBRID)]:
+            p.error(f"--groups: {bad} are not group kinds; choose from {', '.join(KINDS + HYBRID)}")
     if a.warmup < 0 or a.iters < 1:
         p.error(f"--warmup {a.warmup} --iters {a.iters}: need warmup >= 0 and iters >= 1")
+    if a.world is not None and a.world < 2:
+        p.error(f"--world {a.world}: a collective needs at least 2 ranks")
+    if a.min_bytes and a.max_bytes and a.min_bytes > a.max_bytes:
+        p.error(f"--min-bytes {a.min_bytes} > --max-bytes {a.max_bytes}: swap them")
     return a
 
 
@@ -132,7 +139,7 @@ def group_kinds(mesh, p, wanted) -> list[tuple[str, list[str], object, list[tupl
         from megatron_lite.parallel.data_parallel.ddp import hybrid_groups
 
         pair = hybrid_groups(mesh, "dp_cp", p.dp_shard)  # (shard group, replica group)
-        for name, g in zip(("dp_cp_shard", "dp_cp_replica"), pair, strict=True):
+        for name, g in zip(HYBRID, pair, strict=True):
             everyone = [None] * dist.get_world_size()
             dist.all_gather_object(everyone, tuple(dist.get_process_group_ranks(g)))
             found.append((name, g, sorted(set(everyone))))
@@ -228,9 +235,7 @@ def points(op, kind, groups, times, size, gpus_per_node) -> dict[str, dict]:
 def sizes_of(a: argparse.Namespace, cuda: bool) -> list[int]:
     """--min-bytes, doubling, up to --max-bytes (nccl-tests' -b, -f 2, -e)."""
     lo = a.min_bytes or 1 << 10
-    hi = a.max_bytes or (1 << 30 if cuda else 4 << 20)
-    if lo > hi:
-        raise SystemExit(f"bench_comm: --min-bytes {lo} > --max-bytes {hi}. Fix: swap them")
+    hi = max(a.max_bytes or (1 << 30 if cuda else 4 << 20), lo)
     out = [lo]
     while out[-1] * 2 <= hi:
         out.append(out[-1] * 2)
@@ -252,6 +257,12 @@ def measure(a: argparse.Namespace, gpus_per_node: int) -> dict | None:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     dtype = getattr(torch, a.dtype)
     kinds = group_kinds(ParallelMesh(layout), p, a.groups)
+    if not kinds:  # the same on every rank: all stop here
+        raise SystemExit(
+            f"bench_comm: no group of {', '.join(a.groups or KINDS + HYBRID)} has more than one "
+            f"rank in this layout ({layout.rank_map().splitlines()[0]}). Fix: choose --groups "
+            "of more than one rank, or a layout that has them"
+        )
     ops: dict[str, dict[str, list]] = {op: {} for op in a.ops}
     everyone = torch.zeros(world, dtype=torch.float64, device=device)
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

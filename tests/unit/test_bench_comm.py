@@ -90,6 +90,35 @@ def test_sizes_are_nccl_tests_suffixes(text, value):
     assert parse_size(text) == value
 
 
-def test_a_bad_layout_is_one_message_before_any_rank_starts(capsys):
+def test_a_bad_layout_is_one_message_before_any_rank_starts():
     with pytest.raises(SystemExit, match="world size 3 is not divisible by tp·pp·cp = 2"):
         main(["--world", "3", "parallel.tp=2", *QUICK])
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (["--groups", "tp,mp"], "--groups: ['mp'] are not group kinds"),
+        (["--ops", "allreduce"], "--ops: ['allreduce'] are not ops"),
+        (["--min-bytes", "4M", "--max-bytes", "1M"], "--min-bytes 4194304 > --max-bytes 1048576"),
+        (["--world", "1"], "--world 1: a collective needs at least 2 ranks"),
+    ],
+)
+def test_bad_flags_exit_2_naming_the_flag(flags, words, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(flags)
+    assert e.value.code == 2 and words in capsys.readouterr().err
+
+
+# two fresh spawned processes import torch (~20 s on 2 busy cores): the slow tier
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_command_line_starts_its_ranks_and_writes_the_file(tmp_path):
+    """`python tools/bench_comm.py --world 2 parallel.tp=2 ...`: the tool's own ranks (spawned,
+    gloo over a FileStore) measure the tp group and rank 0 writes a file load_fabric reads."""
+    out = str(tmp_path / "fabric.json")
+    argv = ["--world", "2", "parallel.tp=2", "--ops", "all_reduce", *QUICK, "--out", out]
+    assert main(argv) == 0
+    fab = load_fabric(out)
+    assert fab.measured() == [("all_reduce", "intra", 2)]
+    assert fab.meta["layout"]["tp"] == 2 and list(fab.meta["groups"]) == ["tp"]

@@ -114,8 +114,11 @@ def test_none_where_not_measured_and_zero_where_nothing_moves(fabric):
     assert fabric.time("all_gather", 4096, 4, "intra") is None
     assert fabric.time("all_reduce", 4096, 1, "intra") == 0.0
     assert fabric.measured() == [("all_reduce", "intra", 4)]
+    assert fabric.time("broadcast", 4096, 4, "intra") is None  # the planner's, never measured
     with pytest.raises(ValueError, match="scope"):
         fabric.time("all_reduce", 4096, 4, "nvlink")
+    with pytest.raises(ValueError, match="unknown op 'allreduce'"):
+        fabric.time("allreduce", 4096, 4, "intra")
 
 
 def test_two_groups_of_one_size_and_scope_keep_the_slower(tmp_path):
