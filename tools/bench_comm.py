@@ -130,11 +130,7 @@ def group_kinds(mesh, p, wanted) -> list[tuple[str, list[str], object, list[tupl
     > 1 in `wanted` (None: all), one per distinct set of groups."""
     import torch.distributed as dist
 
-    found = []
-    for name in KINDS:
-        g = getattr(mesh, name)
-        groups = [tuple(r) for r in mesh.layout.groups(name)]
-        found.append((name, g.group, groups if g.group is not None else [g.ranks]))
+    found = [(k, getattr(mesh, k).group, [tuple(r) for r in mesh.layout.groups(k)]) for k in KINDS]
     if p.dp_shard and mesh.dp_cp.size > p.dp_shard:
         from megatron_lite.parallel.data_parallel.ddp import hybrid_groups
 
