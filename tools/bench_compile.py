@@ -68,25 +68,25 @@ def _timed(fn) -> tuple[float, float]:
     return time.perf_counter() - w, time.process_time() - c
 
 
-def _rank(rank: int, world: int, store: str, argvs: dict, a: dict, queue):
+def _rank(rank: int, world: int, store: str, argvs: dict, opts: dict, queue):
     """One rank: an eager and a compiled trainer side by side; each one's first step, then
     `steps` rounds of one step of each (alternating which goes first, so load drift on a
     shared machine hits both alike), each timed (wall, CPU); optionally profiled steps."""
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(a["threads"])
+    torch.set_num_threads(opts["threads"])
     dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
     trainers = {k: _trainer(argvs[k], world) for k in MODES}
     first = {k: _timed(trainers[k].train_step) for k in MODES}
     times = {k: [] for k in MODES}
-    for i in range(a["steps"]):
+    for i in range(opts["steps"]):
         for k in MODES if i % 2 == 0 else MODES[::-1]:
             times[k].append(_timed(trainers[k].train_step))
     from megatron_lite.models.compile import compile_report
 
     out = dict(first=first, times=times, report=compile_report())
-    if a["profile"]:
+    if opts["profile"]:
         from tools import compile_profile
 
         out["profile"] = {
