@@ -1,18 +1,24 @@
-"""model.compile against eager: step time of the real trainer, compile time and graph breaks.
+"""model.compile against eager: step time of the real trainer, compile time and graph breaks,
+then FP8 against bf16 GEMMs (tools/bench_fp8.py's figures, issue #41 item 3).
 
     python tools/bench_compile.py                  # one rank (4 layers, h1024) and quickstart
-    python tools/bench_compile.py --cases one_rank --steps 8
+    python tools/bench_compile.py --cases one_rank --steps 8 --profile
     python tools/bench_compile.py --quick          # a tiny model on one rank (the unit test's)
 
-Each case runs twice, eager and with model.compile=true, each in fresh processes (dynamo's state
-is per process) on forked-free spawned ranks over gloo with a FileStore, --threads torch threads
-per rank. The first step (where the regions compile) is timed alone; the step time is the median
-over the next --steps steps, in wall time and in process CPU time summed over the ranks (other
-jobs on the machine do not count in CPU time: use it where the wall clock is disturbed).
+Each case runs on fresh spawned ranks over gloo with a FileStore, --threads torch threads per
+rank, and each rank builds two trainers, eager and model.compile=true (dynamo touches only the
+compiled one's regions). Each trainer's first step (where the regions compile) is timed alone;
+then --steps rounds run one step of each, alternating which goes first, so that a shared
+machine's changing load hits both alike (separate runs one after the other differed by 10%).
+The step time is the median over the rounds, in wall time and in process CPU time summed over
+the ranks (other jobs on the machine do not count in CPU time: use it where the wall clock is
+disturbed); the per-round ratios show the spread. --profile adds tools/compile_profile.py's
+table of where the step's time goes and its GEMM floor.
 Cases: `one_rank`, issue #41's 4-layer h1024 Llama (16 heads, seq 256, micro batch 2) on one
 rank; `quickstart`, configs/quickstart.yaml's model and layout (tp2+SP, pp2 1F1B, dp2 ZeRO-1 on
 8 ranks) on mock data of its vocabulary size. Inductor's cache goes to --cache-dir (a second
-run of this tool compiles from it: its first step shows the saving).
+run of this tool compiles from it: its first step shows the saving). The FP8 figures run at a
+small shape by default (--fp8-shape; bf16 GEMMs are slow on a CPU), --no-fp8 skips them.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+MODES = ("eager", "compiled")
 TARGETS = {"one_rank": 0.85, "quickstart": 0.92}  # issue #41: compiled / eager step time
 MOCK = ["data.mock=true", "train.eval_interval=0", "train.save_interval=0", "log.progress=false",
         "log.memory_steps=0"]  # fmt: skip
@@ -45,73 +52,176 @@ CASES = {
 }  # fmt: skip
 
 
-def _rank(rank: int, world: int, store: str, argv: list[str], steps: int, threads: int, queue):
-    """One rank: the trainer's first step, then `steps` more, each timed (wall, CPU)."""
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(threads)
-    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
+def _trainer(argv: list[str], world: int):
     from megatron_lite.parallel.mesh import ParallelMesh
     from megatron_lite.resolve import rank_layout
     from megatron_lite.train import prepare
     from megatron_lite.training.trainer import Trainer
 
     cfg, dataset, vocab = prepare(argv, world_size=world)
-    trainer = Trainer(cfg, ParallelMesh(rank_layout(cfg.parallel, world)), dataset, vocab)
-    times = []
-    for _ in range(steps + 1):
-        w, c = time.perf_counter(), time.process_time()
-        trainer.train_step()
-        times.append((time.perf_counter() - w, time.process_time() - c))
-    report = None
-    if cfg.model.compile:
-        from megatron_lite.models.compile import compile_report
+    return Trainer(cfg, ParallelMesh(rank_layout(cfg.parallel, world)), dataset, vocab)
 
-        report = compile_report()
-    queue.put((rank, times, report))
+
+def _timed(fn) -> tuple[float, float]:
+    w, c = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - w, time.process_time() - c
+
+
+def _rank(rank: int, world: int, store: str, argvs: dict, opts: dict, queue):
+    """One rank: an eager and a compiled trainer side by side; each one's first step, then
+    `steps` rounds of one step of each (alternating which goes first, so load drift on a
+    shared machine hits both alike), each timed (wall, CPU); optionally profiled steps."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(opts["threads"])
+    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
+    trainers = {k: _trainer(argvs[k], world) for k in MODES}
+    first = {k: _timed(trainers[k].train_step) for k in MODES}
+    times = {k: [] for k in MODES}
+    for i in range(opts["steps"]):
+        for k in MODES if i % 2 == 0 else MODES[::-1]:
+            times[k].append(_timed(trainers[k].train_step))
+    from megatron_lite.models.compile import compile_report
+
+    out = dict(first=first, times=times, report=compile_report())
+    if opts["profile"]:
+        from tools import compile_profile
+
+        out["profile"] = {
+            k: compile_profile.profile_steps(trainers[k].train_step, 3) for k in MODES
+        }
+        out["floor"] = compile_profile.gemm_floor(trainers["eager"].train_step)
+    queue.put((rank, out))
     dist.destroy_process_group()
 
 
-def run_case(name: str, compiled: bool, a: argparse.Namespace) -> dict:
-    """One case, eager or compiled, on fresh spawned ranks -> its figures."""
+def _collect(queue, procs, timeout: float) -> list[dict]:
+    """Each rank's result, in rank order; a rank that exits without one (a crash) stops the
+    wait at once instead of after `timeout`, naming it."""
+    import queue as queues
+
+    got, deadline = {}, time.monotonic() + timeout
+    while len(got) < len(procs):
+        try:
+            rank, out = queue.get(timeout=5)
+            got[rank] = out
+        except queues.Empty:
+            dead = [r for r, p in enumerate(procs) if r not in got and p.exitcode not in (None, 0)]
+            if dead or time.monotonic() > deadline:
+                for p in procs:
+                    p.kill()
+                why = f"ranks {dead} exited (codes {[procs[r].exitcode for r in dead]})"
+                raise RuntimeError(
+                    f"bench_compile: {why if dead else f'timeout {timeout} s'}"
+                ) from None
+    for p in procs:
+        p.join(timeout=60)
+    return [got[r] for r in range(len(procs))]
+
+
+def run_case(name: str, a: argparse.Namespace) -> dict:
+    """One case on fresh spawned ranks, each running the eager and the compiled trainer ->
+    figures per mode: first_step_s, wall_s, cpu_s (medians; CPU summed over ranks)."""
     world, config, overrides = CASES[name]
     steps = a.steps
     with tempfile.TemporaryDirectory() as tmp:
-        argv = ([] if config is None else ["--config", config]) + [
-            *overrides, *MOCK, f"train.steps={steps + 1}", f"train.out_dir={tmp}/run",
-            f"model.compile={str(compiled).lower()}",
+        base = ([] if config is None else ["--config", config]) + [
+            *overrides, *MOCK, f"train.steps={steps + 10}",
         ]  # fmt: skip
-        if compiled and a.mode:
-            argv.append(f"model.compile_mode={a.mode}")
+        argvs = {k: [*base, f"train.out_dir={tmp}/{k}", f"model.compile={k == 'compiled'}".lower()]
+                 for k in MODES}  # fmt: skip
+        if a.mode:
+            argvs["compiled"].append(f"model.compile_mode={a.mode}")
         ctx = mp.get_context("spawn")
         queue = ctx.Queue()
         # inherited by the spawned ranks; one compile thread each (a worker pool per rank
         # oversubscribes a small machine)
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = a.cache_dir
         os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
-        args = (world, f"{tmp}/store", argv, steps, a.threads, queue)
+        opts = dict(steps=steps, threads=a.threads, profile=a.profile)
+        args = (world, f"{tmp}/store", argvs, opts, queue)
         procs = [ctx.Process(target=_rank, args=(r, *args)) for r in range(world)]
         for p in procs:
             p.start()
-        results = sorted(queue.get(timeout=a.timeout) for _ in procs)
-        for p in procs:
-            p.join(timeout=60)
-    first_wall = max(r[1][0][0] for r in results)
-    walls = [max(r[1][k][0] for r in results) for k in range(1, steps + 1)]
-    cpus = [sum(r[1][k][1] for r in results) for k in range(1, steps + 1)]
-    return {
-        "first_step_s": first_wall,
-        "wall_s": statistics.median(walls),
-        "cpu_s": statistics.median(cpus),
-        "report": results[0][2],
-    }
+        results = _collect(queue, procs, a.timeout)
+    figures = {}
+    for k in MODES:
+        walls = [max(r["times"][k][i][0] for r in results) for i in range(steps)]
+        cpus = [sum(r["times"][k][i][1] for r in results) for i in range(steps)]
+        figures[k] = {
+            "first_step_s": max(r["first"][k][0] for r in results),
+            "wall_s": statistics.median(walls),
+            "cpu_s": statistics.median(cpus),
+            "cpus": cpus,
+        }
+    figures["report"] = results[0]["report"]
+    if a.profile:  # summed over ranks
+        figures["profile"] = {
+            k: {c: sum(r["profile"][k][c] for r in results) for c in results[0]["profile"][k]}
+            for k in MODES
+        }
+        figures["floor"] = {
+            c: sum(r["floor"].get(c, 0.0) for r in results) for c in ("GEMM", "SDPA")
+        }
+    return figures
+
+
+def _print_case(name: str, f: dict, a: argparse.Namespace) -> None:
+    eager, comp = f["eager"], f["compiled"]
+    ratio_wall, ratio_cpu = comp["wall_s"] / eager["wall_s"], comp["cpu_s"] / eager["cpu_s"]
+    pairs = " ".join(f"{c / e:.3f}" for e, c in zip(eager["cpus"], comp["cpus"], strict=True))
+    target = TARGETS.get(name)
+    goal = f" (target <= {target})" if target else ""
+    print(
+        f"{name}: step eager {eager['wall_s'] * 1e3:.0f} ms wall / "
+        f"{eager['cpu_s'] * 1e3:.0f} ms CPU, compiled {comp['wall_s'] * 1e3:.0f} ms wall / "
+        f"{comp['cpu_s'] * 1e3:.0f} ms CPU: compiled/eager {ratio_wall:.3f} wall, "
+        f"{ratio_cpu:.3f} CPU{goal}; per round (CPU): {pairs}"
+    )
+    print(
+        f"{name}: first step eager {eager['first_step_s']:.1f} s, compiled "
+        f"{comp['first_step_s']:.1f} s (tracing + compiling; cache {a.cache_dir})"
+    )
+    for line in f["report"].lines():
+        print(f"{name}: {line}")
+    if "profile" in f:
+        from tools import compile_profile
+
+        prof, floor = f["profile"], f["floor"]
+        print(f"{name}: profile, ms per step (median of 3 profiled steps, summed over ranks):")
+        for line in compile_profile.table(prof["eager"], prof["compiled"]):
+            print(f"{name}:   {line}")
+        fixed = floor["GEMM"] + floor["SDPA"] + prof["eager"]["optimizer"]
+        best = fixed + prof["compiled"]["inductor kernels"]
+        print(
+            f"{name}: floor: the GEMMs replayed alone {floor['GEMM'] * 1e3:.0f} ms + SDPA "
+            f"{floor['SDPA'] * 1e3:.0f} ms + the optimizer "
+            f"{prof['eager']['optimizer'] * 1e3:.0f} ms (all outside inductor's reach) = "
+            f"{fixed / prof['eager']['step']:.3f} of the profiled eager step (with the "
+            f"compiled run's inductor kernels: {best / prof['eager']['step']:.3f})"
+        )
+
+
+def _print_fp8(shape: tuple[int, int, int]) -> None:
+    """tools/bench_fp8.py's figures (issue #41 item 3) at `shape` (tokens, in, out)."""
+    from tools.bench_fp8 import fp8_gemm_figures
+
+    rows = fp8_gemm_figures(*shape, reps=3)
+    base = rows[0]["ms"]
+    print(f"fp8: GEMMs of x [{shape[0]}, {shape[1]}] · W [{shape[2]}, {shape[1]}]ᵀ, one thread")
+    for r in rows:
+        print(
+            f"fp8: {r['path']:<10} rel. error fwd {r['forward']:.2e} dgrad {r['dgrad']:.2e} "
+            f"wgrad {r['wgrad']:.2e}; 3 GEMMs {r['ms']:.1f} ms ({r['ms'] / base:.2f}x bf16)"
+        )
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cases", nargs="+", default=["one_rank", "quickstart"], choices=CASES)
-    p.add_argument("--steps", type=int, default=6, help="timed steps after the first")
+    p.add_argument("--steps", type=int, default=6, help="timed rounds after the first step")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--mode", default=None, help="model.compile_mode")
     p.add_argument("--timeout", type=float, default=1800)
@@ -120,27 +230,20 @@ def main(argv=None) -> int:
         default=os.path.join(tempfile.gettempdir(), "megatron_lite_inductor_bench"),
         help="TORCHINDUCTOR_CACHE_DIR",
     )
-    p.add_argument("--quick", action="store_true", help="the tiny case, 2 timed steps")
+    p.add_argument("--profile", action="store_true", help="category table and GEMM floor")
+    p.add_argument(
+        "--fp8-shape", nargs=3, type=int, default=(256, 256, 512), metavar=("TOKENS", "IN", "OUT"),
+        help="FP8 vs bf16 GEMMs (tools/bench_fp8.py) at this shape; bf16 is slow on a CPU",
+    )  # fmt: skip
+    p.add_argument("--no-fp8", action="store_true", help="skip the FP8 vs bf16 GEMM figures")
+    p.add_argument("--quick", action="store_true", help="the tiny case, 2 timed rounds")
     a = p.parse_args(argv)
     if a.quick:
         a.cases, a.steps = ["quick"], 2
     for name in a.cases:
-        eager, comp = run_case(name, False, a), run_case(name, True, a)
-        ratio_wall, ratio_cpu = comp["wall_s"] / eager["wall_s"], comp["cpu_s"] / eager["cpu_s"]
-        target = TARGETS.get(name)
-        goal = f" (target <= {target})" if target else ""
-        print(
-            f"{name}: step eager {eager['wall_s'] * 1e3:.0f} ms wall / "
-            f"{eager['cpu_s'] * 1e3:.0f} ms CPU, compiled {comp['wall_s'] * 1e3:.0f} ms wall / "
-            f"{comp['cpu_s'] * 1e3:.0f} ms CPU: compiled/eager {ratio_wall:.3f} wall, "
-            f"{ratio_cpu:.3f} CPU{goal}"
-        )
-        print(
-            f"{name}: first step eager {eager['first_step_s']:.1f} s, compiled "
-            f"{comp['first_step_s']:.1f} s (tracing + compiling; cache {a.cache_dir})"
-        )
-        for line in comp["report"].lines():
-            print(f"{name}: {line}")
+        _print_case(name, run_case(name, a), a)
+    if not a.no_fp8:
+        _print_fp8(tuple(a.fp8_shape))
     return 0
 
 

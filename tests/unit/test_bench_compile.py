@@ -1,6 +1,7 @@
-"""tools/bench_compile.py --quick: the eager and compiled runs of a tiny model on one rank
+"""tools/bench_compile.py --quick: the eager and compiled trainers of a tiny model on one rank
 print both step times, the first step's time and dynamo's report (no graph break: a dense
-Llama on one rank is one graph per region kind)."""
+Llama on one rank is one graph per region kind), then the FP8 vs bf16 GEMM figures
+(tools/bench_fp8.py's, issue #41 item 3)."""
 
 import os
 
@@ -21,3 +22,5 @@ def test_quick_run_prints_the_figures(capsys):
     assert "quick: step eager" in out and "compiled/eager" in out, out
     assert "quick: first step eager" in out, out
     assert "quick: compile: 2 graphs, 0 graph breaks, 0 recompiles" in out, out
+    for path in ("bf16", "tensorwise", "rowwise"):
+        assert f"fp8: {path}" in out and "rel. error fwd" in out, out
