@@ -50,6 +50,7 @@ from megatron_lite.plan.params import (
     rank_layers,
     rank_params,
 )
+from megatron_lite.plan.peak import fp8_gathered_elements
 from megatron_lite.resolve import (
     cp_a2a_size,
     moe_layer_pattern,
@@ -398,7 +399,9 @@ def _dp_time(r: Config, world: int, gpu, links, m: int, t_fwd: float, layers: in
                 reduce += collective_time("all_reduce", g_bytes * own, full, link, gpu)
         else:
             reduce = collective_time("reduce_scatter", g_bytes * count, n, link, gpu)
-            gather = 2 * m * collective_time("all_gather", w_bytes * count, n, link, gpu)
+            fp8 = fp8_gathered_elements(r, 0) if link is links["dp_cp"] else 0  # 1 byte each
+            gathered = w_bytes * count - (w_bytes - 1) * fp8
+            gather = 2 * m * collective_time("all_gather", gathered, n, link, gpu)
             last = 1.0 / max(layers, 1)
         # ZeRO-2 reduce-scatters every microbatch (buffers.py): the earlier ones hide behind
         # their own backward and the next forward, the last one as ZeRO-1's

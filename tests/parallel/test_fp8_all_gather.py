@@ -134,3 +134,17 @@ def test_zero3_fp8_all_gather_halves_the_weight_bytes_and_keeps_the_losses():
     d = rel_diffs(fp8_gather, list(one))
     print(f"FP8 all-gather vs one rank FP8: relative loss differences {d}")
     assert d[0] < STEP1_LOSS and max(d[1:]) < LATER, f"{fp8_gather} vs one rank {list(one)}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_zero3_fp8_all_gather_resumes_from_a_checkpoint(tmp_path):
+    """A checkpoint written under the FP8 gather (the fp32 shards inside Fp8GatherWeight) and
+    resumed under it continues the straight run: the same weights and optimizer states."""
+    from tests.parallel.test_checkpoint import AT, SAVE, STEPS, ckpt, losses, train
+
+    straight = train(2, [*Z3_FP8, *SAVE], tmp_path / "straight", timeout=400)[0]
+    resumed = [*Z3_FP8, f"train.steps={STEPS}", ckpt(tmp_path / "straight")]
+    got = train(2, resumed, tmp_path / "resumed", timeout=400)[0]
+    assert [s for s, _, _ in got] == list(range(AT, STEPS)), "the resume did not continue at AT"
+    assert losses(got) == losses(straight[AT:]), f"{losses(got)} vs {losses(straight[AT:])}"
