@@ -16,11 +16,26 @@ pytest.importorskip("torchao.float8")
 QUICKSTART = ("configs/quickstart.yaml", 8, ["model.fp8=tensorwise", "train.precision=bf16"])
 
 
-def _assert_terms_match(results: list[dict], label: str) -> None:
+# ZeRO-3 with FP8: the first weight gradient of a layer's backward (fc2's, bf16, out of the
+# FP8 wgrad GEMM) is "grads" in the dry run (FSDP2's unsharded gradient) and a temporary in the
+# planner's trace of the layer: measured on the quickstart's rank 0, grads 4.988 MiB against
+# 4.816 and gathered+temporaries 3.783 against 3.893; their sum agrees within 0.7%
+MERGED = ("grads", "gathered+temporaries")
+
+
+def _terms(res: dict, key: str, merge: bool) -> dict[str, float]:
+    terms = dict(res[key])
+    if merge:
+        terms["grads+gathered"] = sum(terms.pop(t) for t in MERGED)
+    return terms
+
+
+def _assert_terms_match(results: list[dict], label: str, merge: bool = False) -> None:
     for res in results:
         at = f"{label} pp rank {res['coords']['pp']}"
-        for term, got in res["compared"].items():
-            want = res["predicted"][term]
+        predicted = _terms(res, "predicted", merge)
+        for term, got in _terms(res, "compared", merge).items():
+            want = predicted[term]
             assert abs(got - want) <= TOLERANCE * want or got == want == 0, (
                 f"{at}, {term}: dry run {got / 2**20:.3f} MiB, planner {want / 2**20:.3f} MiB"
             )
@@ -34,7 +49,7 @@ def _assert_terms_match(results: list[dict], label: str) -> None:
 def test_planner_counts_fp8_like_the_dry_run(zero):
     config, world, overrides = QUICKSTART
     results = _dry_run(config, world, [*overrides, f"parallel.zero_stage={zero}"])
-    _assert_terms_match(results, f"quickstart fp8 zero{zero}")
+    _assert_terms_match(results, f"quickstart fp8 zero{zero}", merge=zero == 3)
 
 
 @pytest.mark.slow

@@ -64,6 +64,11 @@ class Fp8GatherWeight(torch.Tensor):
     def __repr__(self):
         return f"Fp8GatherWeight({self._tensor!r}, {self._gemm.recipe})"
 
+    def __reduce_ex__(self, protocol):
+        # pickled (a checkpoint's tensors, sliced and cast from the shard) as the plain tensor
+        # inside: a checkpoint holds values, not this wrapper or its process groups
+        return self._tensor.__reduce_ex__(protocol)
+
     def __tensor_flatten__(self):
         return ["_tensor"], {"gemm": self._gemm}
 
