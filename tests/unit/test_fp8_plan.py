@@ -72,3 +72,36 @@ def test_fp8_all_gather_saves_a_byte_per_element_per_gather():
         gathers = 2 * a["microbatches"]  # each layer: in its forward and again in its backward
         want = gathers * fp8_gathered_elements(cfg, pp) / n
         assert want > 0 and saved == want, f"pp rank {pp}: saved {saved} bytes, formula {want}"
+
+
+# the quickstart's layer at tp2 (h 256, 8 heads of 32, 4 KV groups, gated ffn 704): qkv
+# [(8 + 2·4)·32/2, 256], proj [256, 256/2], fc1 [2·704/2, 256], fc2 [256, 704/2]; 2 layers a
+# pipeline rank, every dim a multiple of 16
+QUICKSTART_FP8 = 2 * (256 * 256 + 256 * 128 + 704 * 256 + 256 * 352)
+
+
+def test_zero3_fp8_gather_time_moves_one_byte_per_fp8_weight_element():
+    """The step time's ZeRO-3 weight gathers (plan/step_time.py, no overlap: all exposed)
+    shrink by the FP8-gathered weights' saved byte an element: 2 gathers a microbatch × M ×
+    the ring's (n-1)/n of it, over the dp link's bandwidth (NVLink in one node of 8)."""
+    from megatron_lite.config import load_config
+    from megatron_lite.plan.__main__ import with_vocab
+    from megatron_lite.plan.hardware import get_gpu
+    from megatron_lite.plan.peak import fp8_gathered_elements
+    from megatron_lite.plan.step_time import step_time
+    from megatron_lite.validation import validate
+
+    config, world, overrides = QUICKSTART
+    z3 = [*overrides, "parallel.zero_stage=3", "parallel.overlap_grad_reduce=false"]
+    gpu = get_gpu("h100")
+    dp = {}
+    for flag in ("true", "false"):
+        cfg = validate(with_vocab(load_config(config, [*z3, f"model.fp8_all_gather={flag}"])), 8)
+        dp[flag] = step_time(cfg, world, gpu, 0.45, 8).dp
+    assert fp8_gathered_elements(cfg, 0) == 0  # fp8_all_gather=false
+    cfg = validate(with_vocab(load_config(config, z3)), 8)
+    assert fp8_gathered_elements(cfg, 0) == fp8_gathered_elements(cfg, 1) == QUICKSTART_FP8
+    m, n = 16 // (2 * 2), 2  # microbatches a step (global 16, micro 2, dp 2), the dp group
+    want = 2 * m * (n - 1) / n * QUICKSTART_FP8 / (gpu.nvlink_gbps * 1e9)
+    got = dp["false"] - dp["true"]
+    assert got == pytest.approx(want, rel=1e-9), (got, want)
