@@ -61,6 +61,7 @@ class ModelConfig:
     # local FP8: linears whose module name contains one of these stay bf16
     fp8_skip: list[str] = field(default_factory=lambda: ["output_layer"])
     fp8_unaligned: str = "bf16"  # local FP8, a GEMM dim not a multiple of 16: bf16 | error
+    fp8_all_gather: bool = True  # tensorwise FP8 under ZeRO-3: gather those weights in FP8
     # mixture of experts (num_experts None = dense)
     num_experts: int | None = None
     moe_router_topk: int = 2

@@ -105,7 +105,7 @@ class ModelChunk(nn.Module):
         )
         self.eod_token_id = c.eod_token_id
         if c.fp8 in LOCAL_RECIPES:
-            apply_fp8(self, c.fp8, c.fp8_skip, c.fp8_unaligned)
+            apply_fp8(self, c.fp8, c.fp8_skip, c.fp8_unaligned, c.fp8_all_gather)
         self.init_buffers()
 
     def init_buffers(self, device: torch.device | None = None) -> None:

@@ -10,11 +10,15 @@ import torch
 from megatron_lite.parallel.fp8 import ALIGN, UNALIGNED, Fp8Gemm, gemm_dims_aligned, recipe_config
 
 
-def apply_fp8(module: torch.nn.Module, recipe: str, skip, unaligned: str = "bf16") -> list[str]:
+def apply_fp8(
+    module: torch.nn.Module, recipe: str, skip, unaligned: str = "bf16", all_gather: bool = False
+) -> list[str]:
     """Give every local-GEMM column/row-parallel linear (and MoE experts' grouped GEMMs) in
     `module` FP8 GEMMs of `recipe`, except those whose name contains an entry of `skip`
     (model.fp8_skip) and, with unaligned="bf16", those with a GEMM dim not a multiple of 16
-    (with "error" those raise). Returns the names of the layers now in FP8."""
+    (with "error" those raise). `all_gather` (model.fp8_all_gather) marks the linears whose
+    weights ZeRO-3 gathers in FP8 (tensorwise only: data_parallel/fsdp_fp8.py). Returns the
+    names of the layers now in FP8."""
     import torch.nn.functional as F
 
     from megatron_lite.moe.experts import LocalExperts
@@ -37,9 +41,8 @@ def apply_fp8(module: torch.nn.Module, recipe: str, skip, unaligned: str = "bf16
                     "embedding's weight and stays bf16. Fix: keep 'output_layer' in model.fp8_skip"
                 )
             dims = tuple(m.weight.shape)  # [out/tp, in] or [out, in/tp]
-            spec = Fp8Gemm(
-                recipe, m.tp_group, "out" if isinstance(m, ColumnParallelLinear) else "in"
-            )
+            sharded = "out" if isinstance(m, ColumnParallelLinear) else "in"
+            spec = Fp8Gemm(recipe, m.tp_group, sharded, all_gather and recipe == "tensorwise")
         else:  # the experts: [E_local, out, in] stacks
             dims = tuple(m.weight1.shape[1:]) + tuple(m.weight2.shape[1:])
             spec = Fp8Gemm(recipe)

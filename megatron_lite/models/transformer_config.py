@@ -59,6 +59,7 @@ class TransformerConfig:
     fp8_recipe: str
     fp8_skip: list[str]
     fp8_unaligned: str
+    fp8_all_gather: bool
     num_experts: int | None
     moe_router_topk: int
     moe_ffn_hidden_size: int

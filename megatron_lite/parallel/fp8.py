@@ -78,12 +78,14 @@ def recipe_config(recipe: str):
 
 @dataclass(frozen=True)
 class Fp8Gemm:
-    """One linear's FP8 setup: the recipe, the TP group, and the weight axis sharded over it
-    ("out": column-parallel, "in": row-parallel, None: not sharded)."""
+    """One linear's FP8 setup: the recipe, the TP group, the weight axis sharded over it
+    ("out": column-parallel, "in": row-parallel, None: not sharded), and whether ZeRO-3
+    gathers its weight in FP8 (model.fp8_all_gather; data_parallel/fsdp_fp8.py)."""
 
     recipe: str
     group: object = None
     sharded: str | None = None
+    all_gather: bool = False
 
     def _reduce(self, axes: tuple[str, str], contraction: str, axiswise: bool) -> bool:
         if self.sharded is None or mappings.size(self.group) == 1:
@@ -96,6 +98,8 @@ class Fp8Gemm:
         config, ftt, utils = _torchao()
         if cast.scaling_type is config.ScalingType.DISABLED:
             return t
+        if isinstance(t, ftt.Float8TrainingTensor):  # a weight ZeRO-3 gathered in FP8 (its
+            return t  # scale the global one, fsdp_fp8.py; tensorwise: one cast serves both)
         axiswise = cast.scaling_granularity is config.ScalingGranularity.AXISWISE
         dim = (0 if axes.index(contraction) == 0 else -1) if axiswise else None  # amax over it
         amax = utils.tensor_to_amax(t, False, None, cast.scaling_granularity, dim)

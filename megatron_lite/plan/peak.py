@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from megatron_lite.config import Config
 from megatron_lite.parallel.data_parallel.memory import formula_bytes
 from megatron_lite.parallel.data_parallel.optimizer_spec import get_optimizer
+from megatron_lite.parallel.fp8 import gemm_dims_aligned
 from megatron_lite.pipeline.schedules import get_schedule, splits_backward, virtual_stage
 from megatron_lite.plan.activations import (
     chunk_bytes,
@@ -51,6 +52,7 @@ from megatron_lite.plan.activations import (
     recompute_settings,
 )
 from megatron_lite.plan.modules import layer_kinds, per_config
+from megatron_lite.plan.modules import layer_params as layer_params_of
 from megatron_lite.plan.optimizer_states import split_states
 from megatron_lite.plan.params import (
     buckets,
@@ -105,6 +107,25 @@ class _Chunk:
     mtp_deferred: float = 0.0  # of `deferred`, the MTP modules' (queued before the layers')
     backwarded: bool = False  # the walk has run a backward of it
     weighted: bool = False  # the walk has run a W of it
+
+
+def fp8_gathered(cfg: Config, moe: bool) -> int:
+    """Elements of one layer's weights ZeRO-3 gathers in FP8 (model.fp8=tensorwise with
+    fp8_all_gather: data_parallel/fsdp_fp8.py): its parallel linears whose dims are multiples
+    of 16 (the others stay bf16, model.fp8_unaligned); layers named in model.fp8_skip are not
+    told apart (the default skips the output layer only, a root parameter)."""
+    m = cfg.model
+    if cfg.parallel.zero_stage != 3 or m.fp8 != "tensorwise" or not m.fp8_all_gather:
+        return 0
+    shapes = layer_params_of(cfg, moe).linear_shapes
+    return sum(o * i for o, i in shapes if gemm_dims_aligned(o, i))
+
+
+def fp8_gathered_elements(cfg: Config, pp_rank: int) -> int:
+    """Elements of this pipeline rank's weights ZeRO-3 gathers in FP8 (`fp8_gathered`), over
+    its chunks' layers: each gather moves them in 1 byte instead of the compute dtype's."""
+    chunks = range(cfg.parallel.vpp)
+    return sum(fp8_gathered(cfg, e) for c in chunks for e in chunk_moe(cfg, pp_rank, c))
 
 
 def static_states(cfg: Config, pp_rank: int) -> dict[str, float]:
@@ -179,6 +200,10 @@ def _chunks(cfg: Config, pp_rank: int, shape) -> list[_Chunk]:
             rebuilt = rebuilt_mlp(cfg, shape, False)
             offset = -one  # the attention's
         root, layers = fsdp_units(cfg, pp_rank, c)
+        # FP8-gathered weights take 1 byte an element: the units in compute-dtype elements
+        # (the extra unit past the layers, experts outside them, gathers in bf16)
+        fp8 = [fp8_gathered(cfg, e) * (1 - 1 / shape.act_bytes) for e in moe]
+        units = [n - f for n, f in itertools.zip_longest(layers, fp8, fillvalue=0.0)]
         stage = virtual_stage(pp_rank, c, p.pp, placement(cfg))
         cuts = ([], [])
         if p.zero_stage == 2:
@@ -190,7 +215,7 @@ def _chunks(cfg: Config, pp_rank: int, shape) -> list[_Chunk]:
         chunks.append(_Chunk(
             kept=kept, rebuilt=rebuilt, rerun_offset=offset, last_moe=bool(moe and moe[-1]),
             loss=loss, embedding=stage == 0, root=root,
-            layer=max(layers, default=0), layers=len(layers), params=root + sum(layers), cuts=cuts,
+            layer=max(units, default=0), layers=len(layers), params=root + sum(layers), cuts=cuts,
             ends=ends, after=len(head_params(cfg, pp_rank, c)[1]),
             left=_left_in_flight(cfg, pp_rank, c, cuts, ends),
         ))  # fmt: skip

@@ -290,6 +290,7 @@ def _measure_layer(cfg: Config, moe: bool, kernels: str, selective: tuple[str, .
     cfg = _with_selective(cfg, selective)
     with _fake_stage(cfg, kernels) as (config, mesh, tracker, chunk, inputs):
         layer = modules.new_layer(config, mesh, tracker, modules.layer_number(config, moe))
+        _with_fp8(layer, config)
         _to_training_dtype(layer, cfg.train.precision)
         _to_training_dtype(chunk, cfg.train.precision)
         x, ctx = inputs(b)
@@ -311,6 +312,7 @@ def _record_layers(cfg: Config, moe: bool, kernels: str, micro_batches: tuple) -
     out = {}
     with _fake_stage(cfg, kernels) as (config, mesh, tracker, chunk, inputs):
         layer = modules.new_layer(config, mesh, tracker, modules.layer_number(config, moe))
+        _with_fp8(layer, config)
         _to_training_dtype(layer, cfg.train.precision)
         _to_training_dtype(chunk, cfg.train.precision)
         regions = {id(m): ("moe" if moe else "mlp") for n, m in layer.named_modules() if n == MLP}
@@ -334,6 +336,17 @@ def _record_layers(cfg: Config, moe: bool, kernels: str, micro_batches: tuple) -
             summaries = {sel: trace.summary(saved, fp32, sel) for sel in TRACED}
             out[b] = (record, norm, summaries)
     return out
+
+
+def _with_fp8(layer: torch.nn.Module, config) -> None:
+    """Local FP8 (model.fp8=tensorwise|rowwise) as the model chunk applies it: its linears'
+    GEMMs cast their operands (the FP8 copies and scales are the forward's and backward's
+    temporaries). fp8_skip entries naming a layer by number (`layers.0.`) are not told apart."""
+    from megatron_lite.models.fp8 import apply_fp8
+    from megatron_lite.parallel.fp8 import LOCAL_RECIPES
+
+    if config.fp8 in LOCAL_RECIPES:
+        apply_fp8(layer, config.fp8, config.fp8_skip, config.fp8_unaligned, config.fp8_all_gather)
 
 
 def _inside_only(record: tuple) -> dict[str, dict]:

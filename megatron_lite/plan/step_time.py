@@ -50,6 +50,7 @@ from megatron_lite.plan.params import (
     rank_layers,
     rank_params,
 )
+from megatron_lite.plan.peak import fp8_gathered_elements
 from megatron_lite.resolve import (
     cp_a2a_size,
     moe_layer_pattern,
@@ -377,9 +378,10 @@ def _dp_time(r: Config, world: int, gpu, links, m: int, t_fwd: float, layers: in
     if p.zero_stage in (1, 2) and not get_optimizer(r.train.optimizer).elementwise:
         whole = tuple(s.whole for s in rank_splits(r, 0)[:2])
     exposed = hidden = 0.0
-    for count, own, full, link in (
-        (dense, whole[0], p.dp * p.cp, links["dp_cp"]),
-        (expert, whole[1], p.dp * p.cp // p.ep, links["edp"]),
+    fp8_dense = fp8_gathered_elements(r, 0)  # ZeRO-3 gathers these in 1 byte each
+    for count, own, full, link, fp8 in (
+        (dense, whole[0], p.dp * p.cp, links["dp_cp"], fp8_dense),
+        (expert, whole[1], p.dp * p.cp // p.ep, links["edp"], 0),
     ):
         n = p.dp_shard or full  # the flat shards' group (whole parameters: the full one)
         if not count or n <= 1:
@@ -398,7 +400,8 @@ def _dp_time(r: Config, world: int, gpu, links, m: int, t_fwd: float, layers: in
                 reduce += collective_time("all_reduce", g_bytes * own, full, link, gpu)
         else:
             reduce = collective_time("reduce_scatter", g_bytes * count, n, link, gpu)
-            gather = 2 * m * collective_time("all_gather", w_bytes * count, n, link, gpu)
+            gathered = w_bytes * count - (w_bytes - 1) * fp8
+            gather = 2 * m * collective_time("all_gather", gathered, n, link, gpu)
             last = 1.0 / max(layers, 1)
         # ZeRO-2 reduce-scatters every microbatch (buffers.py): the earlier ones hide behind
         # their own backward and the next forward, the last one as ZeRO-1's

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
 from megatron_lite.training.activation_memory import in_backward
@@ -62,8 +62,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def _storage(t) -> torch.UntypedStorage | None:
     if not isinstance(t, torch.Tensor):
         return None
+    t = _local(t)
+    while is_traceable_wrapper_subclass(t):  # its own storage is nominal (numel × its dtype,
+        t = getattr(t, t.__tensor_flatten__()[0][0])  # no memory): its first inner tensor's
     try:
-        return _local(t).untyped_storage()
+        return t.untyped_storage()
     except (RuntimeError, NotImplementedError, TypeError):
         return None
 

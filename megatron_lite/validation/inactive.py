@@ -53,7 +53,7 @@ def _model_warnings(cfg: Config) -> list[str]:
         out += _each(
             "model",
             m,
-            ["fp8_skip", "fp8_unaligned"],
+            ["fp8_skip", "fp8_unaligned", "fp8_all_gather"],
             "they apply to local FP8 (model.fp8=tensorwise|rowwise)",
             "set model.fp8=tensorwise|rowwise, or remove the key",
         )

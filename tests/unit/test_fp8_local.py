@@ -97,5 +97,41 @@ def test_keys_of_the_other_fp8_family_warn_that_they_have_no_effect():
 
     local = config_warnings(_validate("model.fp8=tensorwise", "model.fp8_recipe=delayed"))
     assert any("model.fp8_recipe" in w and "its own recipe" in w for w in local), local
-    off = config_warnings(_validate("model.fp8_skip=[mlp]", "model.fp8_unaligned=error"))
-    assert sum("model.fp8_skip" in w or "model.fp8_unaligned" in w for w in off) == 2, off
+    off = config_warnings(
+        _validate("model.fp8_skip=[mlp]", "model.fp8_unaligned=error", "model.fp8_all_gather=false")
+    )
+    keys = ("model.fp8_skip", "model.fp8_unaligned", "model.fp8_all_gather")
+    assert sum(any(k in w for k in keys) for w in off) == 3, off
+
+
+def test_fp8_gather_weight_is_its_fp32_shard_to_every_op_and_to_a_checkpoint():
+    """Fp8GatherWeight (ZeRO-3's FP8 gather) keeps its form through the ops FSDP2 shards it
+    with, computes as the plain tensor inside, and pickles as that tensor (a checkpoint holds
+    values, not the wrapper and its process group); wrap_fp8_weights wraps tensorwise FP8
+    linears only, keeping the weight's metadata."""
+    import io
+
+    from megatron_lite.models.fp8 import apply_fp8
+    from megatron_lite.parallel.data_parallel.fsdp_fp8 import Fp8GatherWeight, wrap_fp8_weights
+    from megatron_lite.parallel.layers import ColumnParallelLinear
+
+    for recipe, gather, wrapped in (("tensorwise", True, 1), ("rowwise", True, 0),
+                                    ("tensorwise", False, 0)):  # fmt: skip
+        fc = ColumnParallelLinear(32, 48, None, bias=False)
+        apply_fp8(torch.nn.ModuleList([fc]), recipe, [], all_gather=gather)
+        assert wrap_fp8_weights(fc) == wrapped, (recipe, gather)
+    fc = ColumnParallelLinear(32, 48, None, bias=False)
+    meta = fc.weight.meta
+    apply_fp8(torch.nn.ModuleList([fc]), "tensorwise", [], all_gather=True)
+    wrap_fp8_weights(fc)
+    w = fc.weight
+    assert isinstance(w.data, Fp8GatherWeight) and w.meta is meta
+    rows = w.detach()[8:24].view(-1)  # FSDP2's slice and view keep it
+    assert isinstance(rows, Fp8GatherWeight)
+    plain = w._tensor
+    assert torch.equal(w.detach() * 2, plain * 2) and type(w.detach() * 2) is torch.Tensor
+    buf = io.BytesIO()
+    torch.save(rows.to(torch.bfloat16), buf)
+    buf.seek(0)
+    got = torch.load(buf)
+    assert type(got) is torch.Tensor and torch.equal(got, plain[8:24].reshape(-1).bfloat16())

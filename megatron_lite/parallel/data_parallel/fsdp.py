@@ -54,6 +54,7 @@ from megatron_lite.parallel.data_parallel.ddp import hybrid_groups
 from megatron_lite.parallel.data_parallel.finalize import LocalGrad, data_replicas, tied_params
 from megatron_lite.parallel.data_parallel.fsdp_comm import count_collectives
 from megatron_lite.parallel.data_parallel.fsdp_compat import check_fsdp2, post_backward_now
+from megatron_lite.parallel.data_parallel.fsdp_fp8 import wrap_fp8_weights
 from megatron_lite.parallel.data_parallel.fsdp_optimizer import FSDPOptimizer
 from megatron_lite.parallel.data_parallel.fsdp_whole_matrix import FSDPWholeMatrixOptimizer
 from megatron_lite.parallel.data_parallel.memory import sharded_state_bytes, sharded_state_tensors
@@ -100,6 +101,7 @@ def _shard_chunk(chunk, layers, dense, experts, kw: dict, storage_on) -> None:
     metas = {n: meta_of(p) for n, p in chunk.named_parameters()}
     for p in chunk.parameters():  # the sharded parameters are the fp32 masters
         p.data = p.data.float()
+    wrap_fp8_weights(chunk)  # tensorwise FP8 linears: gathered in FP8 (fsdp_fp8.py)
     for layer in layers:
         for m in _expert_modules(layer):
             fully_shard(m, mesh=experts, **kw)

@@ -50,6 +50,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from megatron_lite.parallel.data_parallel.buffers import GradBuffer, in_flight_bound
+from megatron_lite.parallel.data_parallel.fsdp_fp8 import Fp8GatherWeight
 from megatron_lite.parallel.data_parallel.optimizer import Piece
 from megatron_lite.parallel.data_parallel.optimizer_spec import ADAMW, OptimizerSpec
 
@@ -72,7 +73,8 @@ def storage_bytes(tensors, seen: set[int], device_type: str | None = None) -> in
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t  # a DTensor counts its shard
+    t = t.to_local() if isinstance(t, DTensor) else t  # a DTensor counts its shard
+    return t._tensor if isinstance(t, Fp8GatherWeight) else t  # its storage: the fp32 shard
 
 
 def _optimizer_states(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
