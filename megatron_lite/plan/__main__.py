@@ -105,7 +105,9 @@ def _plan(args, r, world: int, gpu, budget: float) -> int:
     if args.dry_run:
         from megatron_lite.plan.report import dry_run_report
 
-        print(dry_run_report(r, world, args.ranks, args.microbatches, args.json, args.kernels))
+        device = args.device or "cpu"
+        kw = {"json_path": args.json, "kernels": args.kernels, "device": device}
+        print(dry_run_report(r, world, args.ranks, args.microbatches, **kw))
     if args.measure:
         from megatron_lite.plan.measure import measure_report
 
