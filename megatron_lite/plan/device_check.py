@@ -40,9 +40,13 @@ HOST_SITES = {
     ("moe/experts.py", "_group_ends"): "the expert groups' row ends, built on the host from "
     "the split sizes already read, then moved to the device",
     ("parallel/random.py", "*"): "the RNG states (the CPU generator's state is a CPU tensor)",
+    ("parallel/params.py", "_draw"): "the layout-independent init draws each block on the "
+    "host's generator (the same numbers for any layout), then copies it to the device",
+    ("parallel/params.py", "_draw_nothing"): "_draw's host blocks, allocated for a dry run",
 }
 # torch.distributed's host tensors are meant to be on the host (object collectives, meshes)
 DISTRIBUTED = os.path.join(TORCH, "distributed")
+FAKE_CUDA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fake_cuda.py")
 # ops that move a tensor between devices on purpose (not a misplaced tensor)
 MOVES = {aten._to_copy, aten.copy_, aten._copy_from, aten._copy_from_and_resize}
 
@@ -72,6 +76,8 @@ def _host_in_cxx(kwargs: dict, inputs: list) -> bool:
     device = kwargs.get("device")
     if device is None or torch.device(device).type != "cpu":
         return False
+    if caller_file(machinery=True) == FAKE_CUDA:  # a move's destination, on the host
+        return False
     if any(t.is_cuda for t in inputs):
         return True
     name = caller_file()
@@ -97,8 +103,8 @@ class DeviceCheck(TorchDispatchMode):
         if packet not in MOVES:
             self._check_inputs(packet, inputs)
         out = func(*args, **kwargs)
-        if not inputs:
-            self._check_made(packet, out)
+        if not inputs and caller_file(machinery=True) != FAKE_CUDA:
+            self._check_made(packet, out)  # (fake_cuda's are the destinations of moves)
         elif packet is aten.lift_fresh:  # torch.tensor(data): made on the host, as on a GPU
             self._note_made(out)
         return out
@@ -155,7 +161,7 @@ class DeviceCheck(TorchDispatchMode):
             if t.device.type == "cpu" and _host_site(where):
                 self.made[t] = where
                 continue
-            if t.device.type == "cpu" and where == "<outside megatron_lite>":
+            if t.device.type == "cpu" and where == "<torch>":
                 self.made[t] = where  # torch's own host-side tensors (a DeviceMesh's table)
                 continue
             raise DeviceMismatch(

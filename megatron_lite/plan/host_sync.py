@@ -57,6 +57,14 @@ MACHINERY = {
         ("training", "memory_tracker.py"),
     )
 }
+# torch, the standard library and site-packages: not where a tensor or a sync is charged
+LIBRARIES = (os.path.dirname(os.path.abspath(torch.__file__)), os.path.dirname(os.__file__))
+# the dispatch modes around the step (caller_file(machinery=True) skips only these)
+CHECKERS = {
+    os.path.join(PACKAGE, *p)
+    for p in (("plan", "host_sync.py"), ("plan", "device_check.py"),
+              ("training", "memory_tracker.py"))
+}  # fmt: skip
 STEP_PHASES = ("forward", "backward", "grad sync", "optimizer")
 # after the step phase (key), outside any phase: what the step is doing
 BETWEEN = {None: "before forward", "forward": "before grad sync", "grad sync": "norm/loss",
@@ -64,30 +72,35 @@ BETWEEN = {None: "before forward", "forward": "before grad sync", "grad sync": "
 
 
 def source_line(skip: int = 1) -> str:
-    """The caller's position as "megatron_lite/x.py:123 in fn": the first frame in the
-    package outside MACHINERY ("<outside megatron_lite>" if none)."""
+    """The caller's position as "megatron_lite/x.py:123 in fn": the innermost frame outside
+    torch, the standard library and site-packages, and MACHINERY (the package's code, or a
+    test's), relative to the repository root ("<torch>" if none: torch's own code)."""
     f = sys._getframe(skip)
     while f is not None:
         name = os.path.abspath(f.f_code.co_filename)
-        if name.startswith(PACKAGE + os.sep) and name not in MACHINERY:
+        if not name.startswith(LIBRARIES) and name not in MACHINERY and not name.startswith("<"):
             rel = os.path.relpath(name, ROOT).replace(os.sep, "/")
             return f"{rel}:{f.f_lineno} in {f.f_code.co_name}"
         f = f.f_back
-    return "<outside megatron_lite>"
+    return "<torch>"
 
 
 TORCH = os.path.dirname(os.path.abspath(torch.__file__))
-PLUMBING = {os.path.join(TORCH, *p) for p in (("_ops.py",), ("utils", "_python_dispatch.py"))}
+PLUMBING = {
+    os.path.join(TORCH, *p)
+    for p in (("_ops.py",), ("utils", "_python_dispatch.py"), ("_compile.py",),
+              ("_dynamo", "eval_frame.py"))
+}  # fmt: skip
 
 
-def caller_file() -> str:
-    """The file of the innermost frame outside MACHINERY and torch's dispatch plumbing: the
-    Python code whose call reached the current op (a torch file when torch's own Python, or
-    its C++ through autograd's engine, made it)."""
+def caller_file(machinery: bool = False) -> str:
+    """The file of the innermost frame outside torch's dispatch plumbing and MACHINERY (with
+    `machinery`: outside the checks only, so the stand-ins count): the Python code whose call reached the current op (a torch file when
+    torch's own Python, or its C++ through autograd's engine, made it)."""
     f = sys._getframe(1)
     while f is not None:
         name = os.path.abspath(f.f_code.co_filename)
-        if name not in MACHINERY and name not in PLUMBING:
+        if name not in PLUMBING and name not in (CHECKERS if machinery else MACHINERY):
             return name
         f = f.f_back
     return ""
