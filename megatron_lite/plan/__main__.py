@@ -92,6 +92,13 @@ def main(argv=None) -> int:
     except ConfigError as e:  # an output file that could not be written (a full disk)
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:  # --device cuda: a tensor on the wrong device
+        from megatron_lite.plan.device_check import DeviceMismatch
+
+        if not isinstance(e, DeviceMismatch):
+            raise
+        print(f"error: the CUDA dry run found a misplaced tensor: {e}", file=sys.stderr)
+        return 1
 
 
 def _plan(args, r, world: int, gpu, budget: float) -> int:

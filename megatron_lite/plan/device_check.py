@@ -54,9 +54,12 @@ MOVES = {aten._to_copy, aten.copy_, aten._copy_from, aten._copy_from_and_resize}
 class DeviceMismatch(RuntimeError):
     """A tensor of the step on the wrong device (module docstring); `where` is its line."""
 
-    def __init__(self, message: str, where: str):
+    def __init__(self, message: str, where: str = ""):
         super().__init__(message)
         self.where = where
+
+    def __reduce__(self):  # across a dry run's worker processes, with its line
+        return type(self), (str(self), self.where)
 
 
 def _host_site(where: str) -> bool:

@@ -170,13 +170,14 @@ def _device_moves() -> dict:
         return aten.copy_(out, t, non_blocking)
 
     def to_(t, *args, **kwargs):
+        copy = kwargs.pop("copy", False)  # _parse_to takes every argument but this one
         device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
         if device is not None and device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         target = t.device if device is None else device
         if "cuda" not in (t.device.type, target.type):
-            return to(t, *args, **kwargs)
-        return moved(t, target, dtype, non_blocking, kwargs.get("copy", False), memory_format)
+            return to(t, *args, copy=copy, **kwargs)
+        return moved(t, target, dtype, non_blocking, copy, memory_format)
 
     def cuda_(t, device=None, non_blocking=False, memory_format=torch.preserve_format):
         index = torch.cuda.current_device() if device is None else torch.device(device).index

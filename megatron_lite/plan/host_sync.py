@@ -95,8 +95,9 @@ PLUMBING = {
 
 def caller_file(machinery: bool = False) -> str:
     """The file of the innermost frame outside torch's dispatch plumbing and MACHINERY (with
-    `machinery`: outside the checks only, so the stand-ins count): the Python code whose call reached the current op (a torch file when
-    torch's own Python, or its C++ through autograd's engine, made it)."""
+    `machinery`: outside the dispatch modes only, so the stand-ins count): the Python code
+    whose call reached the current op (a torch file when torch's own Python, or its C++
+    through autograd's engine, made it)."""
     f = sys._getframe(1)
     while f is not None:
         name = os.path.abspath(f.f_code.co_filename)
@@ -169,6 +170,7 @@ def counting_reads(syncs: HostSyncs) -> Iterator[None]:
     """Inside the block every `parallel.host.read` and every repr of a CUDA tensor (what
     print and f-strings call) is recorded in `syncs` as a host sync."""
     from megatron_lite.parallel import host
+    from megatron_lite.plan.fake_cuda import _patched
 
     read, repr_ = host.read, torch.Tensor.__repr__
 
@@ -181,11 +183,8 @@ def counting_reads(syncs: HostSyncs) -> Iterator[None]:
             syncs.record("print")
         return repr_(t, *a, **kw)
 
-    host.read, torch.Tensor.__repr__ = counted_read, counted_repr
-    try:
+    with _patched(host, {"read": counted_read}), _patched(torch.Tensor, {"__repr__": counted_repr}):
         yield
-    finally:
-        host.read, torch.Tensor.__repr__ = read, repr_
 
 
 def sync_table(counts: Counter, microbatches: int) -> str:

@@ -101,6 +101,7 @@ def test_a_misplaced_tensor_is_named_with_its_line(inject, tmp_path):
         assert "mixes cpu and cuda:0 tensors" in message
 
 
+@pytest.mark.slow  # two dry runs (~30 s on the shared 2-core machine): CI's second tier
 def test_host_syncs_per_step_are_bounded(tmp_path):
     """docs/cuda_dry_run.md's bound, on a dense and an MoE layout."""
     device, dense, _ = run_alone(_cuda_rank, *DENSE, str(tmp_path / "d"), timeout=120)
