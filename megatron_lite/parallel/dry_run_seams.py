@@ -110,6 +110,11 @@ CALL_SITES: tuple[CallSite, ...] = (
         ("_doc_bounds", "the packed documents in each ring segment: one document"),
     ),
     *_sites(
+        "host.read",
+        "megatron_lite/plan/host_sync.py",
+        ("counting_reads", "the CUDA dry run wraps the seam to count each read as a host sync"),
+    ),
+    *_sites(
         "fake.is_fake",
         "megatron_lite/parallel/host.py",
         ("read", "the seam itself: a fake tensor has no values to read"),

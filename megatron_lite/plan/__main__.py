@@ -92,6 +92,13 @@ def main(argv=None) -> int:
     except ConfigError as e:  # an output file that could not be written (a full disk)
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:  # --device cuda: a tensor on the wrong device
+        from megatron_lite.plan.device_check import DeviceMismatch
+
+        if not isinstance(e, DeviceMismatch):
+            raise
+        print(f"error: the CUDA dry run found a misplaced tensor: {e}", file=sys.stderr)
+        return 1
 
 
 def _plan(args, r, world: int, gpu, budget: float) -> int:
@@ -105,7 +112,9 @@ def _plan(args, r, world: int, gpu, budget: float) -> int:
     if args.dry_run:
         from megatron_lite.plan.report import dry_run_report
 
-        print(dry_run_report(r, world, args.ranks, args.microbatches, args.json, args.kernels))
+        device = args.device or "cpu"
+        kw = {"json_path": args.json, "kernels": args.kernels, "device": device}
+        print(dry_run_report(r, world, args.ranks, args.microbatches, **kw))
     if args.measure:
         from megatron_lite.plan.measure import measure_report
 

@@ -26,6 +26,7 @@ planner's for the same kernels.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import multiprocessing
 import os
@@ -77,6 +78,8 @@ class RankResult:
     peaks_by_phase: dict[str, int] = field(default_factory=dict)
     category_peaks: dict[str, int] = field(default_factory=dict)  # each one's own maximum
     save_extra: int = 0  # bytes a checkpoint save's state adds (see _save_state_extra)
+    device: str = "cpu"  # the rank's device: cpu, or cuda:<local rank> (--device cuda)
+    host_syncs: dict[str, int] = field(default_factory=dict)  # cuda: "phase|kind|line": n
 
     def grouped(self) -> dict[str, int]:
         """The categories summed the way PLANNER_TERMS compares them."""
@@ -138,10 +141,11 @@ def default_ranks(cfg: Config, world: int) -> list[int]:
     return [firsts[s] for s in sorted(firsts)]
 
 
-def tracked_steps(cfg: Config, mesh, dataset, vocab: int) -> dict:
+def tracked_steps(cfg: Config, mesh, dataset, vocab: int, audit=None) -> dict:
     """Build the Trainer and run its two steps under a MemoryTracker (see the module
     docstring): what a dry run measures on fake tensors and a real run on real ones, by the
-    same code. Returns the figures of RankResult."""
+    same code. Returns the figures of RankResult. audit: a CUDA dry run's
+    (plan/cuda_dry_run.py), told the tracker and each step."""
     from megatron_lite.parallel.comm_stats import STATS
     from megatron_lite.training.memory_tracker import MemoryTracker
     from megatron_lite.training.trainer import Trainer
@@ -151,6 +155,9 @@ def tracked_steps(cfg: Config, mesh, dataset, vocab: int) -> dict:
         init_peak = tracker.peak.total
         tracker.label([b for c in trainer.chunks for b in c.buffers()], "buffers")
         tracker.attach_layers(trainer.chunks)
+        step = audit.in_step if audit is not None else lambda _: contextlib.nullcontext()
+        if audit is not None:
+            audit.attach(tracker)
         trainer.memory_tracker = tracker  # the trainer names its phases in it
         t = cfg.train  # the first step only creates the lazy state: its fewest microbatches
         full, t.global_batch_size = (
@@ -158,13 +165,15 @@ def tracked_steps(cfg: Config, mesh, dataset, vocab: int) -> dict:
             _fewest_microbatches(cfg) * (t.micro_batch_size * cfg.parallel.dp),
         )
         try:
-            trainer.train_step()  # creates the optimizer states (and FSDP2's lazy state)
+            with step(0):
+                trainer.train_step()  # creates the optimizer states (and FSDP2's lazy state)
         finally:
             t.global_batch_size = full
         tracker.label_model_states(trainer.dp)
         tracker.attach_fsdp(m for c in trainer.chunks for m in c.modules())
         tracker.reset_peak()
-        trainer.train_step()  # the steady state
+        with step(1):
+            trainer.train_step()  # the steady state
         peak, phases = tracker.peak, dict(tracker.peaks_by_phase)
         category_peaks = dict(tracker.category_peaks)
         save_extra = _save_state_extra(trainer, mesh, tracker)  # resets the peaks
@@ -229,10 +238,13 @@ def _result(cfg: Config, world: int, rank: int, kernels: str, figures: dict, t0:
     )
 
 
-def run_rank(cfg: Config, world: int, rank: int, kernels: str = "fused") -> RankResult:
+def run_rank(cfg: Config, world: int, rank: int, kernels: str = "fused",
+             device: str = "cpu") -> RankResult:  # fmt: skip
     """The dry run of one rank (see the module docstring); `cfg` from dry_run_config;
     kernels: "fused" (the GPU's Triton kernels: their allocations, no launches) or "torch"
-    (the plain-torch references a CPU run uses)."""
+    (the plain-torch references a CPU run uses); device: "cpu", or "cuda": fake CUDA tensors
+    with their placement checked and host syncs counted (plan/cuda_dry_run.py; a misplaced
+    tensor raises device_check.DeviceMismatch)."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -249,8 +261,15 @@ def run_rank(cfg: Config, world: int, rank: int, kernels: str = "fused") -> Rank
     try:
         layout = rank_layout(p, world)
         mesh = ParallelMesh(layout, timeout_s=p.timeout_s)  # DeviceMesh needs real tensors
-        with FakeTensorMode(allow_non_fake_inputs=True):
-            figures = tracked_steps(cfg, mesh, dataset, vocab)
+        if device == "cuda":
+            from megatron_lite.plan.cuda_dry_run import cuda_step, steady_syncs
+
+            with cuda_step(rank) as audit:
+                figures = tracked_steps(cfg, mesh, dataset, vocab, audit)
+            figures |= {"device": audit.device, "host_syncs": steady_syncs(audit)}
+        else:
+            with FakeTensorMode(allow_non_fake_inputs=True):
+                figures = tracked_steps(cfg, mesh, dataset, vocab)
     finally:
         dist.destroy_process_group()
         if forced is None:
@@ -363,22 +382,23 @@ def _microbatch_rule(cfg: Config, count: int, m: int) -> None:
 def dry_run(cfg: Config, world: int, ranks: list[int] | None = None,
             microbatches: int | str = "steady",
             workers: int = os.cpu_count() or 1,
-            kernels: str = "fused") -> list[RankResult]:  # fmt: skip
+            kernels: str = "fused", device: str = "cpu") -> list[RankResult]:  # fmt: skip
     """Dry-run `ranks` (default: default_ranks) of `cfg` (validated for `world`), `workers`
     processes at a time; microbatches: "steady" (steady_microbatches), "all" (the config's
-    M) or a count."""
+    M) or a count; device: "cpu" or "cuda" (run_rank)."""
     count = _count(cfg, microbatches)
     ranks = ranks or default_ranks(cfg, world)
     with tempfile.TemporaryDirectory() as tmp:
         run_cfg = dry_run_config(cfg, tmp, count)
         if len(ranks) == 1 or workers <= 1:
-            return [run_rank(run_cfg, world, r, kernels) for r in ranks]
+            return [run_rank(run_cfg, world, r, kernels, device) for r in ranks]
         # one process per rank at a time (each holds its own fake process group), as many
         # at once as there are cores
         ctx = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(min(workers, len(ranks)), mp_context=ctx) as pool:
             n = len(ranks)
-            return list(pool.map(run_rank, [run_cfg] * n, [world] * n, ranks, [kernels] * n))
+            args = [run_cfg] * n, [world] * n, ranks, [kernels] * n, [device] * n
+            return list(pool.map(run_rank, *args))
 
 
 def to_json(results: list[RankResult]) -> list[dict]:
@@ -392,6 +412,6 @@ def to_json(results: list[RankResult]) -> list[dict]:
             "predicted": {k: sum(pred.get(t, 0.0) for t in v) for k, v in PLANNER_TERMS.items()},
             "predicted_peak_bytes": sum(pred.values()), "peaks_by_phase": r.peaks_by_phase,
             "comm": r.comm, "wall_s": r.wall_s, "save_extra_bytes": r.save_extra,
-            "category_peaks": r.category_peaks,
+            "category_peaks": r.category_peaks, "device": r.device, "host_syncs": r.host_syncs,
         })  # fmt: skip
     return out

@@ -83,6 +83,7 @@ NEEDS = [
     ("--ranks", "--dry-run"),
     ("--microbatches", "--dry-run"),
     ("--json", "--dry-run"),
+    ("--device", "--dry-run"),
 ]
 # (flag, flag, fix): --search prints a ranking and stops, the other would never run
 EXCLUSIVE = [
@@ -136,6 +137,8 @@ def parser(doc: str | None) -> argparse.ArgumentParser:
     )
     ap.add_argument("--microbatches", default=None, help=mb_help)
     ap.add_argument("--json", default=None, help="write --dry-run's figures to this JSON file")
+    device_help = "--dry-run's device: cpu (default), or cuda (docs/cuda_dry_run.md)"
+    ap.add_argument("--device", default=None, choices=("cpu", "cuda"), help=device_help)
     return ap
 
 

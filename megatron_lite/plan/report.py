@@ -84,6 +84,11 @@ def dry_run_table(results: list[RankResult]) -> str:
         comm = _comm_line(res.comm)
         if comm:
             lines.append(f"  collectives of the step (bytes per rank, calls): {comm}")
+        if res.device != "cpu":
+            from megatron_lite.plan.cuda_dry_run import syncs_report
+
+            lines.append(f"  every tensor of the step on {res.device} or a host site")
+            lines.append(syncs_report(res.host_syncs, res.microbatches))
     return "\n".join(lines)
 
 
@@ -100,12 +105,14 @@ def _comm_line(comm: dict[str, float]) -> str:
 
 
 def dry_run_report(cfg: Config, world: int, ranks: str | None, microbatches: str,
-                   json_path: str | None = None, kernels: str = "fused") -> str:  # fmt: skip
-    """plan --dry-run: run, print the table (and write the figures to `json_path`)."""
+                   json_path: str | None = None, kernels: str = "fused",
+                   device: str = "cpu") -> str:  # fmt: skip
+    """plan --dry-run: run, print the table (and write the figures to `json_path`); device
+    "cuda": on fake CUDA tensors, with each rank's host syncs (plan/cuda_dry_run.py)."""
     import json
 
     chosen = parse_ranks(ranks, world)
-    results = dry_run(cfg, world, chosen, microbatches, kernels=kernels)
+    results = dry_run(cfg, world, chosen, microbatches, kernels=kernels, device=device)
     if json_path:  # checked before the run (plan/flags.py); written whole or not at all
 
         def write(path: str) -> None:
@@ -113,5 +120,6 @@ def dry_run_report(cfg: Config, world: int, ranks: str | None, microbatches: str
                 json.dump(to_json(results), f, indent=1)
 
         write_output("--json", json_path, write)
-    head = f"dry run on {world} ranks (fake process group, fake tensors, kernels={kernels}):"
+    tensors = "fake tensors" if device == "cpu" else "fake CUDA tensors, placement checked"
+    head = f"dry run on {world} ranks (fake process group, {tensors}, kernels={kernels}):"
     return head + "\n" + dry_run_table(results)
