@@ -11,6 +11,7 @@ import pytest
 
 from tests.dist_harness import run_ranks
 from tests.parallel.parity import (
+    DOCS,
     SHORT,
     TINY,
     _train,
@@ -39,10 +40,15 @@ ZB_V = ["parallel.pp=2", "parallel.pipeline_schedule=zb-v", "parallel.vpp=2"]
 
 
 def compiled_records(
-    world: int, layout: list[str], model: tuple[str, ...] = (), compiled: bool = True
+    world: int,
+    layout: list[str],
+    model: tuple[str, ...] = (),
+    compiled: bool = True,
+    eod: int | None = None,
 ) -> list[dict]:
-    """Rank 0's per-step records (KEYS) of a compiled (or eager) run of TINY + model."""
-    data = f"data.paths=[{structured_dataset()}]"
+    """Rank 0's per-step records (KEYS) of a compiled (or eager) run of TINY + model; eod: on
+    the structured dataset's variant with that end-of-document token."""
+    data = f"data.paths=[{structured_dataset(eod)}]"
     args = [*TINY, data, *SHORT, *model, f"model.compile={str(compiled).lower()}", *layout]
     with tempfile.TemporaryDirectory() as tmp:
         return run_ranks(world, _train, args, tmp, ENV, KEYS, timeout=900)[0]
@@ -67,7 +73,18 @@ LAYOUTS = {
     "dp2_zero3": (2, (), ["parallel.zero_stage=3"]),
     "cp2_p2p": (2, (), ["parallel.cp=2", "parallel.cp_comm_type=p2p"]),
     "moe_ep2": (2, MOE, ["parallel.ep=2"]),
-}
+    # recompute and document masking around and inside the compiled regions (issue #41's
+    # "composing with"): selective recompute of the attention core under tp2+SP with packed
+    # documents, and full recompute of every layer (the checkpoint wraps the compiled region)
+    "tp2_sp_selective_docs": (2, tuple(DOCS), [
+        "parallel.tp=2", "parallel.sequence_parallel=true",
+        "model.recompute_granularity=selective", "model.recompute_modules=[core_attn]",
+    ]),
+    "full_recompute": (1, (), [
+        "model.recompute_granularity=full", "model.recompute_method=uniform",
+        "model.recompute_num_layers=1",
+    ]),
+}  # fmt: skip
 
 
 # CI's slow tier runs ZeRO-3 (FSDP2 around the compiled regions) beside tp2+SP above; the rest
@@ -91,5 +108,7 @@ ON_REQUEST = pytest.mark.skipif(not FULL, reason="MEGATRON_LITE_COMPILE_TABLE=1"
 )  # fmt: skip
 def test_compiled_layout_matches_one_rank(name):
     world, model, layout = LAYOUTS[name]
-    records = compiled_records(world, layout, model)
-    assert_parity(records, reference_losses(tuple([*SHORT, *model])), f"compiled {name}")
+    eod = 249 if "data.reset_attention_mask=true" in model else None
+    records = compiled_records(world, layout, model, eod=eod)
+    reference = reference_losses(tuple([*SHORT, *model]), eod=eod)
+    assert_parity(records, reference, f"compiled {name}")
