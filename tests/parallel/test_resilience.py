@@ -157,3 +157,24 @@ def test_persistent_nan_is_reproduced_and_stops_with_the_named_error(tmp_path):
     assert "Training stopped" in error, error
     assert counts["replays"] == 1 and counts["reproduced_nonfinite"] == 1, counts
     assert messages[0].startswith("step 1: non-finite reproduced on replay"), messages
+
+
+def _wait_cost(rank, world):
+    import torch.distributed as dist
+
+    x = torch.ones(1000)
+    dist.barrier()
+    if rank == 1:
+        time.sleep(0.5)  # rank 0 waits inside the all-reduce meanwhile
+    t0, w0 = time.thread_time(), time.perf_counter()
+    dist.all_reduce(x)
+    return time.thread_time() - t0, time.perf_counter() - w0
+
+
+@pytest.mark.slow
+def test_waiting_in_a_gloo_collective_costs_no_thread_cpu_time():
+    """What the CPU timer relies on (training/straggler.py): measured 0.3 ms of CPU time over
+    a 1 s wait; 5% of the wait leaves room for a loaded machine."""
+    (cpu, wall), _ = run_ranks(2, _wait_cost, timeout=60)
+    assert wall > 0.4, wall  # rank 0 did wait for rank 1
+    assert cpu < 0.05 * wall, (cpu, wall)
