@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import math
 
-from megatron_lite.config import Config
-from megatron_lite.validation.rules import _choice, _rule
+from megatron_lite.config import Config, LogConfig, TrainConfig
+from megatron_lite.validation.rules import _choice, _no_effect, _rule
 
 # training/rerun.py's modes (not imported: validation stays free of the training stack)
 RERUN_CHOICES = ("none", "nonfinite", "spike", "both")
@@ -34,3 +34,29 @@ def _validate_resilience(cfg: Config) -> None:
         "× the mean of recent steps; at <= 1 ordinary steps would count as spikes)",
         "set train.spike_factor=3.0, for example",
     )
+
+
+def resilience_warnings(cfg: Config) -> list[str]:
+    """log.straggler_interval changed while log.straggler is off; train.spike_factor changed
+    while train.rerun_on watches no spikes."""
+    out = []
+    if not cfg.log.straggler and cfg.log.straggler_interval != LogConfig().straggler_interval:
+        out.append(
+            _no_effect(
+                "log.straggler_interval",
+                cfg.log.straggler_interval,
+                "log.straggler=false (no straggler report)",
+                "set log.straggler=true, or remove the key",
+            )
+        )
+    t = cfg.train
+    if t.rerun_on not in ("spike", "both") and t.spike_factor != TrainConfig().spike_factor:
+        out.append(
+            _no_effect(
+                "train.spike_factor",
+                t.spike_factor,
+                f"train.rerun_on={t.rerun_on!r} watches no spikes",
+                "set train.rerun_on=spike or both, or remove the key",
+            )
+        )
+    return out

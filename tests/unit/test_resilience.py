@@ -89,3 +89,20 @@ def test_triggers_by_mode_and_the_spike_reference():
     assert spike.trigger(2.0, 1.501).startswith("grad norm spike (grad norm 1.501 > 3 × 0.5")
     both = StepRerun("both", 3.0, cpu)
     assert both.trigger(float("nan"), 1.0) == "non-finite"
+
+
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("log.straggler_interval=5", "log.straggler_interval=5 has no effect: log.straggler=false"),
+        ("train.spike_factor=5", "train.spike_factor=5.0 has no effect: train.rerun_on='none'"),
+    ],
+)
+def test_keys_of_a_feature_that_is_off_warn(override, needle):
+    from megatron_lite.validation import config_warnings
+
+    cfg = validate(load_config(SMOKE, [override]), world_size=1, warn=False)
+    assert [w for w in config_warnings(cfg) if needle in w], config_warnings(cfg)
+    on = "log.straggler=true" if override.startswith("log") else "train.rerun_on=spike"
+    cfg = validate(load_config(SMOKE, [override, on]), world_size=1, warn=False)
+    assert not [w for w in config_warnings(cfg) if override.split("=")[0] in w]
