@@ -129,13 +129,12 @@ class StepRerun:
             return first
         self.counts["replays"] += 1
         again = replay()
-        kind = why.split(" (")[0]
-        reproduced = self.trigger(again.loss, again.grad_norm) is not None
+        why_again = self.trigger(again.loss, again.grad_norm)
         same = _bits(first.loss) == _bits(again.loss)
         same = same and _bits(first.grad_norm) == _bits(again.grad_norm)
-        if reproduced:
-            verdict = "bitwise" if same else "not bitwise (nondeterministic kernels?)"
-            if kind == "non-finite":
+        if why_again is not None:
+            verdict = "bitwise" if same else f"not bitwise: {why_again}"
+            if why_again == "non-finite":  # the guard acts on the replay's numbers
                 self.counts["reproduced_nonfinite"] += 1
                 action = "the non-finite policy acts (train.skip_nonfinite_steps)"
             else:

@@ -11,8 +11,8 @@ the slowest):
   the training thread's share still scales with the rank's speed.
 - CUDA: a pair of CUDA events around the step on the current stream, minus an event pair
   around each blocking collective (comm_stats.CommStats.wait_timer, run by mappings' guard):
-  the time the compute stream stalled inside collectives. Waits on async handles (overlapped
-  gradient reduction) are not subtracted.
+  the time the compute stream stalled inside collectives (one issued on a side stream is not
+  timed). Waits on async handles (overlapped gradient reduction) are not subtracted.
 
 Every `interval` steps one all-gather of three floats per rank (pipeline stage, mean compute
 seconds per step over the interval, steps counted) and, once, of the host names lets every
@@ -48,6 +48,7 @@ class StragglerDetector:
         self.total_s, self.steps = 0.0, 0  # this rank's compute over the interval so far
         self.hosts: list[str] | None = None  # every rank's host name, gathered at the first report
         self._t0 = 0.0
+        self._stream = None  # CUDA: the stream the step runs on
         self._events: list[tuple] = []  # CUDA: (start, end, [(start, end) per collective])
         self._waits: list[tuple] = []  # CUDA: the current step's collectives' event pairs
 
@@ -58,6 +59,7 @@ class StragglerDetector:
             return
         start = torch.cuda.Event(enable_timing=True)
         start.record()
+        self._stream = torch.cuda.current_stream()
         self._waits = []
         self._events.append((start, None, self._waits))
         STATS.wait_timer = self._collective_wait
@@ -76,7 +78,11 @@ class StragglerDetector:
 
     @contextlib.contextmanager
     def _collective_wait(self):
-        """An event pair around one blocking collective on the current stream (CUDA)."""
+        """An event pair around one blocking collective on the step's stream (CUDA); one
+        issued on a side stream (overlapped communication) did not stall it: not timed."""
+        if torch.cuda.current_stream() != self._stream:
+            yield
+            return
         pair = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
         pair[0].record()
         try:
