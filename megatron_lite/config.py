@@ -186,6 +186,9 @@ class TrainConfig:
     eval_interval: int = 0  # validation loss every N steps and after the last (0: never)
     eval_iters: int = 1  # global batches per evaluation
     skip_nonfinite_steps: int = 0  # skip up to N NaN/Inf steps in a row (0: stop at the first)
+    # replay a suspicious step once to tell a transient fault from the data/model (rerun.py)
+    rerun_on: str = "none"  # none | nonfinite | spike | both
+    spike_factor: float = 3.0  # a spike: loss or grad norm > factor × mean of the last 10 steps
     precision: str = "fp32"  # fp32 | bf16 (bf16 weights, fp32 master weights and gradients)
     optimizer_offload: str = "none"  # none | cpu (master weights and AdamW states on the host)
     out_dir: str = "runs/default"
@@ -216,6 +219,8 @@ class LogConfig:
     # every numeric field of metrics.jsonl as a TensorBoard scalar (pip install -e ".[tensorboard]")
     tensorboard: bool = False
     tensorboard_dir: str = ""  # "" = <train.out_dir>/tensorboard
+    straggler: bool = False  # report the slowest ranks' compute speed (training/straggler.py)
+    straggler_interval: int = 10  # steps between straggler reports
 
     def tensorboard_path(self, out_dir: str) -> str:
         """Where the event files go: tensorboard_dir, or <out_dir>/tensorboard when it is ""."""

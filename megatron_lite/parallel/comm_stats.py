@@ -12,6 +12,8 @@ rank sends on the wire under the ring algorithm, `bus_bytes`), the unit the plan
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 import torch
@@ -49,6 +51,9 @@ class CommStats:
     calls: dict[str, int] = field(default_factory=lambda: collections.defaultdict(int))
     elements: dict[str, int] = field(default_factory=lambda: collections.defaultdict(int))
     recent: collections.deque = field(default_factory=lambda: collections.deque(maxlen=64))
+    # set by the straggler detector on CUDA (training/straggler.py): wraps each blocking
+    # collective, so the time the compute stream stalls inside it is not counted as compute
+    wait_timer: Callable[[], AbstractContextManager] | None = None
 
     def record(self, kind: str, tensor: torch.Tensor, group_name: str, *, op: str, n: int) -> None:
         """Count one collective `op` (see `bus_bytes`) of `kind` over a group of `n` ranks whose

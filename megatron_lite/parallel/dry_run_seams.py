@@ -70,7 +70,12 @@ CALL_SITES: tuple[CallSite, ...] = (
         "host.read",
         "megatron_lite/training/step.py",
         ("TrainStep.global_tokens", "the global token count the loss is divided by: full"),
-        ("TrainStep.run", "the reduced Σg², loss and flags: unit norm, loss 1, no signals"),
+        ("TrainStep._attempt", "the reduced Σg², loss and flags: unit norm, loss 1, no signals"),
+    ),
+    *_sites(
+        "host.read",
+        "megatron_lite/training/straggler.py",
+        ("StragglerDetector.report", "every rank's compute times: this rank's, for each rank"),
     ),
     *_sites(
         "host.read",

@@ -58,6 +58,9 @@ def recorded(kind: str, group, fn, shape: tuple):
 
 def _guard(kind: str, group, fn, detail: str = ""):
     try:
+        if STATS.wait_timer is not None:  # the straggler detector's (CUDA)
+            with STATS.wait_timer():
+                return fn()
         return fn()
     except CollectiveError:
         raise

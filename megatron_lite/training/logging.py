@@ -43,6 +43,13 @@ def _fmt_time(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
 
+def _straggler_text(record: dict) -> str:
+    """The progress line's part for a straggler report (training/straggler.py): the slowest
+    rank, its host and its speed relative to its peers' median."""
+    s = record["straggler/slowest_ranks"][0]
+    return f" | slowest rank {s['rank']} ({s['host']}) {s['rel']:.2f}x"
+
+
 def reports_at(step: int, cfg: Config) -> bool:
     """Whether (0-based) `step` ends a progress interval: every log.interval steps and the
     last step of the run."""
@@ -197,6 +204,9 @@ class MetricsLogger:
                 extra += f" | MFU {mean('mfu'):.1%}"
         if "eval_loss" in w[-1]:  # the last evaluation of the interval, not a mean
             extra += f" | eval loss {w[-1]['eval_loss']:.4f}"
+        reports = [r for r in w if "straggler/slowest_ranks" in r]
+        if reports:  # the interval's last straggler report
+            extra += _straggler_text(reports[-1])
         print(
             f"step {step:5d}/{total} | loss {mean('loss'):.4f} | lr {w[-1]['lr']:.3e} | "
             f"grad norm {mean('grad_norm'):.3f} | {mean('tokens_per_s'):,.0f} tok/s | "

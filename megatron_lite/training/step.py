@@ -16,7 +16,9 @@ and checks it against torch.optim.AdamW). Per step, in order:
    caller's flags]: the loss lives on the last stage (tp rank 0 reports it), each CP rank holds
    a slice of the sum, and a flag (a stop signal, a changed activation peak) summed with the
    others costs no collective of its own;
-4. the non-finite guard on the reduced loss and norm (skip or stop: nonfinite.py), else
+4. under train.rerun_on, a suspicious step (non-finite, or a spike) replays steps 2-3 once
+   (rerun.py), restoring the RNG states kept before step 2;
+5. the non-finite guard on the reduced loss and norm (skip or stop: nonfinite.py), else
    clipping and the optimizer step.
 
 The two host reads (steps 1 and 3) are dry-run seams (parallel/dry_run_seams.py): on fake
@@ -46,6 +48,7 @@ from megatron_lite.training.lm_step import lm_forward_step
 from megatron_lite.training.memory_tracker import MemoryTracker
 from megatron_lite.training.nonfinite import NonFiniteGuard
 from megatron_lite.training.optimizer import set_lr
+from megatron_lite.training.rerun import Attempt, StepRerun
 
 # (a thunk running the step's forward and backward -> its loss sum, number of microbatches)
 Measure = Callable[[Callable[[], torch.Tensor], int], torch.Tensor]
@@ -104,7 +107,9 @@ class TrainStep:
     forward_step: the engine's forward step; holds_loss: this rank runs the last virtual stage
     (where the loss is); eod_mask_id: split_sample's (data.eod_mask_loss), for the token count;
     named_params: (name, parameter) of the chunks, for the guard's message; memory_tracker:
-    returns the MemoryTracker that names the step's phases, or None (no tracking)."""
+    returns the MemoryTracker that names the step's phases, or None (no tracking); rerun: the
+    replay of a suspicious step (rerun.py; None or inactive: none), before_replay: drops
+    what the first run's forward recorded outside the gradients (MoE routing statistics)."""
 
     def __init__(
         self,
@@ -121,8 +126,14 @@ class TrainStep:
         guard: NonFiniteGuard,
         named_params: list[tuple[str, torch.nn.Parameter]],
         memory_tracker: Callable[[], MemoryTracker | None] = lambda: None,
+        rerun: StepRerun | None = None,
+        before_replay: Callable[[], None] = lambda: None,
     ):
         self.chunks, self.dp, self.mesh, self.device = chunks, dp, mesh, device
+        self.rerun = rerun if rerun is not None and rerun.active else None
+        self.before_replay = before_replay  # drops what the first run's forward recorded
+        # a test's fault injection: called with (step, replay) after the gradient reduction
+        self.after_grad_sync: Callable[[int, bool], None] | None = None
         self.forward_step, self.pipeline = forward_step, pipeline
         self.grad_clip, self.guard, self.memory_tracker = grad_clip, guard, memory_tracker
         self.holds_loss, self.eod_mask_id = holds_loss, eod_mask_id
@@ -214,27 +225,20 @@ class TrainStep:
         counts = self.token_counts(microbatches)  # alive for the step: its mem/* count them
         n_tokens = self.global_tokens(counts, microbatches)
         set_lr(self.dp.optimizer, lr)
-        self.dp.start_step(len(microbatches))
-        measure = measure or (lambda run, _n: run())
-        with self.phase("forward"):  # and the backward (the tracker tells them apart)
-            loss_sum = measure(
-                lambda: self.forward_backward(microbatches, 1.0 / n_tokens, step=step),
-                len(microbatches),
-            )
-        with self.phase("grad sync", working=True):
-            self.dp.finish_grad_sync()  # the buckets the backward did not already reduce
-            owner = self.holds_loss and self.mesh.tp.rank == 0
-            grad_sq = self.dp.grad_square_sum()
-            loss_part = loss_sum.reshape(()).double() if owner else torch.zeros_like(grad_sq)
-            extra = [_flag(f, grad_sq) for f in flags()]
-            sums = torch.stack([grad_sq, loss_part, *extra])
-            mappings.all_reduce(sums, dist.group.WORLD, kind="all_reduce_norm_loss")
-        nominal = [1.0, n_tokens, *[0.0] * len(extra)]  # a dry run's: unit norm, loss 1
-        grad_sq, loss_total, *flag_sums = host.read(sums, nominal)
-        grad_norm = grad_sq**0.5
-        loss = loss_total / n_tokens
+        saved = self.rerun.capture() if self.rerun is not None else None
+        attempt = self._attempt(microbatches, n_tokens, step, flags, measure)
+        if self.rerun is not None:
+
+            def replay() -> Attempt:
+                self.rerun.restore(saved)
+                self.before_replay()
+                return self._attempt(microbatches, n_tokens, step, flags, None, replay=True)
+
+            attempt = self.rerun.check(step + 1, attempt, replay)
+        loss, grad_norm = attempt.loss, attempt.grad_norm
         # 1-based, as the progress line counts steps (metrics.jsonl's "step" is 0-based)
-        skipped = self.guard.check(step + 1, loss, grad_norm, loss_part, self._named_grads)
+        local_loss = attempt.local[1]
+        skipped = self.guard.check(step + 1, loss, grad_norm, local_loss, self._named_grads)
         if skipped is None:
             with self.phase("optimizer", working=True):
                 self.dp.clip(grad_norm, self.grad_clip)
@@ -244,7 +248,41 @@ class TrainStep:
                 tracker.label_model_states(self.dp)
         elif dist.get_rank() == 0:
             print(skipped, flush=True)
-        return StepResult(loss, grad_norm, skipped, flag_sums, n_tokens)
+        return StepResult(loss, grad_norm, skipped, attempt.flags, n_tokens)
+
+    def _attempt(
+        self,
+        microbatches: list[torch.Tensor],
+        n_tokens: float,
+        step: int,
+        flags: Callable[[], list[float]],
+        measure: Measure | None,
+        replay: bool = False,
+    ) -> Attempt:
+        """The step up to the optimizer: gradients zeroed, forward and backward, the last
+        reductions and the world all-reduce of [Σg², loss sum, flags] (run twice when a
+        suspicious step is replayed: rerun.py)."""
+        self.dp.start_step(len(microbatches))
+        measure = measure or (lambda run, _n: run())
+        with self.phase("forward"):  # and the backward (the tracker tells them apart)
+            loss_sum = measure(
+                lambda: self.forward_backward(microbatches, 1.0 / n_tokens, step=step),
+                len(microbatches),
+            )
+        with self.phase("grad sync", working=True):
+            self.dp.finish_grad_sync()  # the buckets the backward did not already reduce
+            if self.after_grad_sync is not None:
+                self.after_grad_sync(step, replay)
+            owner = self.holds_loss and self.mesh.tp.rank == 0
+            grad_sq = self.dp.grad_square_sum()
+            loss_part = loss_sum.reshape(()).double() if owner else torch.zeros_like(grad_sq)
+            extra = [_flag(f, grad_sq) for f in flags()]
+            sums = torch.stack([grad_sq, loss_part, *extra])
+            mappings.all_reduce(sums, dist.group.WORLD, kind="all_reduce_norm_loss")
+        nominal = [1.0, n_tokens, *[0.0] * len(extra)]  # a dry run's: unit norm, loss 1
+        grad_sq_total, loss_total, *flag_sums = host.read(sums, nominal)
+        local = (grad_sq, loss_part)
+        return Attempt(loss_total / n_tokens, grad_sq_total**0.5, local, flag_sums)
 
     def _named_grads(self) -> list[tuple[str, torch.Tensor]]:
         """(name, reduced local gradient) for the non-finite guard (read only off the finite
@@ -268,6 +306,8 @@ def lm_train_step(
     *,
     guard: NonFiniteGuard,
     memory_tracker: Callable[[], MemoryTracker | None] = lambda: None,
+    rerun: StepRerun | None = None,
+    before_replay: Callable[[], None] = lambda: None,
 ) -> TrainStep:
     """The trainer's TrainStep: our language model's forward step (lm_step.py) on `chunks`
     (ModelChunks: the one whose `post_process` is set holds the loss), sized by `cfg`."""
@@ -287,4 +327,6 @@ def lm_train_step(
         guard=guard,
         named_params=[(n, p) for c in chunks for n, p in c.named_parameters()],
         memory_tracker=memory_tracker,
+        rerun=rerun,
+        before_replay=before_replay,
     )

@@ -45,8 +45,10 @@ from megatron_lite.training.reporting import (
     Throughput,
     peak_tflops_of,
 )
+from megatron_lite.training.rerun import StepRerun
 from megatron_lite.training.signals import StopSignals
 from megatron_lite.training.step import lm_train_step
+from megatron_lite.training.straggler import StragglerDetector
 
 
 class Trainer:
@@ -77,10 +79,17 @@ class Trainer:
             self.dp, self.chunks, self.params, self.device, cfg.log.memory_steps,
             reports_at=lambda step: reports_at(step, cfg),
         )  # fmt: skip
+        self.rerun = StepRerun(t.rerun_on, t.spike_factor, self.device, self.tracker)
         self.stepper = lm_train_step(
             cfg, mesh, self.chunks, self.dp, self.device,
             guard=self.guard, memory_tracker=lambda: self.memory.tracker,
+            rerun=self.rerun, before_replay=self._drop_eval_stats,
         )  # fmt: skip
+        self.straggler = (
+            StragglerDetector(cfg.log.straggler_interval, self.device, mesh.pp.rank)
+            if cfg.log.straggler
+            else None
+        )
         self.holds_loss = self.stepper.holds_loss  # this rank computes the loss
         tokens = t.global_batch_size * cfg.model.seq_length
         self.flops_per_step = model_flops_per_token(cfg, vocab_size) * tokens
@@ -115,7 +124,8 @@ class Trainer:
         )  # fmt: skip
 
     def _drop_eval_stats(self) -> None:
-        """The MoE routing statistics and MTP loss sums of an evaluation are not a step's."""
+        """The MoE routing statistics and MTP loss sums of an evaluation (or of a replayed
+        step's first run) are not the step's."""
         for metrics in (self.moe, self.mtp):
             if metrics is not None:
                 metrics.pop_stats()
@@ -189,7 +199,11 @@ class Trainer:
         lr = lr_at(self.step, t)
         measure = functools.partial(self.memory.measure, step=self.step)
         micro = self._microbatches()
+        if self.straggler is not None:
+            self.straggler.start()
         out = self.stepper.run(micro, lr, self.step, flags=self._flags, measure=measure)
+        if self.straggler is not None:
+            self.straggler.stop()
         signals, act_changes, *mtp_sums = out.flags
         self.stop_requested = signals > 0
         per_layer = reports_at(self.step, self.cfg)
@@ -212,6 +226,8 @@ class Trainer:
             **self.memory.step_memory(act_changes > 0),
             **moe,
             **STATS.summary(),
+            **self.rerun.metrics(),
+            **(self.straggler.report(self.step) if self.straggler is not None else {}),
         }
         self.step += 1
         return record

@@ -37,6 +37,7 @@ from megatron_lite.validation.parallel import (
 from megatron_lite.validation.paths import _validate_output_paths
 from megatron_lite.validation.profiling import _validate_profiling
 from megatron_lite.validation.recompute import _validate_recompute
+from megatron_lite.validation.resilience import _validate_resilience
 from megatron_lite.validation.rules import show_warnings
 from megatron_lite.validation.stored import _validate_model_dtypes
 
@@ -77,6 +78,7 @@ def validate(cfg: Config, world_size: int, warn: bool = True) -> Config:
     _validate_eval(r)
     _validate_output_paths(r)
     _validate_log(r)
+    _validate_resilience(r)
     _validate_profiling(r)
     if warn:
         show_warnings(config_warnings(r))

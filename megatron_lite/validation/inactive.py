@@ -15,6 +15,7 @@ from megatron_lite.validation.data_parallel import optimizer_warnings
 from megatron_lite.validation.moe import moe_warnings
 from megatron_lite.validation.mtp import mtp_warnings
 from megatron_lite.validation.parallel import parallel_warnings
+from megatron_lite.validation.resilience import resilience_warnings
 from megatron_lite.validation.rules import _no_effect
 
 
@@ -28,6 +29,7 @@ def config_warnings(cfg: Config) -> list[str]:
         *_data_warnings(cfg.data),
         *_train_warnings(cfg),
         *_log_warnings(cfg),
+        *resilience_warnings(cfg),
     ]
 
 
