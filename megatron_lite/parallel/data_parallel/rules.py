@@ -161,9 +161,9 @@ def offload(value, stage) -> str | None:
     """Optimizer offload steps the optimizer on the host: stages 0-2 only."""
     if offload_value(value) is None and offload_kind(value) != "none" and stage == 3:
         return (
-            "optimizer offload (cpu or nvme) is for zero_stage 0-2; stage 3 shards the "
-            "optimizer states over the data-parallel ranks instead (FSDP2 steps them on the "
-            "device)"
+            "optimizer offload is for zero_stage 0-2 (cpu and nvme alike); stage 3 shards "
+            "the optimizer states over the data-parallel ranks instead (FSDP2 steps them on "
+            "the device)"
         )
     return None
 
