@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron_lite.parallel import fake
 from megatron_lite.parallel.data_parallel import arguments, finalize, rules, whole_matrix
 from megatron_lite.parallel.data_parallel.buffers import GradBuffer
 from megatron_lite.parallel.data_parallel.finalize import LocalGrad, tied_params
@@ -125,6 +126,8 @@ class DataParallel:
             whole_kinds = [k for k, w in zip(kinds, wholes, strict=True) if w]
             self.owners = whole_matrix.assign_owners(self.whole_buffers, whole_kinds, cost)
         kind = rules.offload_kind(offload)
+        if kind == "nvme" and fake.active():  # off the device as under cpu; a dry run writes
+            kind = "cpu"  # no swap file (its host buffer and NVMe bytes: plan/offload_bytes.py)
         self.pieces = make_pieces(flat, kind)
         self.pieces += whole_matrix.whole_pieces(self.whole_buffers, self.owners)
         nvme = None

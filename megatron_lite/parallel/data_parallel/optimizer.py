@@ -232,7 +232,7 @@ class ShardedOptimizer:
             names = [self._state_names(pc) for pc in pieces]
             numels = [pc.hi - pc.lo for pc in pieces]
             self.swap = NvmeStates(nvme.path, nvme.rank, numels, names, nvme.buffer_bytes,
-                                   pin=torch.cuda.is_available() and not fake.active())  # fmt: skip
+                                   pin=torch.cuda.is_available())  # fmt: skip
             self.sync_masters_from_params()
 
     def _state_names(self, pc: Piece) -> tuple[str, ...]:
