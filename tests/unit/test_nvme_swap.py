@@ -21,10 +21,11 @@ from megatron_lite.parallel.data_parallel.optimizer_spec import ADAMW, hyperpara
 SIZES = [(64, 40), (300,), (17, 5), (1000,), (33,), (128, 8)]  # parameters' shapes
 
 
-def _pieces(offload: str, seed: int = 0) -> tuple[list[Piece], SimpleNamespace]:
-    """One piece per parameter (a whole shard), over a stand-in buffer (the fields Piece reads)."""
-    g = torch.Generator().manual_seed(seed)
-    params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in SIZES]
+def _pieces(offload: str, dtype=torch.float32) -> tuple[list[Piece], SimpleNamespace]:
+    """One piece per parameter (a whole shard), over a stand-in buffer (the fields Piece reads),
+    whose weights are `dtype` (the masters fp32)."""
+    g = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, generator=g).to(dtype)) for s in SIZES]
     n = sum(p.numel() for p in params)
     data = torch.cat([p.detach().view(-1) for p in params])
     starts = [sum(p.numel() for p in params[:i]) for i in range(len(params))]
@@ -34,14 +35,16 @@ def _pieces(offload: str, seed: int = 0) -> tuple[list[Piece], SimpleNamespace]:
     pieces = []
     for p, s in zip(params, starts, strict=True):
         master = torch.nn.Parameter(
-            torch.empty(0) if offload == "nvme" else data[s : s + p.numel()].clone()
+            torch.empty(0)
+            if offload == "nvme"
+            else data[s : s + p.numel()].to(torch.float32, copy=True)
         )
         pieces.append(Piece(buf, p, s, s + p.numel(), s, master, False, swapped=offload == "nvme"))
     return pieces, buf
 
 
-def _optimizer(offload: str, tmp, buffer_bytes: int):
-    pieces, buf = _pieces(offload)
+def _optimizer(offload: str, tmp, buffer_bytes: int, dtype=torch.float32):
+    pieces, buf = _pieces(offload, dtype)
     hyper = hyperparameters(ADAMW, {"lr": 1e-2, "weight_decay": 0.1})
     settings = NvmeSettings(str(tmp), buffer_bytes, 0) if offload == "nvme" else None
     return ShardedOptimizer(pieces, ADAMW, hyper, offload, None, settings), buf
@@ -50,7 +53,7 @@ def _optimizer(offload: str, tmp, buffer_bytes: int):
 def _train(opt, buf, steps: int = 3) -> None:
     g = torch.Generator().manual_seed(1)
     for _ in range(steps):
-        buf.grad_shard.copy_(torch.randn(buf.grad_shard.shape, generator=g))
+        buf.grad_shard.copy_(torch.randn(buf.grad_shard.shape, generator=g))  # fp32 grads
         opt.step()
 
 
@@ -73,10 +76,13 @@ def test_groups_hold_at_most_half_the_buffer_and_tile_the_file():
     assert all(g.nbytes <= 40 or g.last - g.first == 1 for g in groups)
 
 
-@pytest.mark.parametrize("buffer_bytes", [40_000, 1 << 20])  # 3 groups (one deferred read); one
-def test_swapped_steps_equal_host_states_bitwise(tmp_path, buffer_bytes):
-    ref, ref_buf = _optimizer("cpu", tmp_path, 0)
-    got, got_buf = _optimizer("nvme", tmp_path, buffer_bytes)
+@pytest.mark.parametrize(
+    "buffer_bytes, dtype",
+    [(40_000, torch.float32), (1 << 20, torch.float32), (40_000, torch.bfloat16)],
+)  # 3 groups (one deferred read); one group; bf16 weights (fp32 masters)
+def test_swapped_steps_equal_host_states_bitwise(tmp_path, buffer_bytes, dtype):
+    ref, ref_buf = _optimizer("cpu", tmp_path, 0, dtype)
+    got, got_buf = _optimizer("nvme", tmp_path, buffer_bytes, dtype)
     assert len(got.swap.groups) == (3 if buffer_bytes == 40_000 else 1)
     _train(ref, ref_buf)
     _train(got, got_buf)

@@ -131,10 +131,15 @@ class DataParallel:
         self.pieces = make_pieces(flat, kind)
         self.pieces += whole_matrix.whole_pieces(self.whole_buffers, self.owners)
         nvme = None
-        if kind == "nvme":  # the buffer holds the largest piece's state (before any file)
+        if kind == "nvme":  # the buffer holds the largest piece's state on any rank (no file yet)
             buffer_bytes = nvme_buffer_mb << 20
             sizes = swapped_bytes(self.pieces, spec, hyper)
-            arguments.check_nvme_buffer("DataParallel", nvme_buffer_mb, sizes, buffer_bytes)
+            device = self.buffers[0].param_data.device if self.buffers else torch.device("cpu")
+            largest = torch.tensor([max(sizes, default=0)], dtype=torch.int64, device=device)
+            dist.all_reduce(largest, op=dist.ReduceOp.MAX)  # every rank decides alike: no hang
+            arguments.check_nvme_buffer(
+                "DataParallel", nvme_buffer_mb, [int(largest)], buffer_bytes
+            )
             nvme = NvmeSettings(nvme_path, buffer_bytes, dist.get_rank())
         self.optimizer = ShardedOptimizer(self.pieces, spec, hyper, kind, mesh.tp.group, nvme)
         # the next forward waits for the weights only when their all-gather overlaps it
