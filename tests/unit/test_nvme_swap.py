@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import resource
 import shutil
+import subprocess
 from types import SimpleNamespace
 
 import pytest
@@ -143,3 +144,21 @@ def test_full_filesystem_is_an_error_naming_the_path(tmp_path):
     message = str(info.value)
     assert f"train.nvme_path='{tmp_path}'" in message, message
     assert "File too large" in message and "free space" in message, message
+
+
+def test_full_tmpfs_is_an_error_naming_the_path(tmp_path):
+    """A real full filesystem where this process may mount one (root): a 16 KiB tmpfs."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root (the RLIMIT_FSIZE test stands for it)")
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(tmp_path)],
+                           capture_output=True)  # fmt: skip
+    if mount.returncode:
+        pytest.skip(f"root without mount: {mount.stderr.decode().strip()}")
+    try:
+        with pytest.raises(nvme_io.NvmeSwapError) as info:
+            _optimizer("nvme", tmp_path, 40_000)  # a 59 KiB swap file
+        assert os.listdir(tmp_path) == [], "the failed swap directory is left behind"
+    finally:
+        subprocess.run(["umount", str(tmp_path)], check=True)
+    message = str(info.value)
+    assert f"train.nvme_path='{tmp_path}'" in message and "No space left" in message, message
