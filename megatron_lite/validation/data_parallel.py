@@ -42,8 +42,9 @@ def _validate_data_parallel(cfg: Config) -> None:
 
 
 def _validate_nvme(cfg: Config) -> None:
-    """NVMe offload: stages 0-2, an existing writable directory, a buffer size (whether the
-    largest piece fits it is checked when the pieces exist, ddp.py)."""
+    """NVMe offload: stages 0-2, a path given, a buffer size (whether the largest piece fits
+    it is checked when the pieces exist, ddp.py; whether the path exists and is writable on
+    the machine the ranks run on: `check_nvme_path`)."""
     t = cfg.train
     _check(
         rules.offload("nvme", cfg.parallel.zero_stage),
@@ -51,14 +52,30 @@ def _validate_nvme(cfg: Config) -> None:
         t.optimizer_offload,
         "set parallel.zero_stage=1 or 2 (or train.optimizer_offload=none)",
     )
+    _rule(
+        isinstance(t.nvme_path, str) and bool(t.nvme_path),
+        "train.nvme_path",
+        t.nvme_path,
+        "must name a directory for the swap files (train.optimizer_offload=nvme needs one)",
+        "set train.nvme_path to an existing directory you can write, on a fast local disk",
+    )
+    fix = "use e.g. 1024 (MiB; at least the largest parameter's fp32 master and states)"
+    _check(rules.nvme_buffer_mb(t.nvme_buffer_mb), "train.nvme_buffer_mb", t.nvme_buffer_mb, fix)
+
+
+def check_nvme_path(cfg: Config) -> None:
+    """train.optimizer_offload=nvme: train.nvme_path exists, is a directory and is writable
+    here (a machine rule, validation/backends.check_hardware: a login node can validate a job
+    whose drive it does not have)."""
+    t = cfg.train
+    if t.optimizer_offload != "nvme":
+        return
     _check(
         rules.nvme_path(t.nvme_path),
         "train.nvme_path",
         t.nvme_path,
         "set train.nvme_path to an existing directory you can write, on a fast local disk",
     )
-    fix = "use e.g. 1024 (MiB; at least the largest parameter's fp32 master and states)"
-    _check(rules.nvme_buffer_mb(t.nvme_buffer_mb), "train.nvme_buffer_mb", t.nvme_buffer_mb, fix)
 
 
 def _validate_optimizer(cfg: Config) -> None:

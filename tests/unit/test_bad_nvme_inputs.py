@@ -1,6 +1,7 @@
 """Bad NVMe offload inputs are errors naming the key or the path, before any process group
-(config validation, build_data_parallel's argument checks), or at build time for the buffer
-(the pieces decide its minimum); nvme keys without nvme offload warn that they do nothing."""
+(config validation, the machine checks train and launch run after it, build_data_parallel's
+argument checks), or at build time for the buffer (the pieces decide its minimum); nvme keys
+without nvme offload warn that they do nothing."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from torch import nn
 from megatron_lite.config import ConfigError, load_config
 from megatron_lite.parallel.data_parallel import DataParallelArgumentError, build_data_parallel
 from megatron_lite.parallel.data_parallel.arguments import check_nvme_buffer
-from megatron_lite.validation import validate
+from megatron_lite.validation import check_hardware, validate
 from megatron_lite.validation.inactive import config_warnings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -23,9 +24,18 @@ NVME = ["train.optimizer_offload=nvme", "parallel.zero_stage=1"]
 
 
 def _error(overrides: list[str]) -> str:
+    """The message of validate(), then check_hardware() (the path rules: the machine's)."""
     with pytest.raises(ConfigError) as err:
-        validate(load_config(SMOKE, overrides), 1)
+        check_hardware(validate(load_config(SMOKE, overrides), 1))
     return str(err.value)
+
+
+def test_a_missing_path_is_a_machine_rule(tmp_path):
+    """validate() passes (a login node plans a job for a drive it lacks); check_hardware, which
+    train and launch run before any process group, refuses."""
+    over = [*NVME, f"train.nvme_path={tmp_path / 'nowhere'}"]
+    validate(load_config(SMOKE, over), 1, warn=False)
+    assert "does not exist" in _error(over)
 
 
 def test_nvme_without_a_path(tmp_path):
