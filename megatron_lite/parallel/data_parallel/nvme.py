@@ -171,14 +171,10 @@ class NvmeStates:
                 writes.append(self.file.submit(True, region, g.offset))
                 if i + 1 < len(self.groups) and i + 1 not in reads:  # only i's space was left
                     self._prefetch(i + 1, writes, reads)
-        finally:
-            while writes:  # every write finished before the buffer is reused or an error out
-                pending = writes.popleft()
-                self.ring.give_back()
-                wait(pending)
-            for _, pending in reads.values():
-                wait(pending)
+        finally:  # every read and write finished before the buffer is reused or an error out
+            in_flight = [f for w in writes for f in w] + [f for _, r in reads.values() for f in r]
             self.ring.live.clear()
+            wait(in_flight)
 
     def _prefetch(self, j: int, writes: deque, reads: dict) -> None:
         """Start reading group j once it fits, waiting for the oldest write-backs to free
