@@ -28,7 +28,7 @@ def _held(rank, world, overrides, out_dir):
     return out
 
 
-@pytest.mark.parametrize("offload", ["cpu", "nvme"])
+@pytest.mark.parametrize("offload", [pytest.param("cpu", marks=pytest.mark.slow), "nvme"])
 def test_planner_offload_bytes_match_the_built_optimizer(tmp_path, offload):
     from megatron_lite.config import load_config
     from megatron_lite.plan.offload_bytes import offload_bytes
