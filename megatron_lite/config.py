@@ -190,7 +190,11 @@ class TrainConfig:
     rerun_on: str = "none"  # none | nonfinite | spike | both
     spike_factor: float = 3.0  # a spike: loss or grad norm > factor × mean of the last 10 steps
     precision: str = "fp32"  # fp32 | bf16 (bf16 weights, fp32 master weights and gradients)
-    optimizer_offload: str = "none"  # none | cpu (master weights and AdamW states on the host)
+    # none | cpu (master weights and AdamW states in host memory) | nvme (in a swap file under
+    # nvme_path, read through a host buffer of nvme_buffer_mb MiB; docs/offload.md)
+    optimizer_offload: str = "none"
+    nvme_path: str | None = None  # an existing writable directory on a local NVMe drive
+    nvme_buffer_mb: int = 1024
     out_dir: str = "runs/default"
     profile_pipeline: bool = False
     # torch.profiler traces of steps [a, b] (0-based, as in metrics.jsonl); [] = none

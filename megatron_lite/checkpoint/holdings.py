@@ -7,7 +7,9 @@ identically by the ranks of `replicas`:
 - weights, stage 3: this rank's FSDP2 rows (the fp32 shard, stored in the compute dtype as the
   model and, when that is not fp32, as the fp32 master too), over HSDP's replicas;
 - optimizer state (`optimizer.state_shards()`): its spec's states (and masters kept apart) of the
-  range this rank steps: whole under ZeRO-0 (over dp·cp), a bucket shard under ZeRO-1/2, the
+  range this rank steps (NVMe offload: host copies read from the swap file, written back after a
+  load by `commit_loaded_states`; a save never depends on the swap file existing later): whole
+  under ZeRO-0 (over dp·cp), a bucket shard under ZeRO-1/2, the
   FSDP2 rows under ZeRO-3 (over the hybrid-sharding replicas, if any).
 Each unit is written by one of its copies (`writer_names`, per family) and, on load, read by
 one (`exchange.assign_readers`) and broadcast in place to the others.
@@ -198,6 +200,9 @@ class LoadTargets:
             step.copy_(self.buffers[key])
         for src, dst in self.aliases:
             dst.copy_(src)
+        commit = getattr(self.optimizer, "commit_loaded_states", None)
+        if commit is not None:  # NVMe offload: the loaded states into the swap file
+            commit()
         if not self.masters_loaded:  # masters that are copies start from the loaded weights
             self.optimizer.sync_masters_from_params()
 

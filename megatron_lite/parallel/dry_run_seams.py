@@ -165,6 +165,11 @@ CALL_SITES: tuple[CallSite, ...] = (
     ),
     *_sites(
         "fake.active",
+        "megatron_lite/parallel/data_parallel/ddp.py",
+        ("DataParallel.__init__", "NVMe offload: a dry run writes no swap file (as cpu)"),
+    ),
+    *_sites(
+        "fake.active",
         "megatron_lite/parallel/data_parallel/fsdp_optimizer.py",
         ("FSDPOptimizer.__init__", "the GPU's fused optimizer step and its allocations"),
     ),

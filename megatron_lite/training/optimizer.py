@@ -49,7 +49,9 @@ def build_data_parallel(chunks, mesh, cfg: Config, device=None) -> DataParallelW
         overlap_grad_reduce=p.overlap_grad_reduce,
         overlap_param_gather=p.overlap_param_gather,
         grad_reduce_dtype=REDUCE_DTYPES[p.grad_reduce_dtype],
-        offload=t.optimizer_offload == "cpu",
+        offload=False if t.optimizer_offload == "none" else t.optimizer_offload,
+        nvme_path=t.nvme_path,
+        nvme_buffer_mb=t.nvme_buffer_mb,
         reshard_after_forward=p.reshard_after_forward,
         tie_embeddings=resolve.embedding_copy(cfg.model),  # a copy on the last stage
         device=device,

@@ -18,10 +18,12 @@ def check_hardware(cfg: Config) -> None:
 
     from megatron_lite import resolve
     from megatron_lite.validation.compile import check_compile_support
+    from megatron_lite.validation.data_parallel import check_nvme_path
     from megatron_lite.validation.profiling import check_profile_hardware
 
     check_profile_hardware(cfg, torch.cuda.is_available())
     check_compile_support(cfg)
+    check_nvme_path(cfg)
     m = cfg.model
     try:
         resolve.attention_backend(m.attention_backend, cfg.train.precision)

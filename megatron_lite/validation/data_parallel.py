@@ -25,7 +25,9 @@ def _validate_data_parallel(cfg: Config) -> None:
     p, t = cfg.parallel, cfg.train
     _check(rules.zero_stage(p.zero_stage), "parallel.zero_stage", p.zero_stage, "use 0, 1, 2 or 3")
     _choice("parallel.grad_reduce_dtype", p.grad_reduce_dtype, tuple(rules.REDUCE_DTYPES))
-    _choice("train.optimizer_offload", t.optimizer_offload, ("none", "cpu"))
+    _choice("train.optimizer_offload", t.optimizer_offload, ("none", "cpu", "nvme"))
+    if t.optimizer_offload == "nvme":
+        _validate_nvme(cfg)
     _validate_optimizer(cfg)
     if p.zero_stage == 3:
         _validate_zero3(cfg)
@@ -37,6 +39,43 @@ def _validate_data_parallel(cfg: Config) -> None:
     )
     _validate_adamw(t)
     _validate_dp_shard(cfg)
+
+
+def _validate_nvme(cfg: Config) -> None:
+    """NVMe offload: stages 0-2, a path given, a buffer size (whether the largest piece fits
+    it is checked when the pieces exist, ddp.py; whether the path exists and is writable on
+    the machine the ranks run on: `check_nvme_path`)."""
+    t = cfg.train
+    _check(
+        rules.offload("nvme", cfg.parallel.zero_stage),
+        "train.optimizer_offload",
+        t.optimizer_offload,
+        "set parallel.zero_stage=1 or 2 (or train.optimizer_offload=none)",
+    )
+    _rule(
+        isinstance(t.nvme_path, str) and bool(t.nvme_path),
+        "train.nvme_path",
+        t.nvme_path,
+        "must name a directory for the swap files (train.optimizer_offload=nvme needs one)",
+        "set train.nvme_path to an existing directory you can write, on a fast local disk",
+    )
+    fix = "use e.g. 1024 (MiB; at least the largest parameter's fp32 master and states)"
+    _check(rules.nvme_buffer_mb(t.nvme_buffer_mb), "train.nvme_buffer_mb", t.nvme_buffer_mb, fix)
+
+
+def check_nvme_path(cfg: Config) -> None:
+    """train.optimizer_offload=nvme: train.nvme_path exists, is a directory and is writable
+    here (a machine rule, validation/backends.check_hardware: a login node can validate a job
+    whose drive it does not have)."""
+    t = cfg.train
+    if t.optimizer_offload != "nvme":
+        return
+    _check(
+        rules.nvme_path(t.nvme_path),
+        "train.nvme_path",
+        t.nvme_path,
+        "set train.nvme_path to an existing directory you can write, on a fast local disk",
+    )
 
 
 def _validate_optimizer(cfg: Config) -> None:
@@ -193,6 +232,26 @@ def optimizer_warnings(cfg: Config) -> list[str]:
     t = cfg.train
     if t.optimizer not in optimizer_names():
         return []  # its own rule reports it
+    return _adam_muon_warnings(t) + nvme_warnings(t)
+
+
+def nvme_warnings(t: TrainConfig) -> list[str]:
+    """train.nvme_* set without train.optimizer_offload=nvme: a warning (they do nothing), as
+    for the other keys of an unused feature."""
+    default = TrainConfig()
+    return [
+        _no_effect(
+            f"train.{key}",
+            getattr(t, key),
+            f"train.optimizer_offload={t.optimizer_offload}",
+            "set train.optimizer_offload=nvme, or remove the key",
+        )  # fmt: skip
+        for key in ("nvme_path", "nvme_buffer_mb")
+        if t.optimizer_offload != "nvme" and getattr(t, key) != getattr(default, key)
+    ]
+
+
+def _adam_muon_warnings(t: TrainConfig) -> list[str]:
     own, default = get_optimizer(t.optimizer).hyperparameters, TrainConfig()
     return [
         _no_effect(

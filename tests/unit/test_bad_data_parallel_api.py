@@ -122,7 +122,8 @@ ARGUMENT_CASES = [
     # flags: True or False
     ("overlap-grad-int", dict(overlap_grad_reduce=1), "overlap_grad_reduce=1: must be True"),
     ("overlap-param-str", dict(overlap_param_gather="yes"), "overlap_param_gather='yes'"),
-    ("offload-none", dict(offload=None), "offload=None: must be True or False"),
+    ("offload-none", dict(offload=None), "offload=None: must be False, True"),
+    ("offload-disk", dict(offload="disk"), "offload='disk': must be False, True"),
     ("offload-stage3", dict(offload=True, zero_stage=3), "offload=True: optimizer offload is"),
     ("reshard-int", dict(reshard_after_forward=0), "reshard_after_forward=0: must be True"),
     ("tie-str", dict(tie_embeddings="no"), "tie_embeddings='no': must be True or False"),

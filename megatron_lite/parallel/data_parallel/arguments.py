@@ -61,12 +61,13 @@ _VALUE_RULES: dict[str, tuple[Callable[[Any], str | None], str | Callable[[Any],
     "reduce_dtype": (rules.reduce_dtype, _reduce_fix),
     "param_dtype": (rules.weight_dtype, "pass torch.float32 or torch.bfloat16"),
     "dp_shard": (rules.dp_shard_value, "pass a divisor of the data-parallel group, or None"),
+    "offload": (rules.offload_value, 'pass offload=False, "cpu" or "nvme"'),
+    "nvme_buffer_mb": (rules.nvme_buffer_mb, "pass e.g. nvme_buffer_mb=1024"),
     **{
         name: (rules.flag, f"pass {name}=True or {name}=False")
         for name in (
             "overlap_grad_reduce",
             "overlap_param_gather",
-            "offload",
             "reshard_after_forward",
             "tie_embeddings",
         )
@@ -124,6 +125,10 @@ def check_values(where: str, args: dict[str, Any]) -> None:
     stage, offload, dp_shard = (args.get(k) for k in ("zero_stage", "offload", "dp_shard"))
     fix = "pass offload=False, or zero_stage=1 or 2"
     _require(where, "offload", offload, rules.offload(offload, stage), fix)
+    if "offload" in args and rules.offload_kind(offload) == "nvme":
+        path = args.get("nvme_path")
+        fix = "pass nvme_path= an existing writable directory on a fast local disk"
+        _require(where, "nvme_path", path, rules.nvme_path(path), fix)
     fix = "pass zero_stage=1, 2 or 3, or dp_shard=None"
     _require(where, "dp_shard", dp_shard, rules.dp_shard_stage(dp_shard, stage), fix)
 
@@ -158,14 +163,35 @@ def check_optimizer(where: str, args: dict[str, Any]) -> None:
             spec.check({**spec.hyperparameters, **_given(args)})
         except ValueError as e:
             _require(where, "optimizer_args", extra, str(e), "pass a value in its range")
-    if not spec.elementwise:  # whole_matrix.py assigns whole parameters to owner ranks
-        used = args.get("offload")
+    fp32 = all(st.dtype == torch.float32 for st in spec.states)
+    if rules.offload_kind(args.get("offload", False)) == "nvme" and not fp32:
         _require(
-            where, "offload", used,
+            where, "offload", args["offload"],
+            f"NVMe offload swaps fp32 states; optimizer {spec.name!r} has others",
+            'pass offload="cpu" or False',
+        )  # fmt: skip
+    if not spec.elementwise:  # whole_matrix.py assigns whole parameters to owner ranks
+        value = args.get("offload", False)
+        used = rules.offload_kind(value) != "none"
+        _require(
+            where, "offload", value,
             f"optimizer {spec.name!r} needs whole matrices: their owners step them on the "
             "device, without optimizer offload" if used else None,
             "pass offload=False",
         )  # fmt: skip
+
+
+def check_nvme_buffer(where: str, mb: int, sizes: list[int], buffer_bytes: int) -> None:
+    """NVMe offload at build time (the pieces are known): the host buffer holds the largest
+    piece's master and states (`sizes`: each piece's bytes, nvme.swapped_bytes)."""
+    from megatron_lite.parallel.data_parallel.nvme import largest_piece_problem
+
+    need = -(-max(sizes, default=0) // 2**20)
+    _require(
+        where, "nvme_buffer_mb", mb, largest_piece_problem(sizes, buffer_bytes),
+        f"pass nvme_buffer_mb >= {need} (train.nvme_buffer_mb; twice that lets the next piece "
+        "read while this one steps), or shard the states further (a larger dp, zero_stage >= 1)",
+    )  # fmt: skip
 
 
 def _given(args: dict[str, Any]) -> dict[str, Any]:

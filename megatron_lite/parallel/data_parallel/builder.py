@@ -33,7 +33,9 @@ def build_data_parallel(
     overlap_grad_reduce: bool = True,
     overlap_param_gather: bool = True,
     grad_reduce_dtype: torch.dtype = torch.float32,
-    offload: bool = False,
+    offload: bool | str = False,
+    nvme_path: str | None = None,
+    nvme_buffer_mb: int = 1024,
     reshard_after_forward: bool = True,
     tie_embeddings: bool = False,
     layers_of: Callable[[torch.nn.Module], Iterable[torch.nn.Module]] | None = None,
@@ -63,7 +65,11 @@ def build_data_parallel(
     grad_reduce_dtype: the dtype gradients travel in, torch.float32 or torch.bfloat16
         (bf16 halves the bytes; they accumulate and the optimizer steps in fp32 either way).
         The config's strings "fp32"/"bf16" are not accepted here: pass the torch.dtype.
-    offload: optimizer states and fp32 masters on the host, stepped there (stages 0-2).
+    offload: optimizer states and fp32 masters off the device, stepped on the host (stages
+        0-2): False (none), "cpu" (or True: in host memory) or "nvme" (in a swap file under
+        `nvme_path`, an existing writable directory, read in group by group through a host
+        buffer of `nvme_buffer_mb` MiB, which must hold the largest piece's state; nvme.py,
+        docs/offload.md). Stage 3 refuses both.
     reshard_after_forward: stage 3: free each layer's gathered weights after its forward.
     tie_embeddings: with pp > 1, sum the input embedding (the parameter named
         `embedding.weight` in the first stage's chunk) and its last-stage copy (marked
@@ -90,7 +96,8 @@ def build_data_parallel(
                 optimizer_args=optimizer_args)  # fmt: skip
     common = dict(dp_shard=dp_shard, tie_embeddings=tie_embeddings, **args)
     dp_args = dict(bucket_size=bucket_size, overlap_grad_reduce=overlap_grad_reduce,
-                   overlap_param_gather=overlap_param_gather, offload=offload)  # fmt: skip
+                   overlap_param_gather=overlap_param_gather, offload=offload,
+                   nvme_path=nvme_path, nvme_buffer_mb=nvme_buffer_mb)  # fmt: skip
     fsdp_args = dict(reshard_after_forward=reshard_after_forward, layers_of=layers_of)
     arguments.check_arguments(
         "build_data_parallel",

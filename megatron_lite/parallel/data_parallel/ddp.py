@@ -24,10 +24,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron_lite.parallel import fake
 from megatron_lite.parallel.data_parallel import arguments, finalize, rules, whole_matrix
 from megatron_lite.parallel.data_parallel.buffers import GradBuffer
 from megatron_lite.parallel.data_parallel.finalize import LocalGrad, tied_params
 from megatron_lite.parallel.data_parallel.memory import buffer_state_bytes, buffer_state_tensors
+from megatron_lite.parallel.data_parallel.nvme import NvmeSettings, swapped_bytes
 from megatron_lite.parallel.data_parallel.optimizer import ShardedOptimizer, make_pieces
 from megatron_lite.parallel.data_parallel.optimizer_spec import OptimizerSpec, needs_whole
 from megatron_lite.parallel.mesh import ParallelMesh
@@ -76,14 +78,17 @@ class DataParallel:
         eps: float | None = None,
         weight_decay: float = 0.0,
         optimizer_args: dict | None = None,
-        offload: bool = False,
+        offload: bool | str = False,
+        nvme_path: str | None = None,
+        nvme_buffer_mb: int = 1024,
     ):
         args = dict(zero_stage=zero_stage, dp_shard=dp_shard, bucket_size=bucket_size,
                     overlap_grad_reduce=overlap_grad_reduce,
                     overlap_param_gather=overlap_param_gather, grad_reduce_dtype=grad_reduce_dtype,
                     tie_embeddings=tie_embeddings, optimizer=optimizer, lr=lr, betas=betas,
                     eps=eps, weight_decay=weight_decay, optimizer_args=optimizer_args,
-                    offload=offload)  # fmt: skip
+                    offload=offload, nvme_path=nvme_path,
+                    nvme_buffer_mb=nvme_buffer_mb)  # fmt: skip
         if zero_stage == 3 and rules.is_int(zero_stage):
             raise arguments.DataParallelArgumentError(
                 "DataParallel", "zero_stage", zero_stage, "DataParallel runs stages 0-2",
@@ -120,9 +125,23 @@ class DataParallel:
             cost = (lambda p: spec.cost(p, hyper)) if spec.cost else (lambda p: p.numel())
             whole_kinds = [k for k, w in zip(kinds, wholes, strict=True) if w]
             self.owners = whole_matrix.assign_owners(self.whole_buffers, whole_kinds, cost)
-        self.pieces = make_pieces(flat, offload)
+        kind = rules.offload_kind(offload)
+        if kind == "nvme" and fake.active():  # off the device as under cpu; a dry run writes
+            kind = "cpu"  # no swap file (its host buffer and NVMe bytes: plan/offload_bytes.py)
+        self.pieces = make_pieces(flat, kind)
         self.pieces += whole_matrix.whole_pieces(self.whole_buffers, self.owners)
-        self.optimizer = ShardedOptimizer(self.pieces, spec, hyper, offload, mesh.tp.group)
+        nvme = None
+        if kind == "nvme":  # the buffer holds the largest piece's state on any rank (no file yet)
+            buffer_bytes = nvme_buffer_mb << 20
+            sizes = swapped_bytes(self.pieces, spec, hyper)
+            device = self.buffers[0].param_data.device if self.buffers else torch.device("cpu")
+            largest = torch.tensor([max(sizes, default=0)], dtype=torch.int64, device=device)
+            dist.all_reduce(largest, op=dist.ReduceOp.MAX)  # every rank decides alike: no hang
+            arguments.check_nvme_buffer(
+                "DataParallel", nvme_buffer_mb, [int(largest)], buffer_bytes
+            )
+            nvme = NvmeSettings(nvme_path, buffer_bytes, dist.get_rank())
+        self.optimizer = ShardedOptimizer(self.pieces, spec, hyper, kind, mesh.tp.group, nvme)
         # the next forward waits for the weights only when their all-gather overlaps it
         waits = zero_stage and overlap_param_gather
         self._gather_hooks = [self._register_gather_waits(c) for c in chunks] if waits else []
@@ -233,12 +252,26 @@ class DataParallel:
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         """This rank's model-state tensors by term (see memory.py; what memory() counts)."""
-        return buffer_state_tensors(self.buffers, self.pieces, self.optimizer.inner)
+        swap = self.optimizer.swap
+        return buffer_state_tensors(self.buffers, self.pieces, self.optimizer.inner, swap)
 
     def memory(self, device_type: str | None = None) -> dict[str, int]:
         """This rank's model-state bytes by term (see memory.py), optionally only those on
-        devices of `device_type`."""
-        return buffer_state_bytes(self.buffers, self.pieces, self.optimizer.inner, device_type)
+        devices of `device_type` (NVMe offload: the host buffer counts as "optimizer"; the
+        swap file's bytes are `nvme_bytes`)."""
+        swap = self.optimizer.swap
+        return buffer_state_bytes(
+            self.buffers, self.pieces, self.optimizer.inner, device_type, swap
+        )
+
+    def nvme_bytes(self) -> int:
+        """Bytes of this rank's swap file (NVMe offload; else 0)."""
+        swap = self.optimizer.swap
+        return 0 if swap is None else swap.nbytes
+
+    def close(self) -> None:
+        """Remove this rank's swap file (NVMe offload; nothing otherwise)."""
+        self.optimizer.close()
 
     def wait_params(self) -> None:
         for buf in self.buffers:

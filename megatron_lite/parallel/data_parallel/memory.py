@@ -24,7 +24,9 @@ need whole matrices (train.optimizer=muon: Muon's matrices whole, AdamW's the re
 part follows its own rule, with the owner's share as it is, not 1/N: `split_formula_bytes`.
 
 fp32 masters are the parameters themselves (0 extra) unless the optimizer is offloaded (then
-4/N on the host). Buckets are padded to a multiple of N, so a measurement can exceed the formula
+4/N on the host). NVMe offload keeps masters and states in a swap file (nvme.py): in memory only
+its host buffer (counted as optimizer), whatever the model's size.
+Buckets are padded to a multiple of N, so a measurement can exceed the formula
 by at most N - 1 elements per bucket.
 
 Gradients that exist only during the step are part of the grads term, since the step's peak
@@ -95,17 +97,19 @@ def sharded_state_tensors(params, optimizer, masters=()) -> dict[str, list[torch
 
 
 def buffer_state_tensors(
-    buffers: list[GradBuffer], pieces: list[Piece], optimizer: torch.optim.Optimizer
+    buffers: list[GradBuffer], pieces: list[Piece], optimizer: torch.optim.Optimizer, swap=None
 ) -> dict[str, list[torch.Tensor]]:
     """{term: tensors} of ZeRO-0/1/2 model states on this rank: the parameter and gradient
     buffers (and ZeRO-2 shards and the buckets' own storage, empty outside a backward), the
-    pieces' fp32 masters, the AdamW states."""
+    pieces' fp32 masters, the AdamW states; under NVMe offload (`swap`, nvme.NvmeStates) the
+    masters and states are empty and the host buffer they are read into counts as optimizer."""
     grads = [t for b in buffers for t in (b.grad_data, b.grad_shard) if t is not None]
+    host = [] if swap is None else [swap.buffer]
     return {
         "weights": [b.param_data for b in buffers],
         "grads": grads + _bucket_grads(buffers),
         "master": [pc.master for pc in pieces],
-        "optimizer": _optimizer_states(optimizer),
+        "optimizer": _optimizer_states(optimizer) + host,
     }
 
 
@@ -142,10 +146,11 @@ def buffer_state_bytes(
     pieces: list[Piece],
     optimizer: torch.optim.Optimizer,
     device_type: str | None = None,
+    swap=None,
 ) -> dict[str, int]:
     """{term: bytes} of buffer_state_tensors (ZeRO-2: the shards, plus the buckets that can
     be alive at once, see the module docstring), optionally only on devices of `device_type`."""
-    tensors = buffer_state_tensors(buffers, pieces, optimizer)
+    tensors = buffer_state_tensors(buffers, pieces, optimizer, swap)
     in_use = {id(t) for t in _bucket_grads(buffers)}  # counted by in_flight_bound
     tensors["grads"] = [t for t in tensors["grads"] if id(t) not in in_use]
     out = state_bytes(tensors, device_type)

@@ -8,7 +8,8 @@ host under optimizer offload) and its gradient (a view of the reduced fp32 `main
 The spec's torch optimizer steps the pieces (AdamW: per tensor on CPU, so every layout does the
 same arithmetic per element; fused on CUDA), then the updated masters are written back into the
 parameters' shards and the buffers all-gather them (ZeRO-1/2). A spec whose update needs whole
-matrices gets whole parameters as pieces instead (whole_matrix.py).
+matrices gets whole parameters as pieces instead (whole_matrix.py). Under NVMe offload the
+masters and states live in a swap file and are read in group by group for the step (nvme.py).
 
 Offload on CUDA (`_Transfers`): the copies between the device and the pinned host masters run
 on a copy stream with non_blocking=True and are ordered by events, never by synchronizing a
@@ -33,6 +34,7 @@ import torch
 from megatron_lite.parallel import fake, mappings
 from megatron_lite.parallel.data_parallel.buffers import GradBuffer
 from megatron_lite.parallel.data_parallel.interface import StateShard
+from megatron_lite.parallel.data_parallel.nvme import NvmeSettings, NvmeStates
 from megatron_lite.parallel.data_parallel.optimizer_spec import (
     OptimizerSpec,
     init_states,
@@ -51,22 +53,30 @@ class Piece:
     master: torch.nn.Parameter  # fp32: flat, or the parameter's shape for a whole one
     aliased: bool  # the master is the parameter's fp32 data itself (not a copy)
     owned: bool = False  # a whole parameter this rank alone updates (whole_matrix.py)
+    swapped: bool = False  # NVMe offload: the master is empty between steps (nvme.py)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The master's shape: flat, or the parameter's for a whole one."""
+        return (self.hi - self.lo,) if self.swapped else tuple(self.master.shape)
 
     @property
     def param_slice(self) -> torch.Tensor:
-        return self.buffer.param_data[self.lo : self.hi].view(self.master.shape)
+        return self.buffer.param_data[self.lo : self.hi].view(self.shape)
 
     @property
     def grad(self) -> torch.Tensor:
         flat = self.buffer.grad_shard[self.grad_at : self.grad_at + self.hi - self.lo]
-        return flat.view(self.master.shape)
+        return flat.view(self.shape)
 
     def offset(self) -> int:
         """Where the piece starts inside its parameter (flattened)."""
         return self.lo - self.buffer.ranges[id(self.param)].start
 
 
-def make_pieces(buffers: list[GradBuffer], offload: bool) -> list[Piece]:
+def make_pieces(buffers: list[GradBuffer], offload: str) -> list[Piece]:
+    """One piece per (parameter ∩ this rank's shard) of `buffers`; `offload` "none", "cpu"
+    (masters copied to the host) or "nvme" (empty masters: the swap file holds them)."""
     pieces = []
     for buf in buffers:
         for _, (a, e), (c, _) in buf.shard_slices():
@@ -75,14 +85,17 @@ def make_pieces(buffers: list[GradBuffer], offload: bool) -> list[Piece]:
                 if lo >= hi:
                     continue
                 data = buf.param_data[lo:hi]
-                copy = data.dtype != torch.float32 or offload
-                if copy:
-                    host = torch.device("cpu") if offload else data.device
+                copy = data.dtype != torch.float32 or offload != "none"
+                if offload == "nvme":  # written to the swap file by ShardedOptimizer
+                    data = torch.empty(0, dtype=torch.float32)
+                elif copy:
+                    host = torch.device("cpu") if offload == "cpu" else data.device
                     data = data.to(host, torch.float32, copy=True)
-                    if offload and torch.cuda.is_available():
+                    if offload == "cpu" and torch.cuda.is_available():
                         data = data.pin_memory()
                 master = torch.nn.Parameter(data)
-                pieces.append(Piece(buf, r.param, lo, hi, c + lo - a, master, not copy))
+                at, nvme = c + lo - a, offload == "nvme"
+                pieces.append(Piece(buf, r.param, lo, hi, at, master, not copy, swapped=nvme))
     return pieces
 
 
@@ -189,11 +202,19 @@ class ShardedOptimizer:
     `tp_group`: for a whole-matrix update that gathers TP shards)."""
 
     def __init__(
-        self, pieces: list[Piece], spec: OptimizerSpec, hyper: dict, offload: bool, tp_group=None
+        self,
+        pieces: list[Piece],
+        spec: OptimizerSpec,
+        hyper: dict,
+        offload: str,
+        tp_group=None,
+        nvme: NvmeSettings | None = None,
     ):
+        """`offload`: "none", "cpu" (the host copies, `_Transfers`) or "nvme" (the swap of
+        nvme.py, under `nvme`'s path and buffer)."""
         self.pieces, self.offload, self.spec = pieces, offload, spec
         self.transfers = None  # offload: the host copies (module docstring)
-        if offload:
+        if offload == "cpu":
             device = pieces[0].grad.device if pieces else torch.device("cpu")
             cuda = device.type == "cuda" and torch.cuda.is_available() and not fake.active()
             self.transfers = _Transfers(pieces, _CudaOps() if cuda else _HostOps())
@@ -206,6 +227,16 @@ class ShardedOptimizer:
             step = torch.zeros((), device=pc.master.device if on_cuda else "cpu")
             group = self.group_of[id(pc.master)]
             self.inner.state[pc.master] = {"step": step, **init_states(spec, pc.master, group)}
+        self.swap, self._staged = None, None  # NVMe: the swap file; the states a save read
+        if offload == "nvme":
+            names = [self._state_names(pc) for pc in pieces]
+            numels = [pc.hi - pc.lo for pc in pieces]
+            self.swap = NvmeStates(nvme.path, nvme.rank, numels, names, nvme.buffer_bytes,
+                                   pin=torch.cuda.is_available())  # fmt: skip
+            self.sync_masters_from_params()
+
+    def _state_names(self, pc: Piece) -> tuple[str, ...]:
+        return tuple(st.name for st in self.spec.group_states(self.group_of[id(pc.master)]))
 
     @property
     def param_groups(self):
@@ -213,6 +244,10 @@ class ShardedOptimizer:
 
     @torch.no_grad()
     def step(self) -> None:
+        if self.swap is not None:
+            self._staged = None
+            self.swap.step(self._step_swapped)
+            return
         offload = self.transfers
         if offload is not None:
             offload.grads_to_host()
@@ -229,12 +264,46 @@ class ShardedOptimizer:
         for pc in self.pieces:
             pc.master.grad = None
 
+    def _step_swapped(self, first: int, last: int, views: list[list[torch.Tensor]]) -> None:
+        """NVMe offload: the torch optimizer on pieces [first, last), whose masters and states
+        are `views` of the swap buffer (nvme.py) for this call; the others have no .grad,
+        so it skips them."""
+        group = self.pieces[first:last]
+        for pc, (master, *states) in zip(group, views, strict=True):
+            pc.master.data = master
+            state = self.inner.state[pc.master]
+            state.update(zip(self._state_names(pc), states, strict=True))
+            pc.master.grad = pc.grad.to("cpu")  # the host's gradient itself on a CPU run
+        try:
+            self.inner.step()
+            for pc in group:
+                pc.param_slice.copy_(pc.master)  # blocking: the buffer is reused next
+        finally:
+            for pc in group:
+                pc.master.grad, pc.master.data = None, self.swap.empty
+                state = self.inner.state[pc.master]
+                state.update((k, self.swap.empty) for k in self._state_names(pc))
+
     @torch.no_grad()
     def sync_masters_from_params(self) -> None:
         """After the parameters were loaded (checkpoint): masters that are copies follow."""
-        for pc in self.pieces:
-            if not pc.aliased:
+        for i, pc in enumerate(self.pieces):
+            if self.swap is not None:
+                self.swap.write_master(i, pc.param_slice.to("cpu", torch.float32, copy=True))
+            elif not pc.aliased:
                 pc.master.copy_(pc.param_slice)
+
+    def commit_loaded_states(self) -> None:
+        """NVMe offload: the states a checkpoint load filled (`state_shards`' tensors) go
+        to the swap file; nothing otherwise (the load filled the optimizer's own tensors)."""
+        if self.swap is not None and self._staged is not None:
+            self.swap.write_pieces(self._staged)
+            self._staged = None
+
+    def close(self) -> None:
+        """NVMe offload: remove the swap file (a clean end; it is scratch)."""
+        if self.swap is not None:
+            self.swap.close()
 
     # ------------------------------------------------------------ checkpoints
     @property
@@ -244,15 +313,23 @@ class ShardedOptimizer:
 
     def state_shards(self) -> list[StateShard]:
         """Each piece's states (and master, when it is a copy) over its range of the
-        parameter. Identical copies: ZeRO-0's whole state on every rank of the buffer's group;
+        parameter (NVMe offload: read from the swap file into host tensors, which a load fills
+        and `commit_loaded_states` stores). Identical copies: ZeRO-0's whole state on every
+        rank of the buffer's group;
         with hybrid sharding, the shard on every rank of the replica group; none for a
         parameter this rank owns (whole_matrix.py)."""
         out = []
-        for pc in self.pieces:
+        if self.swap is not None:  # fresh host tensors read from the swap file
+            self._staged = self.swap.read_pieces()
+        for i, pc in enumerate(self.pieces):
             state = self.inner.state[pc.master]
-            names = (st.name for st in self.spec.group_states(self.group_of[id(pc.master)]))
-            states = {k: state[k].view(-1) for k in names}
-            if not pc.aliased:
+            names = self._state_names(pc)
+            if self._staged is not None:
+                master, *values = self._staged[i]
+                states = dict(zip(names, values, strict=True)) | {"master": master}
+            else:
+                states = {k: state[k].view(-1) for k in names}
+            if not pc.aliased and self._staged is None:
                 states["master"] = pc.master.data.view(-1)
             buf = pc.buffer
             replicas = buf.group if buf.shard_size == 1 else buf.replica_group

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 import struct
+import tempfile
 
 import torch
 
@@ -141,14 +143,53 @@ def weight_dtype(value) -> str | None:
     return "must be torch.float32 or torch.bfloat16"
 
 
-def offload(value: bool, stage) -> str | None:
-    """Optimizer offload steps AdamW on the host: stages 0-2 only."""
-    if value and stage == 3:
+OFFLOADS = {False: "none", True: "cpu", "none": "none", "cpu": "cpu", "nvme": "nvme"}
+
+
+def offload_kind(value) -> str:
+    """The offload's name ("none", "cpu", "nvme") of a checked value (`offload_value`)."""
+    return OFFLOADS[value]
+
+
+def offload_value(value) -> str | None:
+    """False / True (the host) or "none", "cpu", "nvme"."""
+    ok = isinstance(value, bool | str) and value in OFFLOADS
+    return None if ok else 'must be False, True (= "cpu"), "cpu" or "nvme"'
+
+
+def offload(value, stage) -> str | None:
+    """Optimizer offload steps the optimizer on the host: stages 0-2 only."""
+    if offload_value(value) is None and offload_kind(value) != "none" and stage == 3:
         return (
-            "optimizer offload is for zero_stage 0-2; stage 3 shards the optimizer states over "
-            "the data-parallel ranks instead"
+            "optimizer offload is for zero_stage 0-2 (cpu and nvme alike); stage 3 shards "
+            "the optimizer states over the data-parallel ranks instead (FSDP2 steps them on "
+            "the device)"
         )
     return None
+
+
+def nvme_path(value) -> str | None:
+    """An existing directory this process can create, write and remove files in (the one rule
+    here that looks at the filesystem)."""
+    if not isinstance(value, str) or not value:
+        return "must name a directory for the swap files (NVMe offload needs one)"
+    if not os.path.exists(value):
+        return "does not exist"
+    if not os.path.isdir(value):
+        return "is not a directory"
+    try:  # a read-only mount, a full disk or missing permissions show here (root passes access)
+        with tempfile.NamedTemporaryFile(dir=value, prefix=".megatron_lite_probe") as f:
+            f.write(b"\0")
+            f.flush()
+    except OSError as e:
+        return f"is not writable ([Errno {e.errno}] {e.strerror})"
+    return None
+
+
+def nvme_buffer_mb(value) -> str | None:
+    if not is_int(value):
+        return f"must be an int (MiB of the host buffer), not {type(value).__name__}"
+    return None if value >= 1 else "must be >= 1 (MiB of the host buffer)"
 
 
 def dp_shard_value(value) -> str | None:
