@@ -18,13 +18,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from megatron_lite.plan.errors import flag_error
-from megatron_lite.plan.hardware import GPUS
+from megatron_lite.plan.hardware import GPUS, INTERCONNECTS, NIC_TYPES
 from megatron_lite.validation.paths import output_dir_problem
 
 # The planner's rank grid and its link model cost O(world) per layout: 2^20 GPUs (a million,
 # several times today's largest clusters) plans in seconds, a search in under a minute.
 MAX_WORLD = 1 << 20
 MAX_GBPS = 10_000.0  # GB/s per GPU per direction: 10x NVLink 5; larger is a unit slip
+MAX_NIC_GBPS = 3_200.0  # Gb/s line rate of one NIC: 2x today's fastest (1.6 Tb/s)
+MAX_NICS = 64  # NICs per node
 MEASURE_MAX_WORLD = 64  # --measure forks one process per rank on this machine
 MAX_VERIFY = 16  # --search --verify dry-runs each printed layout: --top at most this many
 # The most ranks one dry run takes: each is a dry run of its own (seconds to minutes for a
@@ -70,6 +72,16 @@ NUMERIC = {
     "--ib-gbps": Bound(
         float, 0, MAX_GBPS, "GB/s per GPU per direction, e.g. --ib-gbps 50 (400 Gb/s)", True
     ),
+    "--pcie-gbps": Bound(
+        float, 0, MAX_GBPS, "GB/s per GPU per direction, e.g. --pcie-gbps 50 (Gen5 x16)", True
+    ),
+    "--gpus-per-switch": Bound(
+        int, 1, MAX_WORLD, "GPUs sharing one PCIe switch uplink, e.g. --gpus-per-switch 2"
+    ),
+    "--nic-gbps": Bound(
+        float, 0, MAX_NIC_GBPS, "Gb/s line rate of one NIC, e.g. --nic-gbps 200", True
+    ),
+    "--nics-per-node": Bound(int, 1, MAX_NICS, "NICs per node, e.g. --nics-per-node 8"),
     "--mfu": Bound(float, 0, 1, "a fraction of peak, e.g. --mfu 0.45", True, fraction=True),
     "--reserve": Bound(
         float, 0, 1, "a fraction of memory, e.g. --reserve 0.05", hi_open=True, fraction=True
@@ -84,10 +96,14 @@ NEEDS = [
     ("--microbatches", "--dry-run"),
     ("--json", "--dry-run"),
 ]
-# (flag, flag, fix): --search prints a ranking and stops, the other would never run
+# (flag, flag, fix): --search prints a ranking and stops, the other would never run;
+# --ib-gbps is each GPU's share of the NICs already (efficiency included), the NIC flags build it
 EXCLUSIVE = [
     ("--search", "--dry-run", "use --search --verify to dry-run the layouts the search prints"),
     ("--search", "--measure", "run --measure on one of the layouts the search prints"),
+    ("--ib-gbps", "--nic-gbps", "give --nic-gbps (and --nics-per-node, --nic-type), or --ib-gbps"),
+    ("--ib-gbps", "--nics-per-node", "give --nic-gbps and --nics-per-node, or --ib-gbps"),
+    ("--ib-gbps", "--nic-type", "give --nic-gbps and --nic-type, or --ib-gbps"),
 ]
 
 
@@ -106,10 +122,21 @@ def parser(doc: str | None) -> argparse.ArgumentParser:
     ap.add_argument("--gpu", default="h100", choices=sorted(GPUS))
     ap.add_argument("--nodes", default=None)
     ap.add_argument("--gpus-per-node", default="8")
+    link_help = (
+        "how a node's GPUs talk: nvlink (NVLink/NVSwitch), pcie (through host memory: no "
+        "peer-to-peer, as on GeForce), pcie-p2p (default: the GPU's usual node)"
+    )
+    ap.add_argument("--interconnect", default=None, choices=INTERCONNECTS, help=link_help)
+    ap.add_argument("--pcie-gbps", default=None, help="GB/s per GPU per direction of PCIe")
+    ap.add_argument("--gpus-per-switch", default=None, help="GPUs sharing a PCIe uplink")
+    ap.add_argument("--nic-gbps", default=None, help="Gb/s line rate of one NIC")
+    ap.add_argument("--nics-per-node", default=None, help="NICs per node")
+    ap.add_argument("--nic-type", default=None, choices=NIC_TYPES, help="ib | roce")
     world_help = "GPUs (default: --nodes × --gpus-per-node, else the config's tp·pp·cp·dp)"
     ap.add_argument("--world", default=None, help=world_help)
     ap.add_argument("--nvlink-gbps", default=None, help="GB/s per GPU per direction")
-    ap.add_argument("--ib-gbps", default=None, help="GB/s per GPU per direction")
+    ib_help = "GB/s per GPU per direction between nodes (its share of the NICs, all efficiency in)"
+    ap.add_argument("--ib-gbps", default=None, help=ib_help)
     ap.add_argument("--mfu", default="0.45", help="achievable fraction of peak")
     ap.add_argument("--reserve", default="0.05", help="fragmentation reserve fraction")
     ap.add_argument("--kernels", default="fused", choices=("fused", "torch"))
@@ -274,6 +301,7 @@ def check(args: argparse.Namespace) -> argparse.Namespace:
                 f"--gpus-per-node {args.gpus_per_node} = {args.nodes * args.gpus_per_node}",
                 "give --world or --nodes, not both",
             )
+    _check_node(args)
     if args.microbatches is None:  # a given one is checked against the layout: check_run
         args.microbatches = "steady"
     if args.verify and args.top is not None and args.top > MAX_VERIFY:
@@ -292,6 +320,31 @@ def check(args: argparse.Namespace) -> argparse.Namespace:
     if args.json is not None:
         _output_file("--json", args.json, "dry_run.json")
     return args
+
+
+def _check_node(args: argparse.Namespace) -> None:
+    """The node flags against the interconnect they describe (the GPU's usual one unless
+    --interconnect names it)."""
+    gpu = GPUS[args.gpu]
+    kind = args.interconnect or gpu.interconnect
+    given = f"--interconnect {kind}" if args.interconnect else f"--gpu {args.gpu} (its node: {kind})"
+    if kind == "nvlink":
+        for flag in ("--pcie-gbps", "--gpus-per-switch"):
+            if _given(args, flag):
+                flag_error(flag, getattr(args, flag[2:].replace("-", "_")),
+                           f"describes PCIe, and {given} is NVLink",
+                           f"drop {flag}, or give --interconnect pcie or pcie-p2p")  # fmt: skip
+        if not gpu.nvlink_gbps and args.nvlink_gbps is None:
+            flag_error("--interconnect", kind, f"the {gpu.name} has no NVLink switch",
+                       "give --nvlink-gbps (an NVLink bridge's GB/s), or --interconnect "
+                       "pcie-p2p")  # fmt: skip
+    elif args.nvlink_gbps is not None:
+        flag_error("--nvlink-gbps", args.nvlink_gbps, f"describes NVLink, and {given} is PCIe",
+                   "give --pcie-gbps for the PCIe link, or --interconnect nvlink")  # fmt: skip
+    if args.gpus_per_switch is not None and args.gpus_per_switch > args.gpus_per_node:
+        flag_error("--gpus-per-switch", args.gpus_per_switch,
+                   f"is more than the node's --gpus-per-node {args.gpus_per_node}",
+                   f"give at most {args.gpus_per_node}")  # fmt: skip
 
 
 def parse_ranks(text: str | None, world: int) -> list[int] | None:
