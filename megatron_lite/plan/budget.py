@@ -48,8 +48,9 @@ class Budget:
         t = collective_time(op, size, n, link, self.node)
         if calls <= 0:
             return t
-        line = self.lines.setdefault((label or group, link.scope), CommLine(label or group,
-                                                                            link.scope))
+        line = self.lines.setdefault(
+            (label or group, link.scope), CommLine(label or group, link.scope)
+        )
         line.ops[op] = line.ops.get(op, 0.0) + calls
         line.bytes += calls * bus_bytes(op, size, n)
         line.seconds += calls * t

@@ -327,7 +327,9 @@ def _check_node(args: argparse.Namespace) -> None:
     --interconnect names it)."""
     gpu = GPUS[args.gpu]
     kind = args.interconnect or gpu.interconnect
-    given = f"--interconnect {kind}" if args.interconnect else f"--gpu {args.gpu} (its node: {kind})"
+    given = (
+        f"--interconnect {kind}" if args.interconnect else f"--gpu {args.gpu} (its node: {kind})"
+    )
     if kind == "nvlink":
         for flag in ("--pcie-gbps", "--gpus-per-switch"):
             if _given(args, flag):

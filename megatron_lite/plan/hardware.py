@@ -151,15 +151,21 @@ class Node:
         return self.node_nic_gbps / self.gpus_per_node
 
     def describe(self) -> str:
+        """One line: the node's link and the network, as the planner prints it."""
         inside = {"nvlink": "NVLink" + ("/NVSwitch (NVLS)" if self.nvls else ""),
-                  "pcie": "PCIe via host memory (no P2P)", "pcie-p2p": "PCIe P2P"}[self.interconnect]  # fmt: skip
-        switch = f", {self.gpus_per_switch} GPUs per PCIe switch" if self.gpus_per_switch > 1 else ""
-        nic = (
-            f"{self.inter_gbps:g} GB/s per GPU between nodes (--ib-gbps)"
-            if self.inter_gbps is not None
-            else f"{self.nics}× {self.nic_gbps:g} Gb/s {self.nic_type.upper() if self.nic_type == 'ib' else 'RoCE'} "
-            f"per node at {NIC_EFFICIENCY[self.nic_type]:.0%} = {self.nic_share_gbps:.3g} GB/s per GPU"
-        )
+                  "pcie": "PCIe via host memory (no P2P)",
+                  "pcie-p2p": "PCIe P2P"}[self.interconnect]  # fmt: skip
+        switch = ""
+        if self.gpus_per_switch > 1:
+            switch = f", {self.gpus_per_switch} GPUs per PCIe switch"
+        if self.inter_gbps is not None:
+            nic = f"{self.inter_gbps:g} GB/s per GPU between nodes (--ib-gbps)"
+        else:
+            kind = "IB" if self.nic_type == "ib" else "RoCE"
+            nic = (
+                f"{self.nics}× {self.nic_gbps:g} Gb/s {kind} per node at "
+                f"{NIC_EFFICIENCY[self.nic_type]:.0%} = {self.nic_share_gbps:.3g} GB/s per GPU"
+            )
         return (
             f"{self.gpus_per_node} GPUs/node over {inside} {self.intra_gbps:g} GB/s per GPU per "
             f"direction{switch}; {nic}"

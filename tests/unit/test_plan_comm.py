@@ -36,7 +36,10 @@ def test_nvls_takes_large_all_reduces_on_nvswitch_nodes_only():
     """NVLS (algbw 5/6 of busbw, 23 µs) beats the ring (algbw busbw·8/14) for large messages
     on an NVSwitch node; the A100 (no NVLink SHARP) and PCIe nodes have only ring and tree."""
     size, intra = 1e9, Link("intra", 8, 1)
-    assert choose("all_reduce", size, 8, intra, H100) == ("nvls", pytest.approx(23e-6 + size / (450e9 * 5 / 6)))
+    assert choose("all_reduce", size, 8, intra, H100) == (
+        "nvls",
+        pytest.approx(23e-6 + size / (450e9 * 5 / 6)),
+    )
     assert choose("all_reduce", size, 8, intra, make_node(GPUS["a100"], 8))[0] == "ring"
     assert choose("all_reduce", size, 8, intra, make_node(GPUS["l40s"], 8))[0] == "ring"
 
