@@ -18,7 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from megatron_lite.plan.errors import flag_error
-from megatron_lite.plan.hardware import GPUS, INTERCONNECTS, NIC_TYPES
+from megatron_lite.plan.hardware import GPUS
+from megatron_lite.plan.node_flags import check_node, node_arguments
 from megatron_lite.validation.paths import output_dir_problem
 
 # The planner's rank grid and its link model cost O(world) per layout: 2^20 GPUs (a million,
@@ -122,16 +123,7 @@ def parser(doc: str | None) -> argparse.ArgumentParser:
     ap.add_argument("--gpu", default="h100", choices=sorted(GPUS))
     ap.add_argument("--nodes", default=None)
     ap.add_argument("--gpus-per-node", default="8")
-    link_help = (
-        "how a node's GPUs talk: nvlink (NVLink/NVSwitch), pcie (through host memory: no "
-        "peer-to-peer, as on GeForce), pcie-p2p (default: the GPU's usual node)"
-    )
-    ap.add_argument("--interconnect", default=None, choices=INTERCONNECTS, help=link_help)
-    ap.add_argument("--pcie-gbps", default=None, help="GB/s per GPU per direction of PCIe")
-    ap.add_argument("--gpus-per-switch", default=None, help="GPUs sharing a PCIe uplink")
-    ap.add_argument("--nic-gbps", default=None, help="Gb/s line rate of one NIC")
-    ap.add_argument("--nics-per-node", default=None, help="NICs per node")
-    ap.add_argument("--nic-type", default=None, choices=NIC_TYPES, help="ib | roce")
+    node_arguments(ap)
     world_help = "GPUs (default: --nodes × --gpus-per-node, else the config's tp·pp·cp·dp)"
     ap.add_argument("--world", default=None, help=world_help)
     ap.add_argument("--nvlink-gbps", default=None, help="GB/s per GPU per direction")
@@ -301,7 +293,7 @@ def check(args: argparse.Namespace) -> argparse.Namespace:
                 f"--gpus-per-node {args.gpus_per_node} = {args.nodes * args.gpus_per_node}",
                 "give --world or --nodes, not both",
             )
-    _check_node(args)
+    check_node(args)
     if args.microbatches is None:  # a given one is checked against the layout: check_run
         args.microbatches = "steady"
     if args.verify and args.top is not None and args.top > MAX_VERIFY:
@@ -320,33 +312,6 @@ def check(args: argparse.Namespace) -> argparse.Namespace:
     if args.json is not None:
         _output_file("--json", args.json, "dry_run.json")
     return args
-
-
-def _check_node(args: argparse.Namespace) -> None:
-    """The node flags against the interconnect they describe (the GPU's usual one unless
-    --interconnect names it)."""
-    gpu = GPUS[args.gpu]
-    kind = args.interconnect or gpu.interconnect
-    given = (
-        f"--interconnect {kind}" if args.interconnect else f"--gpu {args.gpu} (its node: {kind})"
-    )
-    if kind == "nvlink":
-        for flag in ("--pcie-gbps", "--gpus-per-switch"):
-            if _given(args, flag):
-                flag_error(flag, getattr(args, flag[2:].replace("-", "_")),
-                           f"describes PCIe, and {given} is NVLink",
-                           f"drop {flag}, or give --interconnect pcie or pcie-p2p")  # fmt: skip
-        if not gpu.nvlink_gbps and args.nvlink_gbps is None:
-            flag_error("--interconnect", kind, f"the {gpu.name} has no NVLink switch",
-                       "give --nvlink-gbps (an NVLink bridge's GB/s), or --interconnect "
-                       "pcie-p2p")  # fmt: skip
-    elif args.nvlink_gbps is not None:
-        flag_error("--nvlink-gbps", args.nvlink_gbps, f"describes NVLink, and {given} is PCIe",
-                   "give --pcie-gbps for the PCIe link, or --interconnect nvlink")  # fmt: skip
-    if args.gpus_per_switch is not None and args.gpus_per_switch > args.gpus_per_node:
-        flag_error("--gpus-per-switch", args.gpus_per_switch,
-                   f"is more than the node's --gpus-per-node {args.gpus_per_node}",
-                   f"give at most {args.gpus_per_node}")  # fmt: skip
 
 
 def parse_ranks(text: str | None, world: int) -> list[int] | None:

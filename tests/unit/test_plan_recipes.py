@@ -38,11 +38,7 @@ def test_there_are_the_three_recipes_and_the_70b_twice():
     }  # fmt: skip
 
 
-# the 405B plan walks 8 pipeline stages' schedules (~7 s here): the slow tier
-CASES = [pytest.param(p, marks=pytest.mark.slow) if "405b" in p else p for p in RECIPES]
-
-
-@pytest.mark.parametrize("path", CASES, ids=[os.path.basename(p) for p in RECIPES])
+@pytest.mark.parametrize("path", RECIPES, ids=[os.path.basename(p) for p in RECIPES])
 def test_plan_prints_fit_tokens_per_second_and_the_budget(path, capsys):
     assert main(plan_argv(path)) == 0
     out = capsys.readouterr().out
