@@ -97,15 +97,18 @@ NEEDS = [
     ("--microbatches", "--dry-run"),
     ("--json", "--dry-run"),
 ]
-# (flag, flag, fix): --search prints a ranking and stops, the other would never run;
-# --ib-gbps is each GPU's share of the NICs already (efficiency included), the NIC flags build it
+# (flag, flag, rule, fix): flags that do not go together
+_SEARCH = "the search stops after its ranking"
+_IB = "--ib-gbps is each GPU's share of the NICs already (efficiency included)"
 EXCLUSIVE = [
-    ("--search", "--dry-run", "use --search --verify to dry-run the layouts the search prints"),
-    ("--search", "--measure", "run --measure on one of the layouts the search prints"),
-    ("--ib-gbps", "--nic-gbps", "give --nic-gbps (and --nics-per-node, --nic-type), or --ib-gbps"),
-    ("--ib-gbps", "--nics-per-node", "give --nic-gbps and --nics-per-node, or --ib-gbps"),
-    ("--ib-gbps", "--nic-type", "give --nic-gbps and --nic-type, or --ib-gbps"),
-]
+    ("--search", "--dry-run", _SEARCH,
+     "use --search --verify to dry-run the layouts the search prints"),
+    ("--search", "--measure", _SEARCH, "run --measure on one of the layouts the search prints"),
+    ("--ib-gbps", "--nic-gbps", _IB,
+     "give --nic-gbps (and --nics-per-node, --nic-type), or --ib-gbps"),
+    ("--ib-gbps", "--nics-per-node", _IB, "give --nic-gbps and --nics-per-node, or --ib-gbps"),
+    ("--ib-gbps", "--nic-type", _IB, "give --nic-gbps and --nic-type, or --ib-gbps"),
+]  # fmt: skip
 
 
 class _Parser(argparse.ArgumentParser):
@@ -274,9 +277,9 @@ def check(args: argparse.Namespace) -> argparse.Namespace:
                 f"only applies with {needed}",
                 f"add {needed}, or drop {flag}",
             )
-    for a, b, fix in EXCLUSIVE:
+    for a, b, rule, fix in EXCLUSIVE:
         if _given(args, a) and _given(args, b):
-            flag_error(f"{a} with {b}", None, "the search stops after its ranking", fix)
+            flag_error(f"{a} with {b}", None, rule, fix)
     if args.nodes is not None and args.nodes * args.gpus_per_node > MAX_WORLD:
         flag_error(
             "--nodes",
