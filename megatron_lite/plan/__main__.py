@@ -16,9 +16,9 @@ import sys
 from megatron_lite import resolve
 from megatron_lite.config import Config, ConfigError, load_config
 from megatron_lite.plan import flags
-from megatron_lite.plan.hardware import get_gpu, usable_bytes
+from megatron_lite.plan.hardware import get_gpu, make_node, usable_bytes
 from megatron_lite.plan.memory import plan_memory
-from megatron_lite.plan.report import layer_table, memory_table, time_table
+from megatron_lite.plan.report import budget_table, layer_table, memory_table, time_table
 from megatron_lite.plan.search import nearest_valid_world, override_words, search
 from megatron_lite.plan.step_time import step_time
 from megatron_lite.validation import validate
@@ -69,17 +69,18 @@ def main(argv=None) -> int:
         cfg = with_vocab(load_config(args.config, args.overrides))
         world = world_size(args, cfg)
         flags.check_world(args, world)
-        gpu = get_gpu(args.gpu, args.nvlink_gbps, args.ib_gbps)
+        gpu = node(args)
         budget = usable_bytes(gpu, args.reserve)
         if not args.search:
             r = validate(cfg, world)  # reports a missing tokenizer file or mock data's vocab
         require_vocab(cfg if args.search else r)
         if not args.search:
             flags.check_run(args, r, world)
+        fp8 = gpu.gpu.fp8_tflops
         print(
-            f"{gpu.name}: {gpu.peak_tflops:g} TFLOP/s bf16 dense at mfu {args.mfu:g}, "
-            f"NVLink {gpu.nvlink_gbps:g} GB/s, IB {gpu.ib_gbps:g} GB/s per GPU, "
-            f"{args.gpus_per_node} GPUs/node; usable {budget / 2**30:.1f} of "
+            f"{gpu.name}: {gpu.peak_tflops:g} TFLOP/s bf16 dense"
+            + (f" ({fp8:g} FP8)" if fp8 else "")
+            + f" at mfu {args.mfu:g}; {gpu.describe()}; usable {budget / 2**30:.1f} of "
             f"{gpu.memory_bytes / 2**30:.1f} GiB (3 GiB + {args.reserve:.0%} reserve)"
         )
         if args.search:
@@ -101,12 +102,25 @@ def main(argv=None) -> int:
         return 1
 
 
+def node(args, fabric=None):
+    """The hardware.Node the flags describe: the GPU in its usual node, each flag given
+    replacing that part (plan/hardware.py make_node). `fabric`: measured collective times
+    that replace the model's (plan/comm.py collective_time)."""
+    return make_node(
+        get_gpu(args.gpu), args.gpus_per_node, args.interconnect, args.nvlink_gbps,
+        args.pcie_gbps, args.gpus_per_switch or 1, args.nic_gbps, args.nics_per_node,
+        args.nic_type, args.ib_gbps, fabric=fabric,
+    )  # fmt: skip
+
+
 def _plan(args, r, world: int, gpu, budget: float) -> int:
     ranks = plan_memory(r, world, args.kernels)
     print(f"layout on {world} GPUs: " + _layout(r))
     print(layer_table(ranks[0].per_layer))
     print(memory_table(ranks, budget))
-    print(time_table(step_time(r, world, gpu, args.mfu, args.gpus_per_node), world))
+    t = step_time(r, world, gpu, args.mfu, args.gpus_per_node)
+    print(time_table(t, world))
+    print(budget_table(t.budget))
     if args.chart:
         _chart([(_layout(r, short=True), ranks)], budget, args.chart)
     if args.dry_run:

@@ -19,12 +19,15 @@ from dataclasses import dataclass
 
 from megatron_lite.plan.errors import flag_error
 from megatron_lite.plan.hardware import GPUS
+from megatron_lite.plan.node_flags import check_node, node_arguments
 from megatron_lite.validation.paths import output_dir_problem
 
 # The planner's rank grid and its link model cost O(world) per layout: 2^20 GPUs (a million,
 # several times today's largest clusters) plans in seconds, a search in under a minute.
 MAX_WORLD = 1 << 20
 MAX_GBPS = 10_000.0  # GB/s per GPU per direction: 10x NVLink 5; larger is a unit slip
+MAX_NIC_GBPS = 3_200.0  # Gb/s line rate of one NIC: 2x today's fastest (1.6 Tb/s)
+MAX_NICS = 64  # NICs per node
 MEASURE_MAX_WORLD = 64  # --measure forks one process per rank on this machine
 MAX_VERIFY = 16  # --search --verify dry-runs each printed layout: --top at most this many
 # The most ranks one dry run takes: each is a dry run of its own (seconds to minutes for a
@@ -70,6 +73,16 @@ NUMERIC = {
     "--ib-gbps": Bound(
         float, 0, MAX_GBPS, "GB/s per GPU per direction, e.g. --ib-gbps 50 (400 Gb/s)", True
     ),
+    "--pcie-gbps": Bound(
+        float, 0, MAX_GBPS, "GB/s per GPU per direction, e.g. --pcie-gbps 50 (Gen5 x16)", True
+    ),
+    "--gpus-per-switch": Bound(
+        int, 1, MAX_WORLD, "GPUs sharing one PCIe switch uplink, e.g. --gpus-per-switch 2"
+    ),
+    "--nic-gbps": Bound(
+        float, 0, MAX_NIC_GBPS, "Gb/s line rate of one NIC, e.g. --nic-gbps 200", True
+    ),
+    "--nics-per-node": Bound(int, 1, MAX_NICS, "NICs per node, e.g. --nics-per-node 8"),
     "--mfu": Bound(float, 0, 1, "a fraction of peak, e.g. --mfu 0.45", True, fraction=True),
     "--reserve": Bound(
         float, 0, 1, "a fraction of memory, e.g. --reserve 0.05", hi_open=True, fraction=True
@@ -85,11 +98,18 @@ NEEDS = [
     ("--json", "--dry-run"),
     ("--device", "--dry-run"),
 ]
-# (flag, flag, fix): --search prints a ranking and stops, the other would never run
+# (flag, flag, rule, fix): flags that do not go together
+_SEARCH = "the search stops after its ranking"
+_IB = "--ib-gbps is each GPU's share of the NICs already (efficiency included)"
 EXCLUSIVE = [
-    ("--search", "--dry-run", "use --search --verify to dry-run the layouts the search prints"),
-    ("--search", "--measure", "run --measure on one of the layouts the search prints"),
-]
+    ("--search", "--dry-run", _SEARCH,
+     "use --search --verify to dry-run the layouts the search prints"),
+    ("--search", "--measure", _SEARCH, "run --measure on one of the layouts the search prints"),
+    ("--ib-gbps", "--nic-gbps", _IB,
+     "give --nic-gbps (and --nics-per-node, --nic-type), or --ib-gbps"),
+    ("--ib-gbps", "--nics-per-node", _IB, "give --nic-gbps and --nics-per-node, or --ib-gbps"),
+    ("--ib-gbps", "--nic-type", _IB, "give --nic-gbps and --nic-type, or --ib-gbps"),
+]  # fmt: skip
 
 
 class _Parser(argparse.ArgumentParser):
@@ -107,10 +127,12 @@ def parser(doc: str | None) -> argparse.ArgumentParser:
     ap.add_argument("--gpu", default="h100", choices=sorted(GPUS))
     ap.add_argument("--nodes", default=None)
     ap.add_argument("--gpus-per-node", default="8")
+    node_arguments(ap)
     world_help = "GPUs (default: --nodes × --gpus-per-node, else the config's tp·pp·cp·dp)"
     ap.add_argument("--world", default=None, help=world_help)
     ap.add_argument("--nvlink-gbps", default=None, help="GB/s per GPU per direction")
-    ap.add_argument("--ib-gbps", default=None, help="GB/s per GPU per direction")
+    ib_help = "GB/s per GPU per direction between nodes (its share of the NICs, all efficiency in)"
+    ap.add_argument("--ib-gbps", default=None, help=ib_help)
     ap.add_argument("--mfu", default="0.45", help="achievable fraction of peak")
     ap.add_argument("--reserve", default="0.05", help="fragmentation reserve fraction")
     ap.add_argument("--kernels", default="fused", choices=("fused", "torch"))
@@ -258,9 +280,9 @@ def check(args: argparse.Namespace) -> argparse.Namespace:
                 f"only applies with {needed}",
                 f"add {needed}, or drop {flag}",
             )
-    for a, b, fix in EXCLUSIVE:
+    for a, b, rule, fix in EXCLUSIVE:
         if _given(args, a) and _given(args, b):
-            flag_error(f"{a} with {b}", None, "the search stops after its ranking", fix)
+            flag_error(f"{a} with {b}", None, rule, fix)
     if args.nodes is not None and args.nodes * args.gpus_per_node > MAX_WORLD:
         flag_error(
             "--nodes",
@@ -277,6 +299,7 @@ def check(args: argparse.Namespace) -> argparse.Namespace:
                 f"--gpus-per-node {args.gpus_per_node} = {args.nodes * args.gpus_per_node}",
                 "give --world or --nodes, not both",
             )
+    check_node(args)
     if args.microbatches is None:  # a given one is checked against the layout: check_run
         args.microbatches = "steady"
     if args.verify and args.top is not None and args.top > MAX_VERIFY:

@@ -52,6 +52,29 @@ def time_table(t: StepTime, world: int) -> str:
     )
 
 
+def budget_table(budget) -> str:
+    """The step's communication budget (plan/budget.py): per group and scope the bytes the
+    busiest rank sends (bus bytes, GB = 1e9 B), the calls per op, the modelled seconds, what
+    the step exposes and what overlap hides, NCCL's algorithm; then the cross-node total."""
+    lines = ["communication per step (busiest rank; bus bytes it sends, GB = 1e9 B):"]
+    lines.append(
+        f"  {'group':11s} {'scope':5s} {'n':>4s} {'GB':>9s} {'seconds':>9s} {'exposed':>9s} "
+        f"{'hidden':>9s}  algorithm  ops (calls)"
+    )
+    for v in budget.table():
+        ops = ", ".join(f"{op} ×{calls:,.0f}" for op, calls in v.ops.items())
+        algo = "+".join(sorted(v.algos)) or "-"
+        lines.append(
+            f"  {v.group:11s} {v.scope:5s} {v.n:4d} {v.bytes / 1e9:9.3f} {v.seconds:9.3f} "
+            f"{v.exposed:9.3f} {v.hidden:9.3f}  {algo:9s}  {ops}"
+        )
+    if len(lines) == 2:
+        lines.append("  (none: one rank per group)")
+    nbytes, secs = budget.cross_node()
+    lines.append(f"  across nodes: {nbytes / 1e9:.3f} GB, {secs:.3f} s per step per rank")
+    return "\n".join(lines)
+
+
 def _unit(results: list[RankResult]) -> tuple[str, float]:
     return ("GiB", 2**30) if max(r.peak for r in results) >= 2**30 else ("MiB", 2**20)
 

@@ -34,7 +34,6 @@ from dataclasses import dataclass
 
 from megatron_lite.config import Config
 from megatron_lite.context.ulysses import ulysses_kv_heads
-from megatron_lite.parallel.data_parallel.optimizer_spec import get_optimizer
 from megatron_lite.pipeline.schedules import (
     get_schedule_spec,
     schedule_placement,
@@ -42,15 +41,11 @@ from megatron_lite.pipeline.schedules import (
     virtual_stage,
 )
 from megatron_lite.plan.activations import layer_shape, recompute_settings, resolved
+from megatron_lite.plan.budget import Budget
 from megatron_lite.plan.comm import collective_time, group_links
-from megatron_lite.plan.optimizer_states import owner_step, rank_splits
-from megatron_lite.plan.params import (
-    chunk_moe,
-    optimizer_settings,
-    rank_layers,
-    rank_params,
-)
-from megatron_lite.plan.peak import fp8_gathered_elements
+from megatron_lite.plan.dp_comm import dp_time, whole_matrix_step
+from megatron_lite.plan.hardware import as_node
+from megatron_lite.plan.params import chunk_moe, rank_layers
 from megatron_lite.resolve import (
     cp_a2a_size,
     moe_layer_pattern,
@@ -80,6 +75,7 @@ class StepTime:
     # the optimizer step of whole-matrix groups (Muon): the most-loaded owner's update FLOPs
     # and its TP gathers, and the owners' broadcasts (ZeRO-3: the gathers to the owners)
     optimizer: float = 0.0
+    budget: Budget | None = None  # the communication budget per group (plan/budget.py)
 
 
 def _pipeline(pp: int, vpp: int, m: int, weights: tuple, fwd: float, bwd: float, comm: float,
@@ -247,16 +243,23 @@ def cp_a2a_exposed(cfg: Config, link: str, gpu) -> float:
 
 def step_time(cfg: Config, world: int, gpu, mfu: float, gpus_per_node: int,
               simulate: bool = True) -> StepTime:  # fmt: skip
-    """Predicted step time of `cfg` on `world` GPUs of type `gpu`."""
+    """Predicted step time of `cfg` on `world` GPUs: `gpu` a hardware.Node (a GPU: its usual
+    node of `gpus_per_node`), with the step's communication budget (`StepTime.budget`; the
+    algorithms NCCL would pick recorded when `simulate`, the plan's full report)."""
+    node = as_node(gpu, gpus_per_node)
     r = resolved(cfg, world)
     m_, p, t_ = r.model, r.parallel, r.train
     shape = layer_shape(r)
-    links = group_links(world, p.tp, p.pp, p.cp, p.ep, p.order, gpus_per_node, cp_a2a_size(p))
+    links = group_links(world, p.tp, p.pp, p.cp, p.ep, p.order, node.gpus_per_node,
+                        cp_a2a_size(p), p.dp_shard)  # fmt: skip
+    budget = Budget(node, detail=simulate)
     m = num_microbatches(t_, p.dp)
-    T, A, rate = shape.tokens, shape.act_bytes, gpu.peak_tflops * 1e12 * mfu
+    T, A, rate = shape.tokens, shape.act_bytes, node.peak_tflops * 1e12 * mfu
     gran, modules, method, num = recompute_settings(r)
     schedule = p.pipeline_schedule
     split = splits_backward(schedule, p.vpp)  # B and W apart (zero bubble)
+    layers_busiest = max(sum(c for _, c in rank_layers(r, rk)) for rk in range(p.pp))
+    per_layer = m * layers_busiest  # layer-microbatches of the busiest rank (budget counts)
 
     # training.flops owns the FLOP count: per token 6·N + 6·L·s·q; a layer's share is the total
     # without the output layer (6·h·V) over L, in forward FLOPs (a third)
@@ -282,7 +285,13 @@ def step_time(cfg: Config, world: int, gpu, mfu: float, gpus_per_node: int,
     tp_f = tp_b = hidden = 0.0
     if p.tp > 1:
         ops = ("all_gather", "reduce_scatter") if shape.sp else ("all_reduce", "all_reduce")
-        one = [collective_time(op, size, p.tp, links["tp"], gpu) for op in ops]
+        rerun = 1 if gran == "full" else 0
+        calls = (2 + 2 * (2 if shape.sp else 1) + rerun, 4 + rerun)  # per layer, microbatch
+        if ops[0] == ops[1]:
+            one = [budget.add("TP", ops[0], size, p.tp, links["tp"], per_layer * sum(calls))] * 2
+        else:
+            one = [budget.add("TP", op, size, p.tp, links["tp"], per_layer * c)
+                   for op, c in zip(ops, calls, strict=True)]  # fmt: skip
         tp_f = 2 * sum(one)
         gathers = 2 * one[0] * (2 if shape.sp else 1) + (tp_f / 2 if gran == "full" else 0)
         scatters = 2 * one[1]
@@ -291,17 +300,21 @@ def step_time(cfg: Config, world: int, gpu, mfu: float, gpus_per_node: int,
         hides = 0.0 if split else half
         tp_b = max(0.0, gathers - half) + max(0.0, scatters - hides)
         hidden += (gathers + scatters - tp_b) * m * sum(stage_layers(m_, p)) / p.pp
-    a2a = cp_a2a_exposed(r, links["cp_a2a"], gpu)
-    ring_f, ring_b = cp_ring_exposed(r, links["cp_ring"], gpu, rate)
+    a2a = cp_a2a_exposed(r, links["cp_a2a"], node)
+    ring_f, ring_b = cp_ring_exposed(r, links["cp_ring"], node, rate)
+    _cp_budget(r, links, budget, per_layer)
     rerun = a2a + ring_f if gran == "full" else 0.0  # the forward's again in backward
     cp_f, cp_b = a2a + ring_f, a2a + ring_b + rerun
     ep_f = ep_b = 0.0
     if m_.num_experts is not None and p.ep > 1:
         # per mean layer: times the share of MoE layers (moe_layer_freq)
         share = sum(moe_layer_pattern(m_)) / m_.num_layers
-        one = share * collective_time("all_to_all", ep_rows_bytes(r), p.ep, links["ep"], gpu)
+        calls = per_layer * share * ep_calls(r)
+        one = share * budget.add("EP", "all_to_all", ep_rows_bytes(r), p.ep, links["ep"], calls)
         ep_f, ep_b = 2 * one, (ep_calls(r) - 2) * one
-    p2p = collective_time("send", size * shape.u, 2, links["pp"], gpu) if p.pp > 1 else 0.0
+    p2p = 0.0
+    if p.pp > 1:
+        p2p = budget.add("PP", "send", size * shape.u, 2, links["pp"], 2 * m * p.vpp)
 
     # virtual-stage weights in mean-layer units, the output layer (and MTP) on the last one
     counts = stage_layers(m_, p)
@@ -319,100 +332,38 @@ def step_time(cfg: Config, world: int, gpu, mfu: float, gpus_per_node: int,
         * t_fwd
         * (3 + extra)
     )
-    layers_busiest = max(sum(c for _, c in rank_layers(r, rk)) for rk in range(p.pp))
-    tp_exp = m * layers_busiest * (tp_f + tp_b)
-    cp_exp = m * layers_busiest * (cp_f + cp_b)
-    ep_exp = m * layers_busiest * (ep_f + ep_b)
+    tp_exp = per_layer * (tp_f + tp_b)
+    cp_exp = per_layer * (cp_f + cp_b)
+    ep_exp = per_layer * (ep_f + ep_b)
+    for group, seconds in (("TP", tp_exp), ("CP", cp_exp), ("EP", ep_exp), ("PP", pp_exp)):
+        budget.expose(group, seconds)
 
-    dp_exp, dp_hidden = _dp_time(r, world, gpu, links, m, t_fwd, layers_busiest)
-    opt = _whole_matrix_step(r, gpu, links, rate)
+    dp_exp, dp_hidden = dp_time(r, links, m, t_fwd, layers_busiest, budget)
+    opt = whole_matrix_step(r, node, links, rate)
     total = busy + bubble + pp_exp + dp_exp + opt
     tokens = t_.global_batch_size * m_.seq_length
     model_flops = flops_tok * tokens
     return StepTime(
         compute=compute, tp=tp_exp, cp=cp_exp, ep=ep_exp, pp=pp_exp, dp=dp_exp, bubble=bubble,
         hidden=hidden + dp_hidden, total=total, tokens_per_s=tokens / total,
-        mfu=model_flops / (total * world * gpu.peak_tflops * 1e12),
-        bubble_fraction=bubble / busy if busy else 0.0, optimizer=opt,
+        mfu=model_flops / (total * world * node.peak_tflops * 1e12),
+        bubble_fraction=bubble / busy if busy else 0.0, optimizer=opt, budget=budget,
     )  # fmt: skip
 
 
-def _whole_matrix_step(r: Config, gpu, links, rate: float) -> float:
-    """Exposed seconds of the whole-matrix groups' optimizer step (Muon, whole_matrix.py and
-    fsdp_whole_matrix.py), on the busiest pipeline rank: the most-loaded owner's update FLOPs
-    at the compute rate, its TP gathers (in the NS dtype), then ZeRO-1/2's broadcasts of every
-    whole parameter from its owner (nothing overlaps them: the step waits), or ZeRO-3's two
-    fp32 all-gathers to the owner and the broadcast back."""
+def _cp_budget(r: Config, links, budget: Budget, per_layer: float) -> None:
+    """CP's collectives in the budget: Ulysses' all-to-alls over cp_a2a (forward, backward and
+    a full recompute's rerun) and the ring's K/V and dK/dV sends over cp_ring."""
     p = r.parallel
-    if get_optimizer(r.train.optimizer).elementwise:
-        return 0.0
-    hyper = optimizer_settings(r)[1]
-    ns = 2 if hyper.get("ns_dtype") == "bf16" else 4  # what the update gathers over TP
-    worst = 0.0
-    for rank in range(p.pp):
-        cost, gathered, whole = owner_step(r, rank)
-        if not whole:
-            continue
-        t = cost / rate
-        t += collective_time("all_gather", ns * gathered * p.tp, p.tp, links["tp"], gpu)
-        n, w = p.dp * p.cp, 2 if r.train.precision == "bf16" else 4
-        if p.zero_stage in (1, 2):
-            t += collective_time("broadcast", w * whole, n, links["dp_cp"], gpu)
-        elif p.zero_stage == 3:
-            n = p.dp_shard or n
-            t += 2 * collective_time("all_gather", 4 * whole, n, links["dp_cp"], gpu)
-            t += collective_time("broadcast", 4 * whole, n, links["dp_cp"], gpu)
-        worst = max(worst, t)
-    return worst
-
-
-def _dp_time(r: Config, world: int, gpu, links, m: int, t_fwd: float, layers: int):
-    """(exposed, hidden) seconds of the data-parallel gradient and weight traffic per step."""
-    p, prec = r.parallel, r.train.precision
-    dense, expert = rank_params(r, 0)
-    w_bytes = 2 if prec == "bf16" else 4
-    g_bytes = 2 if p.grad_reduce_dtype == "bf16" else 4
-    # whole-matrix groups' parameters (Muon's) are all-reduced whole under ZeRO-1/2 and sent
-    # from their owners in the optimizer step (_whole_matrix_step), not all-gathered here
-    whole = (0, 0)
-    if p.zero_stage in (1, 2) and not get_optimizer(r.train.optimizer).elementwise:
-        whole = tuple(s.whole for s in rank_splits(r, 0)[:2])
-    exposed = hidden = 0.0
-    fp8_dense = fp8_gathered_elements(r, 0)  # ZeRO-3 gathers these in 1 byte each
-    for count, own, full, link, fp8 in (
-        (dense, whole[0], p.dp * p.cp, links["dp_cp"], fp8_dense),
-        (expert, whole[1], p.dp * p.cp // p.ep, links["edp"], 0),
-    ):
-        n = p.dp_shard or full  # the flat shards' group (whole parameters: the full one)
-        if not count or n <= 1:
-            continue
-        last = min(1.0, p.ddp_bucket_size / count)  # the last bucket's share
-        if p.zero_stage == 0:
-            reduce = collective_time("all_reduce", g_bytes * count, n, link, gpu)
-            gather = 0.0
-        elif p.zero_stage in (1, 2):
-            flat = count - own
-            reduce = (
-                collective_time("reduce_scatter", g_bytes * flat, n, link, gpu) if flat else 0.0
-            )
-            gather = collective_time("all_gather", w_bytes * flat, n, link, gpu) if flat else 0.0
-            if own:
-                reduce += collective_time("all_reduce", g_bytes * own, full, link, gpu)
-        else:
-            reduce = collective_time("reduce_scatter", g_bytes * count, n, link, gpu)
-            gathered = w_bytes * count - (w_bytes - 1) * fp8
-            gather = 2 * m * collective_time("all_gather", gathered, n, link, gpu)
-            last = 1.0 / max(layers, 1)
-        # ZeRO-2 reduce-scatters every microbatch (buffers.py): the earlier ones hide behind
-        # their own backward and the next forward, the last one as ZeRO-1's
-        earlier = m - 1 if p.zero_stage == 2 else 0
-        if not p.overlap_grad_reduce:
-            exposed += (1 + earlier) * reduce + gather
-            continue
-        window_b = 2 * t_fwd * layers  # the last microbatch's backward
-        window_f = t_fwd * layers * (m if p.zero_stage == 3 else 1)
-        e = max(reduce * last, reduce - window_b) + max(gather * last, gather - window_f)
-        e += earlier * max(0.0, reduce - window_b - t_fwd * layers)
-        exposed += e
-        hidden += (1 + earlier) * reduce + gather - e
-    return exposed, hidden
+    if p.cp == 1:
+        return
+    qkv, out = cp_a2a_blocks(r)
+    passes = 3 if r.model.recompute_granularity == "full" else 2
+    a2a, ring = layer_shape(r).a2a, layer_shape(r).ring
+    for x in (qkv, out):
+        budget.add("CP", "all_to_all", x, a2a, links["cp_a2a"], per_layer * passes)
+    kv, dkv = cp_ring_blocks(r)
+    n_kv, n_dkv = cp_ring_sends(r)
+    if ring > 1:
+        budget.add("CP", "send", kv, 2, links["cp_ring"], per_layer * n_kv)
+        budget.add("CP", "send", dkv, 2, links["cp_ring"], per_layer * n_dkv)

@@ -14,14 +14,36 @@ from megatron_lite import resolve
 from megatron_lite.config import Config, ModelConfig
 from megatron_lite.models.registry import FlopsPerToken, get_architecture
 
-# Peak dense (no 2:4 sparsity) bf16 tensor-core TFLOP/s per GPU, from NVIDIA's datasheets.
+# Peak dense (no 2:4 sparsity) bf16 tensor-core TFLOP/s per GPU, with FP32 accumulation (what
+# training runs), from NVIDIA's datasheets; the sources are cited in plan/hardware.py.
 PEAK_BF16_TFLOPS = {
     "h100": 989.0,  # H100 SXM
     "h100-pcie": 756.0,
     "h200": 989.0,  # H200 SXM: the H100's compute with more memory
-    "a100": 312.0,
+    "a100": 312.0,  # A100 SXM
+    "a100-pcie": 312.0,
     "b200": 2250.0,
+    "rtx-pro-6000": 503.8,  # RTX PRO 6000 Blackwell (Workstation Edition)
+    "rtx5090": 209.5,  # GeForce: FP32 accumulation at half the FP16-accumulate rate (419)
+    "l40s": 362.05,
 }
+# Peak dense FP8 tensor-core TFLOP/s (FP32 accumulation); the A100s have no FP8 tensor cores.
+PEAK_FP8_TFLOPS = {
+    "h100": 1979.0, "h100-pcie": 1513.0, "h200": 1979.0, "b200": 4500.0,
+    "rtx-pro-6000": 1007.6, "rtx5090": 419.0, "l40s": 733.0,
+}  # fmt: skip
+# device names as torch.cuda.get_device_name gives them -> key, the most specific first
+_NAMES = (
+    (("rtx pro 6000", "rtx-pro-6000"), "rtx-pro-6000"),
+    (("rtx 5090", "rtx5090"), "rtx5090"),
+    (("l40s",), "l40s"),
+    (("h100 pcie", "h100-pcie"), "h100-pcie"),
+    (("a100 pcie", "a100-pcie", "a100 80gb pcie"), "a100-pcie"),
+    (("h100",), "h100"),
+    (("h200",), "h200"),
+    (("a100",), "a100"),
+    (("b200",), "b200"),
+)
 
 
 def flops_per_token(cfg: Config, vocab_size: int | None = None) -> FlopsPerToken:
@@ -72,13 +94,25 @@ def model_flops_per_token(cfg: Config, vocab_size: int | None = None) -> float:
     return flops_per_token(cfg, vocab_size).total
 
 
-def peak_tflops(gpu: str) -> float:
-    """Peak dense bf16 TFLOP/s of a GPU: a key of PEAK_BF16_TFLOPS ("h100", "b200", ...) or a
-    device name as torch.cuda.get_device_name gives it ("NVIDIA H100 80GB HBM3")."""
+def gpu_key(gpu: str) -> str:
+    """The table key of a GPU: a key itself ("h100", "rtx5090", ...) or a device name as
+    torch.cuda.get_device_name gives it ("NVIDIA H100 80GB HBM3", "NVIDIA GeForce RTX 5090")."""
     name = gpu.lower()
-    for key in ("h100", "h200", "a100", "b200"):
-        if key in name:
-            return PEAK_BF16_TFLOPS["h100-pcie" if key == "h100" and "pcie" in name else key]
+    if name in PEAK_BF16_TFLOPS:
+        return name
+    for patterns, key in _NAMES:
+        if any(p in name for p in patterns):
+            return key
     raise ValueError(
         f"unknown GPU {gpu!r}: peak bf16 TFLOP/s known for {', '.join(PEAK_BF16_TFLOPS)}"
     )
+
+
+def peak_tflops(gpu: str) -> float:
+    """Peak dense bf16 TFLOP/s of a GPU (a key of PEAK_BF16_TFLOPS or a device name)."""
+    return PEAK_BF16_TFLOPS[gpu_key(gpu)]
+
+
+def peak_fp8_tflops(gpu: str) -> float | None:
+    """Peak dense FP8 TFLOP/s of a GPU, None where it has no FP8 tensor cores."""
+    return PEAK_FP8_TFLOPS.get(gpu_key(gpu))

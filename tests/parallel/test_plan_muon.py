@@ -1,5 +1,5 @@
 """The planner's figures of train.optimizer=muon's step (plan/optimizer_states.owner_step: what
-its step-time model charges, plan/step_time._whole_matrix_step) against the bytes the trainer's
+its step-time model charges, plan/dp_comm.whole_matrix_step) against the bytes the trainer's
 collectives move in a real step (comm stats in metrics.jsonl, rank 0, the tiny llama of the
 parity tests):
 

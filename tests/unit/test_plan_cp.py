@@ -8,7 +8,7 @@ tests/unit/test_dry_run_planner.py's."""
 import pytest
 
 from megatron_lite.config import load_config
-from megatron_lite.plan.comm import group_links
+from megatron_lite.plan.comm import Link, group_links
 from megatron_lite.plan.search import apply, layouts
 from megatron_lite.validation import validate
 from tests.plan_reference import LayerShape, layer_terms
@@ -36,11 +36,13 @@ def test_activations_per_rank_fall_as_one_over_cp(cp_type, act_bytes):
 def test_hybrid_links_keep_ulysses_inside_a_node_and_the_ring_across():
     order = "tp-cp-ep-dp-pp"
     hybrid = group_links(64, 1, 1, 16, 1, order, 8, 8)  # 2 nodes: a2a over 8, ring of 2
-    assert (hybrid["cp_a2a"], hybrid["cp_ring"], hybrid["cp"]) == ("nvlink", "ib", "ib")
+    # Link(scope, ranks per node, nodes): the ring's 2 ranks on 2 nodes, CP's 16 on 8 + 8
+    assert hybrid["cp_a2a"] == Link("intra", 8, 1)
+    assert (hybrid["cp_ring"], hybrid["cp"]) == (Link("inter", 1, 2), Link("inter", 8, 2))
     ulysses = group_links(64, 1, 1, 16, 1, order, 8)
-    assert (ulysses["cp_a2a"], ulysses["cp_ring"]) == ("ib", "nvlink")  # no ring: one rank
+    assert (ulysses["cp_a2a"], ulysses["cp_ring"]) == (Link("inter", 8, 2), Link("intra", 1, 1))
     ring = group_links(64, 2, 1, 4, 1, order, 8, 1)  # tp2 cp4 fill one node
-    assert (ring["cp_a2a"], ring["cp_ring"]) == ("nvlink", "nvlink")
+    assert (ring["cp_a2a"].scope, ring["cp_ring"]) == ("intra", Link("intra", 4, 1))
 
 
 def test_search_runs_the_ring_where_ulysses_cannot_split_the_heads():
