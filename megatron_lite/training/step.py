@@ -36,6 +36,7 @@ from megatron_lite import resolve
 from megatron_lite.config import Config
 from megatron_lite.data.sampler import split_sample
 from megatron_lite.parallel import host, mappings
+from megatron_lite.parallel.activation_offload import ActivationOffloader
 from megatron_lite.parallel.cross_entropy import IGNORE_INDEX
 from megatron_lite.parallel.mesh import ParallelMesh
 from megatron_lite.pipeline.engine import ForwardStep, forward_backward
@@ -104,7 +105,8 @@ class TrainStep:
     forward_step: the engine's forward step; holds_loss: this rank runs the last virtual stage
     (where the loss is); eod_mask_id: split_sample's (data.eod_mask_loss), for the token count;
     named_params: (name, parameter) of the chunks, for the guard's message; memory_tracker:
-    returns the MemoryTracker that names the step's phases, or None (no tracking)."""
+    returns the MemoryTracker that names the step's phases, or None (no tracking);
+    offloader: the chunks' ActivationOffloader (model.activation_offload), or None."""
 
     def __init__(
         self,
@@ -121,8 +123,10 @@ class TrainStep:
         guard: NonFiniteGuard,
         named_params: list[tuple[str, torch.nn.Parameter]],
         memory_tracker: Callable[[], MemoryTracker | None] = lambda: None,
+        offloader: ActivationOffloader | None = None,
     ):
         self.chunks, self.dp, self.mesh, self.device = chunks, dp, mesh, device
+        self.offloader = offloader
         self.forward_step, self.pipeline = forward_step, pipeline
         self.grad_clip, self.guard, self.memory_tracker = grad_clip, guard, memory_tracker
         self.holds_loss, self.eod_mask_id = holds_loss, eod_mask_id
@@ -160,6 +164,7 @@ class TrainStep:
             after_weight=self.dp.after_weight,
             weight_phase=lambda: self.phase("weight", working=True),
             schedule=p.schedule,
+            offloader=None if forward_only else self.offloader,
         )
         if recorder is not None:
             meta = {
@@ -214,6 +219,8 @@ class TrainStep:
         counts = self.token_counts(microbatches)  # alive for the step: its mem/* count them
         n_tokens = self.global_tokens(counts, microbatches)
         set_lr(self.dp.optimizer, lr)
+        if self.offloader is not None:
+            self.offloader.reset()  # its stats are this step's
         self.dp.start_step(len(microbatches))
         measure = measure or (lambda run, _n: run())
         with self.phase("forward"):  # and the backward (the tracker tells them apart)
@@ -287,4 +294,23 @@ def lm_train_step(
         guard=guard,
         named_params=[(n, p) for c in chunks for n, p in c.named_parameters()],
         memory_tracker=memory_tracker,
+        offloader=build_offloader(cfg, chunks, device),
     )
+
+
+def build_offloader(
+    cfg: Config, chunks: list[torch.nn.Module], device: torch.device
+) -> ActivationOffloader | None:
+    """The ActivationOffloader of model.activation_offload hooked on the layers of each chunk
+    (its `layers` ModuleDict, in order), or None when the list is empty."""
+    m = cfg.model
+    if not m.activation_offload:
+        return None
+    offloader = ActivationOffloader(
+        m.activation_offload,
+        min_bytes=m.activation_offload_min_bytes,
+        inflight=m.activation_offload_inflight,
+        device=device,
+    )
+    offloader.attach([list(getattr(c, "layers", {}).values()) for c in chunks])
+    return offloader

@@ -1,0 +1,152 @@
+"""Activation offload's mechanism on plain torch layers (parallel/activation_offload.py): the
+gradients are bit for bit those without it, the bytes it moves are the bytes an independent
+saved-tensor count finds, weights and small tensors stay, the in-flight limit holds, recomputed
+regions are left alone, and the pipeline rule reads the schedule table."""
+
+import pytest
+import torch
+from torch import nn
+
+from megatron_lite.parallel import recompute as rc
+from megatron_lite.parallel.activation_offload import OFFLOAD_MODULES, ActivationOffloader
+from megatron_lite.parallel.random import RNGStatesTracker
+from megatron_lite.pipeline.engine import backward_follows
+from megatron_lite.pipeline.schedules import get_schedule
+
+H = 16
+
+
+class ToyLayer(nn.Module):
+    """norm -> mlp (optionally recomputed), residual; parts named as a transformer layer's."""
+
+    def __init__(self, recomputed: bool = False):
+        super().__init__()
+        self.norm = nn.LayerNorm(H)
+        self.mlp = nn.Sequential(nn.Linear(H, 4 * H), nn.GELU(), nn.Linear(4 * H, H))
+        self.recomputed, self.tracker = recomputed, RNGStatesTracker()
+
+    def offload_parts(self):
+        return {"attn_norm": self.norm, "mlp": self.mlp}
+
+    def forward(self, x):
+        h = self.norm(x)
+        if self.recomputed:
+            return x + rc.recompute(self.mlp, h, tracker=self.tracker)
+        return x + self.mlp(h)
+
+
+def layers(n=3, recomputed=False):
+    torch.manual_seed(0)
+    return nn.ModuleList(ToyLayer(recomputed) for _ in range(n))
+
+
+def run(stack, x):
+    """Loss and the gradients (of the weights and the input) of one forward and backward."""
+    x = x.clone().requires_grad_()
+    for layer in stack:
+        x2 = layer(x if layer is stack[0] else x2)  # noqa: F821
+    loss = (x2.double() ** 2).sum()
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in stack.parameters()] + [x.grad]
+
+
+def counted_bytes(stack, names, min_bytes, x):
+    """Independent reference: bytes of the distinct tensor views the named parts save (plain
+    saved_tensors_hooks, no copies), parameters and smaller tensors left out."""
+    total, seen = [0], set()
+    weights = {p.untyped_storage().data_ptr() for p in stack.parameters()}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() in weights or rc.in_region():
+            return t  # a weight (or a view of one: Linear saves weight.t() for 3-d inputs)
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride())
+        nbytes = t.numel() * t.element_size()
+        if nbytes >= max(min_bytes, 1) and key not in seen:
+            seen.add(key)
+            total[0] += nbytes
+        return t
+
+    handles, ctx = [], []
+    for layer in stack:
+        for name, m in layer.offload_parts().items():
+            if name in names:
+
+                def pre(*_):
+                    ctx.append(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
+                    ctx[-1].__enter__()
+
+                def post(*_):
+                    ctx.pop().__exit__(None, None, None)
+                    seen.clear()
+
+                handles += [m.register_forward_pre_hook(pre), m.register_forward_hook(post)]
+    run(stack, x)
+    for h in handles:
+        h.remove()
+    return total[0]
+
+
+X = torch.randn(8, 2, H)
+
+
+@pytest.mark.parametrize("names", [["mlp"], ["attn_norm", "mlp"]])
+def test_gradients_bitwise_and_bytes_match_an_independent_count(names):
+    ref_loss, ref_grads = run(layers(), X)
+    stack = layers()
+    off = ActivationOffloader(names, min_bytes=0, inflight=2)
+    off.attach([list(stack)])
+    loss, grads = run(stack, X)
+    assert torch.equal(loss, ref_loss)
+    for i, (g, r) in enumerate(zip(grads, ref_grads, strict=True)):
+        assert torch.equal(g, r), f"gradient {i} differs with offload of {names}"
+    expected = counted_bytes(layers(), names, 0, X)
+    st = off.stats
+    assert expected > 0 and st.offloaded_bytes == expected, (st, expected)
+    assert st.reloaded_bytes == expected and st.host_bytes == 0  # all came back, none held
+    assert st.peak_host_bytes == expected  # 3 layers' copies alive at the end of the forward
+    assert st.max_in_flight == 2 and st.late_reloads == 0
+
+
+def test_weights_and_small_tensors_stay():
+    # Linear(H, 4H) saves its input [8, 2, 16] fp32 = 1 KiB and GELU its [8, 2, 64] = 4 KiB
+    stack = layers(1)
+    off = ActivationOffloader(["mlp"], min_bytes=2048)
+    off.attach([list(stack)])
+    run(stack, X)
+    big = counted_bytes(layers(1), ["mlp"], 2048, X)
+    assert off.stats.offloaded_bytes == big == 2 * 4096  # GELU's input, fc2's input: weights stay
+
+
+def test_inflight_limit_one():
+    stack = layers()
+    off = ActivationOffloader(["attn_norm", "mlp"], min_bytes=0, inflight=1)
+    off.attach([list(stack)])
+    run(stack, X)
+    assert off.stats.max_in_flight == 1
+
+
+def test_recomputed_region_is_not_offloaded():
+    """The mlp runs inside a checkpoint: nothing of it is saved, so nothing is offloaded; the
+    norm still is; gradients equal the plain run's."""
+    ref_loss, ref_grads = run(layers(recomputed=True), X)
+    stack = layers(recomputed=True)
+    off = ActivationOffloader(["attn_norm", "mlp"], min_bytes=0)
+    off.attach([list(stack)])
+    loss, grads = run(stack, X)
+    assert torch.equal(loss, ref_loss) and all(map(torch.equal, grads, ref_grads))
+    norm_only = counted_bytes(layers(), ["attn_norm"], 0, X)
+    assert off.stats.offloaded_bytes == norm_only > 0
+
+
+def test_unknown_name_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"model.activation_offload=.*'norms'.*attn_norm"):
+        ActivationOffloader(["norms"])
+    assert "core_attn" in OFFLOAD_MODULES and "attn_proj" in OFFLOAD_MODULES
+
+
+def test_backward_follows_reads_the_table():
+    """1F1B on pp=2, 4 microbatches: the last stage runs each backward right after its forward,
+    the first stage never (its warmup forward is one ahead); no pipelining: every one."""
+    assert backward_follows(get_schedule(2, 1, 4)) == {(m, 0) for m in range(4)}
+    assert backward_follows(get_schedule(2, 0, 4)) == set()
+    assert backward_follows(get_schedule(1, 0, 3)) == {(m, 0) for m in range(3)}
