@@ -103,6 +103,23 @@ class _Layer:
         self.prev = prev
 
 
+def _dense(t: torch.Tensor) -> bool:
+    """Whether t's strides lay it out densely (some permutation of a contiguous tensor)."""
+    expected = 1
+    for size, stride in sorted(zip(t.shape, t.stride(), strict=True), key=lambda d: d[1]):
+        if size > 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _empty_as(t: torch.Tensor, device, pin: bool = False) -> torch.Tensor:
+    """An uninitialized copy target of t's shape and dtype on `device`, with t's strides when
+    they are dense (the backward then reads the layout it would have read), else contiguous."""
+    stride = t.stride() if _dense(t) else torch.empty(t.shape, device="meta").stride()
+    return torch.empty_strided(t.shape, stride, dtype=t.dtype, device=device, pin_memory=pin)
+
+
 def _view_key(t: torch.Tensor) -> tuple:
     return (t.untyped_storage()._cdata, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
 
@@ -113,7 +130,8 @@ class ActivationOffloader:
     modules: names from OFFLOAD_MODULES; min_bytes: smaller saved tensors stay; inflight: the
     most groups whose device->host copy may be in flight (>= 1); device: the compute device
     (CUDA: pinned memory and a side stream; else host copies); on_host(tensors): told of each
-    completed group's host copies (a memory tracker names them)."""
+    completed group's host copies, which are made inside host_scope() (a memory tracker's
+    `offloaded_to_host` and `host_allocations`: host bytes, not device ones)."""
 
     def __init__(
         self,
@@ -123,6 +141,7 @@ class ActivationOffloader:
         inflight: int = 4,
         device: torch.device | None = None,
         on_host: Callable[[list[torch.Tensor]], None] | None = None,
+        host_scope: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     ):
         unknown = [m for m in modules if m not in OFFLOAD_MODULES]
         if unknown:
@@ -135,7 +154,7 @@ class ActivationOffloader:
         self.modules, self.min_bytes, self.inflight = tuple(modules), min_bytes, inflight
         self.device = device or torch.device("cpu")
         self.cuda = self.device.type == "cuda"
-        self.on_host = on_host
+        self.on_host, self.host_scope = on_host, host_scope
         self.stats = OffloadStats()
         self._stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._pending: collections.deque[_Group] = collections.deque()
@@ -285,9 +304,9 @@ class ActivationOffloader:
         group.state = "issued"
         if self.cuda:
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self._stream):
+            with torch.cuda.stream(self._stream), self.host_scope():
                 for p in group.items:
-                    p.host = torch.empty_like(p.device, device="cpu", pin_memory=True)
+                    p.host = _empty_as(p.device, "cpu", pin=True)
                     p.host.copy_(p.device, non_blocking=True)
                 group.event = torch.cuda.Event()
                 group.event.record(self._stream)
@@ -310,9 +329,10 @@ class ActivationOffloader:
         if self.cuda:
             group.event.synchronize()
         else:
-            for p in group.items:
-                p.host = torch.empty_like(p.device, device="cpu")
-                p.host.copy_(p.device)
+            with self.host_scope():
+                for p in group.items:
+                    p.host = _empty_as(p.device, "cpu")
+                    p.host.copy_(p.device)
         st = self.stats
         for p in group.items:
             p.device = None  # the host copy is what the graph keeps now
@@ -343,13 +363,13 @@ class ActivationOffloader:
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._stream):
                 for p in group.items:
-                    p.device = torch.empty_like(p.host, device=self.device)
+                    p.device = _empty_as(p.host, self.device)
                     p.device.copy_(p.host, non_blocking=True)
                 group.event = torch.cuda.Event()
                 group.event.record(self._stream)
         else:
             for p in group.items:
-                p.device = torch.empty_like(p.host)
+                p.device = _empty_as(p.host, self.device)
                 p.device.copy_(p.host)
         st = self.stats
         for p in group.items:

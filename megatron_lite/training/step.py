@@ -294,15 +294,29 @@ def lm_train_step(
         guard=guard,
         named_params=[(n, p) for c in chunks for n, p in c.named_parameters()],
         memory_tracker=memory_tracker,
-        offloader=build_offloader(cfg, chunks, device),
+        offloader=build_offloader(cfg, chunks, device, memory_tracker),
     )
 
 
 def build_offloader(
-    cfg: Config, chunks: list[torch.nn.Module], device: torch.device
+    cfg: Config,
+    chunks: list[torch.nn.Module],
+    device: torch.device,
+    memory_tracker: Callable[[], MemoryTracker | None] = lambda: None,
 ) -> ActivationOffloader | None:
     """The ActivationOffloader of model.activation_offload hooked on the layers of each chunk
-    (its `layers` ModuleDict, in order), or None when the list is empty."""
+    (its `layers` ModuleDict, in order), or None when the list is empty; its host copies are
+    named to the memory tracker when one runs (host bytes, out of the device's)."""
+
+    def on_host(tensors: list[torch.Tensor]) -> None:
+        tracker = memory_tracker()
+        if tracker is not None:
+            tracker.offloaded_to_host(tensors)
+
+    def host_scope():
+        tracker = memory_tracker()
+        return tracker.host_allocations() if tracker is not None else contextlib.nullcontext()
+
     m = cfg.model
     if not m.activation_offload:
         return None
@@ -311,6 +325,8 @@ def build_offloader(
         min_bytes=m.activation_offload_min_bytes,
         inflight=m.activation_offload_inflight,
         device=device,
+        on_host=on_host,
+        host_scope=host_scope,
     )
     offloader.attach([list(getattr(c, "layers", {}).values()) for c in chunks])
     return offloader

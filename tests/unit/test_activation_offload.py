@@ -150,3 +150,35 @@ def test_backward_follows_reads_the_table():
     assert backward_follows(get_schedule(2, 1, 4)) == {(m, 0) for m in range(4)}
     assert backward_follows(get_schedule(2, 0, 4)) == set()
     assert backward_follows(get_schedule(1, 0, 3)) == {(m, 0) for m in range(3)}
+
+
+def test_memory_tracker_sees_host_bytes_apart():
+    """Under the memory tracker the host copies are host bytes, not device ones: after the
+    forward the device activations are lower by exactly the bytes on the host, the tracked
+    host peak is the offloader's, and nothing is left on the host after the backward."""
+    from megatron_lite.training.memory_tracker import MemoryTracker
+
+    def forward_backward(offload: bool):
+        stack = layers(4)
+        with MemoryTracker("cpu") as tracker:
+            off = ActivationOffloader(
+                ["mlp"],
+                min_bytes=0,
+                inflight=1,
+                on_host=tracker.offloaded_to_host,
+                host_scope=tracker.host_allocations,
+            )
+            if offload:
+                off.attach([list(stack)])
+            y = X.clone().requires_grad_()
+            for layer in stack:
+                y = layer(y)
+            after_forward = tracker.current["activations"], tracker.host_bytes
+            (y.double() ** 2).sum().backward()
+        return tracker, off.stats, after_forward
+
+    _, _, (plain, _) = forward_backward(False)
+    tracker, st, (device, host) = forward_backward(True)
+    assert host == st.peak_host_bytes == tracker.host_peak == 4 * 9216  # fc1, GELU, fc2 inputs
+    assert plain - device == host, (plain, device, host)
+    assert tracker.host_bytes == 0 and st.host_bytes == 0
