@@ -182,3 +182,38 @@ def test_memory_tracker_sees_host_bytes_apart():
     assert host == st.peak_host_bytes == tracker.host_peak == 4 * 9216  # fc1, GELU, fc2 inputs
     assert plain - device == host, (plain, device, host)
     assert tracker.host_bytes == 0 and st.host_bytes == 0
+
+
+def _validate(*overrides: str):
+    from megatron_lite.config import load_config
+    from megatron_lite.validation import validate
+
+    return validate(
+        load_config(None, ["data.mock=true", "model.vocab_size=512", *overrides]), 1, warn=False
+    )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["model.activation_offload=[norms]"], r"model.activation_offload=\['norms'\].*attn_norm"),
+        (["model.activation_offload=[mlp,mlp]"], r"model.activation_offload=.*twice"),
+        (["model.activation_offload=[moe_experts]"], r"model.activation_offload=.*no MoE layer"),
+        (["model.activation_offload_inflight=0"], r"model.activation_offload_inflight=0.*>= 1"),
+        (["model.activation_offload_min_bytes=-1"], r"activation_offload_min_bytes=-1.*>= 0"),
+        (
+            ["model.activation_offload=[mlp]", "model.compile=true"],
+            r"model.activation_offload=.*model.compile=false",
+        ),
+    ],
+)
+def test_bad_config_is_a_clear_error(overrides, message):
+    from megatron_lite.config import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        _validate(*overrides)
+
+
+def test_valid_config_passes():
+    cfg = _validate("model.activation_offload=[attn_norm,core_attn,attn_proj,mlp_norm,mlp]")
+    assert cfg.model.activation_offload[-1] == "mlp"
