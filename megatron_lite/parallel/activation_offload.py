@@ -156,7 +156,7 @@ class ActivationOffloader:
         self.cuda = self.device.type == "cuda"
         self.on_host, self.host_scope = on_host, host_scope
         self.stats = OffloadStats()
-        self._stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self._side = None  # CUDA: the copies' stream, made at the first copy
         self._pending: collections.deque[_Group] = collections.deque()
         self._open: list[tuple[_Group, contextlib.AbstractContextManager]] = []
         self._layer: _Layer | None = None  # the layer whose forward runs now
@@ -229,9 +229,7 @@ class ActivationOffloader:
     # ------------------------------------------------------------ forward hooks
     def _active(self) -> bool:
         return (
-            torch.is_grad_enabled()
-            and not recompute.in_region()
-            and torch._C._current_graph_task_id() == -1  # not a backward-time recompute
+            torch.is_grad_enabled() and not recompute.in_region() and not recompute.is_recomputing()
         )
 
     def _layer_start(self, chunk: int, j: int, last: bool) -> None:
@@ -298,6 +296,12 @@ class ActivationOffloader:
         return packed.device
 
     # ------------------------------------------------------------ copies
+    @property
+    def _stream(self):
+        if self._side is None:  # (a dry run's fake CUDA tensors are never copied: no stream)
+            self._side = torch.cuda.Stream(self.device)
+        return self._side
+
     def _issue(self, group: _Group) -> None:
         """Start the group's device->host copy (CUDA: on the side stream); keep at most
         `inflight` groups in flight."""

@@ -9,14 +9,16 @@ local shapes (plan/saved.py's fake stage), with saved-tensor hooks around the pa
 each part saves, weights, tensors under model.activation_offload_min_bytes and recomputed
 regions left out (tests compare it with a real CPU run's offload/bytes).
 
-`offload_plan` is the arithmetic on one stage (each figure per rank):
-- PCIe bytes per step = 2 (to the host and back) · B · (m·L − n_next), with B a layer's
-  offloaded bytes, L the stage's layers, m the microbatches and n_next those whose backward
-  follows their forward at once (the engine's `backward_follows`: their last layer stays);
-- host peak = B · (f·L − [the last forward's backward is next]) with f the microbatches in
-  flight at the stage's peak (1F1B: min(m, pp − stage)): every offloaded layer of every
-  microbatch in flight sits on the host at the end of the last forward before a backward;
-- device bytes saved at the peak = the host peak (the reload starts with that backward);
+`stage_offload` / `offload_plan` are the arithmetic on one pipeline rank (each figure per
+rank), read from its schedule table (`table_counts`, any schedule: no schedule is named here):
+- PCIe bytes per step = 2 (to the host and back) · B · Σ over the table's forwards of the
+  chunk's layers, less one when that forward's backward is next (the engine's
+  `backward_follows`: that last layer stays), with B a layer's offloaded bytes; e.g. 1F1B:
+  2·B·(m·L − n_next), n_next = m on the last stage and 0 on the others;
+- host peak = B · the most offloaded layers held at once, walking the table (a forward adds
+  its layers at its end, its backward takes them back): 1F1B stage r holds min(m, pp − r)
+  microbatches' L layers after its warmup;
+- device bytes saved at the peak = the host peak (the reloads start with the backward);
 - the copies hide when a layer's copy, B / host-link bandwidth each way (the link is full
   duplex), fits in the compute it overlaps: the next layer's forward for the copy out, the
   layer's backward (≈ 2× its forward) for the copy back; the forward binds.
@@ -29,8 +31,12 @@ from dataclasses import dataclass
 import torch
 
 from megatron_lite.config import Config
+from megatron_lite.pipeline.actions import Action
+from megatron_lite.pipeline.engine import backward_follows
+from megatron_lite.pipeline.schedules import get_schedule, get_schedule_spec, virtual_stage
 from megatron_lite.plan import modules
 from megatron_lite.plan.saved import _fake_stage, _to_training_dtype
+from megatron_lite.resolve import num_microbatches, stage_layers
 
 
 @dataclass(frozen=True)
@@ -48,33 +54,63 @@ class OffloadPlan:
 
 def offload_plan(
     layer_bytes: float,
-    layers: int,
-    microbatches: int,
-    in_flight: int,
-    backward_next: int,
-    last_backward_next: bool,
+    moved_layers: int,
+    peak_layers: int,
     layer_forward_s: float,
     host_gbps: float,
 ) -> OffloadPlan:
-    """The figures of a stage of `layers` layers over `microbatches`; in_flight: the most
-    microbatches forwarded and not yet backwarded at its peak; backward_next: how many
-    forwards have their backward next (engine.backward_follows); last_backward_next: whether
-    the forward at the peak is one of them; layer_forward_s: one layer's forward time;
-    host_gbps: the host link's GB/s per direction per GPU (e.g. 55 for PCIe 5 x16)."""
+    """The figures of a stage whose step offloads `moved_layers` layer-microbatches, at most
+    `peak_layers` of them on the host at once (`table_counts`); layer_forward_s: one layer's
+    forward time; host_gbps: the host link's GB/s per direction per GPU (PCIe 5 x16: ~55)."""
     if host_gbps <= 0:
         raise ValueError(f"host_gbps={host_gbps}: the host link's bandwidth must be > 0")
-    moved = layer_bytes * (microbatches * layers - backward_next)
-    host_peak = layer_bytes * (in_flight * layers - int(last_backward_next))
     copy_s = layer_bytes / (host_gbps * 1e9)
     return OffloadPlan(
         layer_bytes=layer_bytes,
-        pcie_bytes_per_step=2 * moved,
-        host_peak_bytes=host_peak,
-        device_bytes_saved=host_peak,
+        pcie_bytes_per_step=2 * layer_bytes * moved_layers,
+        host_peak_bytes=layer_bytes * peak_layers,
+        device_bytes_saved=layer_bytes * peak_layers,
         copy_s=copy_s,
         layer_forward_s=layer_forward_s,
         hidden=copy_s <= layer_forward_s,
     )
+
+
+def table_counts(actions: list[Action], chunk_layers: list[int]) -> tuple[int, int]:
+    """(layer-microbatches offloaded over the step, the most on the host at once) of one
+    rank's schedule table; chunk_layers[c]: the layers of its local chunk c. A forward offloads
+    its chunk's layers but the last when its backward is next (engine.backward_follows); they
+    are on the host from its end to its backward."""
+    next_ = backward_follows(actions)
+    moved = held = peak = 0
+    for a in actions:
+        if a.kind not in ("forward", "backward"):
+            continue
+        key = (a.microbatch, a.chunk)
+        n = chunk_layers[a.chunk] - (key in next_)
+        if a.kind == "forward":
+            moved, held = moved + n, held + n
+            peak = max(peak, held)
+        else:
+            held -= n
+    return moved, peak
+
+
+def stage_offload(
+    cfg: Config, pp_rank: int, layer_forward_s: float, host_gbps: float, moe: bool = False
+) -> OffloadPlan:
+    """`offload_plan` of pipeline rank `pp_rank` under cfg (resolved: parallel.dp set): its
+    schedule table, its chunks' layers, one layer's measured bytes (an MoE layer's when
+    `moe`; the kernels a GPU runs)."""
+    p = cfg.parallel
+    m = num_microbatches(cfg.train, p.dp)
+    spec = get_schedule_spec(p.pipeline_schedule, p.vpp)
+    actions = get_schedule(p.pp, pp_rank, m, p.vpp, p.pipeline_schedule)
+    layers = stage_layers(cfg.model, p)
+    chunk_layers = [layers[virtual_stage(pp_rank, c, p.pp, spec.placement)] for c in range(p.vpp)]
+    moved, peak = table_counts(actions, chunk_layers)
+    b = layer_offload_bytes(cfg, moe) if cfg.model.activation_offload else 0.0
+    return offload_plan(b, moved, peak, layer_forward_s, host_gbps)
 
 
 def layer_offload_bytes(cfg: Config, moe: bool = False, kernels: str = "fused") -> float:

@@ -47,7 +47,7 @@ def _run(rank, world, overrides, out_dir, count_names, skip_last):
     stack = []
 
     def pre(*_):
-        grad = torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
+        grad = torch.is_grad_enabled() and not recompute.is_recomputing()
         stack.append(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if grad else None)
         if stack[-1] is not None:
             stack[-1].__enter__()
@@ -99,13 +99,15 @@ def test_offload_one_rank_is_bitwise_and_moves_the_counted_bytes():
     # the planner's figure (one layer measured on fake tensors) to the byte: 4 microbatches of
     # 4 layers, each microbatch's last layer kept (no pipelining: its backward is next)
     from megatron_lite.config import load_config
-    from megatron_lite.plan.activation_offload import layer_offload_bytes, offload_plan
+    from megatron_lite.plan.activation_offload import layer_offload_bytes, stage_offload
     from megatron_lite.validation import validate
 
     cfg = validate(load_config(None, [*TINY, *BASE, ALL_DENSE, "data.mock=true"]), 1, warn=False)
     b = layer_offload_bytes(cfg, kernels="torch")  # a CPU run uses the torch kernels
-    plan = offload_plan(b, 4, 4, 1, 4, True, 1e-3, 25.0)
-    assert plan.pcie_bytes_per_step == 2 * got[0][2] == 2 * 12 * b, (plan, got)
+    assert got[0][2] == 12 * b, (got, b)
+    plan = stage_offload(cfg, 0, layer_forward_s=1e-3, host_gbps=25.0)
+    assert plan.host_peak_bytes == 3 * plan.layer_bytes  # one microbatch's first 3 layers
+    assert plan.pcie_bytes_per_step == 2 * 12 * plan.layer_bytes
 
 
 LAYOUTS = {

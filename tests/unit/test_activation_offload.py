@@ -217,3 +217,17 @@ def test_bad_config_is_a_clear_error(overrides, message):
 def test_valid_config_passes():
     cfg = _validate("model.activation_offload=[attn_norm,core_attn,attn_proj,mlp_norm,mlp]")
     assert cfg.model.activation_offload[-1] == "mlp"
+
+
+def test_planner_counts_from_the_table():
+    """pp=2 1F1B, 4 microbatches, 2 layers a stage: stage 0 offloads both layers of every
+    microbatch and holds 2 microbatches after its warmup; stage 1 keeps each last layer and
+    holds one layer; copies of 64 MB at 32 GB/s (2 ms) hide behind a 3 ms forward, not 1 ms."""
+    from megatron_lite.plan.activation_offload import offload_plan, table_counts
+
+    assert table_counts(get_schedule(2, 0, 4), [2]) == (8, 4)
+    assert table_counts(get_schedule(2, 1, 4), [2]) == (4, 1)
+    plan = offload_plan(64e6, 8, 4, 3e-3, 32.0)
+    assert plan.pcie_bytes_per_step == 2 * 8 * 64e6 and plan.host_peak_bytes == 4 * 64e6
+    assert plan.copy_s == pytest.approx(2e-3) and plan.hidden
+    assert not offload_plan(64e6, 8, 4, 1e-3, 32.0).hidden
