@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from megatron_lite.parallel import recompute
+from megatron_lite.parallel import fake, recompute
 
 # attn_norm, qkv_linear, core_attn, attn_proj, mlp_norm: Megatron-Core's --offload-modules names.
 # mlp (a dense layer's whole MLP) and moe_experts (a MoE layer's routed experts) are ours:
@@ -91,6 +91,7 @@ class _Group:
         self.items: list[_Packed] = []
         self.index: dict[tuple, _Packed] = {}  # one copy per distinct view
         self.event = None  # CUDA: the copy's end (D2H, then H2D)
+        self.cuda = False  # copied on the side stream (real CUDA tensors)
         self.state = "open"  # open -> issued -> offloaded -> reloaded
 
 
@@ -272,7 +273,8 @@ class ActivationOffloader:
     def _pack(self, t: torch.Tensor, group: _Group):
         param = isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter)
         small = t.numel() * t.element_size() < max(self.min_bytes, 1)
-        if param or small or type(t) is not torch.Tensor:
+        plain = type(t) is torch.Tensor or fake.is_fake(t)  # a dry run's count like a run's
+        if param or small or not plain:
             return t.detach()  # stays: a weight, a small tensor, or a subclass
         key = _view_key(t)
         packed = group.index.get(key)
@@ -290,7 +292,7 @@ class ActivationOffloader:
         elif group.state == "offloaded":  # the prefetch did not reach it
             self.stats.late_reloads += 1
             self._reload(group)
-        if self.cuda and group.event is not None:
+        if group.cuda and group.event is not None:
             torch.cuda.current_stream(self.device).wait_event(group.event)
             packed.device.record_stream(torch.cuda.current_stream(self.device))
         return packed.device
@@ -306,7 +308,9 @@ class ActivationOffloader:
         """Start the group's device->host copy (CUDA: on the side stream); keep at most
         `inflight` groups in flight."""
         group.state = "issued"
-        if self.cuda:
+        # a dry run's fake CUDA tensors take the host-copy path: no stream, no pinned memory
+        group.cuda = self.cuda and not fake.is_fake(group.items[0].device)
+        if group.cuda:
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._stream), self.host_scope():
                 for p in group.items:
@@ -330,7 +334,7 @@ class ActivationOffloader:
     def _complete(self, group: _Group) -> None:
         if group.state != "issued":
             return
-        if self.cuda:
+        if group.cuda:
             group.event.synchronize()
         else:
             with self.host_scope():
@@ -353,7 +357,7 @@ class ActivationOffloader:
         if group.state == "issued":
             if group in self._pending:
                 self._pending.remove(group)
-            if self.cuda:
+            if group.cuda:
                 group.event.synchronize()
             for p in group.items:
                 p.host = None
@@ -363,7 +367,7 @@ class ActivationOffloader:
         """Start the group's host->device copy (CUDA: on the side stream)."""
         if group.state != "offloaded":
             return
-        if self.cuda:
+        if group.cuda:
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._stream):
                 for p in group.items:

@@ -93,6 +93,8 @@ def check(got, ref, count, label):
     assert count > 0 and moved == count, f"{label}: offloaded {moved} B, counted {count} B"
 
 
+@pytest.mark.slow  # two 2-step runs: ~8 s of wall time on 2 idle cores
+@pytest.mark.parity
 def test_offload_one_rank_is_bitwise_and_moves_the_counted_bytes():
     got, ref, count = offload_vs_count(1, [], DENSE, skip_last=True)
     check(got, ref, count, "1 rank")

@@ -231,3 +231,16 @@ def test_planner_counts_from_the_table():
     assert plan.pcie_bytes_per_step == 2 * 8 * 64e6 and plan.host_peak_bytes == 4 * 64e6
     assert plan.copy_s == pytest.approx(2e-3) and plan.hidden
     assert not offload_plan(64e6, 8, 4, 1e-3, 32.0).hidden
+
+
+def test_fake_tensors_are_offloaded_as_real_ones():
+    """A dry run (fake tensors) moves the bytes a real run moves."""
+    from megatron_lite.parallel.fake import FakeTensorMode
+
+    stack = layers()
+    off = ActivationOffloader(["attn_norm", "mlp"], min_bytes=0)
+    off.attach([list(stack)])
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        run(stack, torch.empty(8, 2, H))
+    expected = counted_bytes(layers(), ["attn_norm", "mlp"], 0, X)
+    assert off.stats.offloaded_bytes == off.stats.reloaded_bytes == expected > 0
