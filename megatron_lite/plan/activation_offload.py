@@ -97,11 +97,16 @@ def table_counts(actions: list[Action], chunk_layers: list[int]) -> tuple[int, i
 
 
 def stage_offload(
-    cfg: Config, pp_rank: int, layer_forward_s: float, host_gbps: float, moe: bool = False
+    cfg: Config,
+    pp_rank: int,
+    layer_forward_s: float,
+    host_gbps: float,
+    moe: bool = False,
+    kernels: str = "fused",
 ) -> OffloadPlan:
     """`offload_plan` of pipeline rank `pp_rank` under cfg (resolved: parallel.dp set): its
     schedule table, its chunks' layers, one layer's measured bytes (an MoE layer's when
-    `moe`; the kernels a GPU runs)."""
+    `moe`; `kernels`: fused, what a GPU runs, or torch, what the CPU runs)."""
     p = cfg.parallel
     m = num_microbatches(cfg.train, p.dp)
     spec = get_schedule_spec(p.pipeline_schedule, p.vpp)
@@ -109,7 +114,7 @@ def stage_offload(
     layers = stage_layers(cfg.model, p)
     chunk_layers = [layers[virtual_stage(pp_rank, c, p.pp, spec.placement)] for c in range(p.vpp)]
     moved, peak = table_counts(actions, chunk_layers)
-    b = layer_offload_bytes(cfg, moe) if cfg.model.activation_offload else 0.0
+    b = layer_offload_bytes(cfg, moe, kernels) if cfg.model.activation_offload else 0.0
     return offload_plan(b, moved, peak, layer_forward_s, host_gbps)
 
 

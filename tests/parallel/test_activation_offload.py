@@ -107,9 +107,9 @@ def test_offload_one_rank_is_bitwise_and_moves_the_counted_bytes():
     cfg = validate(load_config(None, [*TINY, *BASE, ALL_DENSE, "data.mock=true"]), 1, warn=False)
     b = layer_offload_bytes(cfg, kernels="torch")  # a CPU run uses the torch kernels
     assert got[0][2] == 12 * b, (got, b)
-    plan = stage_offload(cfg, 0, layer_forward_s=1e-3, host_gbps=25.0)
-    assert plan.host_peak_bytes == 3 * plan.layer_bytes  # one microbatch's first 3 layers
-    assert plan.pcie_bytes_per_step == 2 * 12 * plan.layer_bytes
+    plan = stage_offload(cfg, 0, layer_forward_s=1e-3, host_gbps=25.0, kernels="torch")
+    assert plan.host_peak_bytes == 3 * b  # one microbatch's first 3 layers
+    assert plan.pcie_bytes_per_step == 2 * got[0][2]
 
 
 LAYOUTS = {
