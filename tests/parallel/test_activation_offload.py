@@ -1,5 +1,6 @@
 """Activation CPU offload in the trainer (model.activation_offload): losses and gradient norms
-bit for bit those without it, and the bytes each step moves to the host (offload/bytes) equal
+bit for bit those without it (1 rank; tp2+SP, pp2 1F1B, dp2 ZeRO-3, selective recompute, cp2,
+MoE ep2), and the bytes each step moves to the host (offload/bytes) equal
 to an independent count: plain saved-tensor hooks around the same submodules in a run without
 offload (weights, smaller tensors and recomputed regions left out, and the chunk's last layer
 when its backward follows its forward at once: every microbatch without pipelining and on
@@ -122,7 +123,14 @@ LAYOUTS = {
         ["model.recompute_granularity=selective", "model.recompute_modules=[core_attn]"],
         True,
     ),
+    "cp2": (2, ["parallel.cp=2"], True),
+    "moe_ep2": (
+        2,
+        ["model.num_experts=4", "model.moe_ffn_hidden_size=64", "parallel.ep=2"],
+        True,
+    ),
 }
+MOE_NAMES = ["attn_norm", "core_attn", "attn_proj", "moe_experts"]
 
 
 @pytest.mark.slow
@@ -130,5 +138,6 @@ LAYOUTS = {
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_offload_layouts_are_bitwise_and_move_the_counted_bytes(layout):
     world, overrides, skip_last = LAYOUTS[layout]
-    got, ref, count = offload_vs_count(world, overrides, DENSE, skip_last)
+    names = MOE_NAMES if layout.startswith("moe") else DENSE
+    got, ref, count = offload_vs_count(world, overrides, names, skip_last)
     check(got, ref, count, layout)
