@@ -163,7 +163,6 @@ class ActivationOffloader:
         self._layer: _Layer | None = None  # the layer whose forward runs now
         self._last: dict[int, _Layer | None] = {}  # chunk -> its latest layer (this forward)
         self._tops: dict[tuple, _Layer] = {}  # (key, chunk) -> last layer of that forward
-        self._key = None  # the pipeline's (microbatch, chunk) running now, None: no engine
         self._backward_next = False
         self._handles: list = []
 
@@ -180,7 +179,8 @@ class ActivationOffloader:
                     lambda *_, c=c, j=j, last=last: self._layer_start(c, j, last)
                 )
                 post = layer.register_forward_hook(
-                    lambda _m, _i, out, c=c, last=last: self._layer_end(c, out, last)
+                    lambda _m, _i, out, c=c, last=last: self._layer_end(c, out, last),
+                    always_call=True,  # an exception must not leave the state behind
                 )
                 self._handles += [pre, post]
                 parts = getattr(layer, "offload_parts", dict)()
@@ -192,7 +192,7 @@ class ActivationOffloader:
 
     def _hook_part(self, module: nn.Module, name: str) -> None:
         pre = module.register_forward_pre_hook(lambda *_: self._part_start(name))
-        post = module.register_forward_hook(lambda *_: self._part_end())
+        post = module.register_forward_hook(lambda *_: self._part_end(), always_call=True)
         self._handles += [pre, post]
 
     def detach(self) -> None:
@@ -206,7 +206,7 @@ class ActivationOffloader:
     def forward(self, key, backward_next: bool):
         """Around the forward of pipeline step `key` ((microbatch, chunk)); backward_next: the
         rank's next compute is this key's backward (its last layer stays on the device)."""
-        self._key, self._backward_next = key, backward_next
+        self._backward_next = backward_next
         try:
             yield
         finally:
@@ -215,7 +215,7 @@ class ActivationOffloader:
                 if top is not None:
                     self._tops[(key, c)] = top
             self._last.clear()
-            self._key, self._backward_next = None, False
+            self._backward_next = False
 
     def begin_backward(self, key) -> None:
         """Before the backward of `key`: start reloading its chunks' last offloaded layers."""
