@@ -91,6 +91,12 @@ class ModelConfig:
     recompute_modules: list[str] = field(default_factory=lambda: ["core_attn"])  # selective
     recompute_method: str | None = None  # full: uniform | block
     recompute_num_layers: int | None = None  # full: layers per group (uniform) / per stage
+    # activation CPU offload (Megatron-Core's --offload-modules names where ours match;
+    # parallel/activation_offload.py, docs/activation_offload.md): submodules whose saved tensors
+    # go to host memory; the most groups in flight; smaller saved tensors stay on the device
+    activation_offload: list[str] = field(default_factory=list)
+    activation_offload_inflight: int = 4
+    activation_offload_min_bytes: int = 1048576
     fp32_residual_connection: bool = False  # bf16: keep the residual stream (and P2P) in fp32
     # torch.compile each transformer layer and the loss head as its own region
     # (models/compile.py, docs/performance.md); compile_mode: torch.compile's mode (None: default)

@@ -58,6 +58,14 @@ def rope_tables(
     return rope_tables_at(torch.arange(offset, offset + seq_length), rotary_dim, theta, scaling)
 
 
+class Region(nn.Module):
+    """A named call in the module tree, `Region()(fn, *args) = fn(*args)`: a point that module
+    hooks (activation offload) can wrap where the work is a function, not a module."""
+
+    def forward(self, fn, *args):
+        return fn(*args)
+
+
 class AttentionCore(nn.Module):
     """What every attention kind here shares: the local attention of this rank's n/tp query
     heads over `kv_heads`/tp KV heads, with context parallelism when cp > 1 (the mesh's cp_a2a
@@ -95,6 +103,20 @@ class AttentionCore(nn.Module):
         self.core_attention = attention_function(
             c.attention_backend, self.n_local // a2a, g_attn, (dims.qk, dims.v), c.attention_dropout
         )
+        self.core_attn = Region()  # the core attention's hook point (activation offload)
+
+    def offload_parts(self) -> dict[str, nn.Module]:
+        """The parts activation offload may name (parallel/activation_offload.py) that this
+        attention has and does not recompute."""
+        parts = {} if self.recompute_core else {"core_attn": self.core_attn}
+        for name, attr in (
+            ("qkv_linear", "linear_qkv"),
+            ("attn_proj", "linear_proj"),
+            ("attn_proj", "o_proj"),
+        ):
+            if isinstance(getattr(self, attr, None), nn.Module):
+                parts[name] = getattr(self, attr)
+        return parts
 
     @classmethod
     def head_dims(cls, config: TransformerConfig) -> HeadDims:
@@ -124,13 +146,16 @@ class AttentionCore(nn.Module):
         when that group has more than one rank; docs [b, s]: the full sequence's document ids
         (None: plain causal)."""
 
-        def core(q_, k_, v_, docs=None):
+        def local(q_, k_, v_, docs=None):
             if self.ring_ranges is not None:  # dropout_p is 0 (validation)
                 return ring_attention(q_, k_, v_, self.ring_group, self.ring_ranges, docs)
             args = (q_, k_, v_, dropout_p) + (() if docs is None else (docs,))
             if self.recompute_core:
                 return recompute(self.core_attention, *args, tracker=self.tracker)
             return self.core_attention(*args)
+
+        def core(q_, k_, v_, docs=None):
+            return self.core_attn(local, q_, k_, v_, docs)
 
         if mappings.size(self.a2a_group) == 1:
             return core(q, k, v, docs)
@@ -313,6 +338,16 @@ class TransformerLayer(nn.Module):
         self.pre_mlp_norm = norm(c.hidden_size, c.norm_eps, c.sequence_parallel)
         self.mlp = build_mlp(c, mesh, layer_number)
         self.recompute_mlp = c.recomputes("moe" if c.is_moe_layer(layer_number) else "mlp")
+
+    def offload_parts(self) -> dict[str, nn.Module]:
+        """{Megatron-Core offload name: submodule} of this layer for activation offload
+        (parallel/activation_offload.py); the parts it recomputes are left out."""
+        parts = {"attn_norm": self.input_norm, "mlp_norm": self.pre_mlp_norm}
+        parts |= getattr(self.self_attention, "offload_parts", dict)()
+        if not self.recompute_mlp:
+            moe = isinstance(self.mlp, MoELayer)
+            parts["moe_experts" if moe else "mlp"] = self.mlp.experts if moe else self.mlp
+        return parts
 
     def forward(self, x: torch.Tensor, ctx: TokenContext) -> torch.Tensor:
         p, tracker, sp = self.dropout_p, self.tracker, self.sp

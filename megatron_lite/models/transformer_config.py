@@ -19,7 +19,18 @@ from megatron_lite.parallel.params import scaled_std
 
 # ModelConfig fields the layers never read: folded into `spec` and `padded_vocab_size`, or
 # run-level choices (compile: models/compile.py wraps the built layers)
-RUN_ONLY = frozenset({"arch", "make_vocab_size_divisible_by", "compile", "compile_mode"})
+# activation_offload*: the trainer hooks the built layers (training/step.py), the model is the same
+RUN_ONLY = frozenset(
+    {
+        "arch",
+        "make_vocab_size_divisible_by",
+        "compile",
+        "compile_mode",
+        "activation_offload",
+        "activation_offload_inflight",
+        "activation_offload_min_bytes",
+    }
+)
 
 
 @dataclass(frozen=True)

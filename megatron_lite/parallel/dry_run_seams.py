@@ -134,6 +134,18 @@ CALL_SITES: tuple[CallSite, ...] = (
         ),
     ),  # fmt: skip
     *_sites(
+        "fake.is_fake",
+        "megatron_lite/parallel/activation_offload.py",
+        (
+            "ActivationOffloader._pack",
+            "a dry run's fake activations are offloaded as a run's are (device and host bytes)",
+        ),
+        (
+            "ActivationOffloader._issue",
+            "fake CUDA tensors are copied as on CPU: no side stream, event or pinned memory",
+        ),
+    ),
+    *_sites(
         "fake.active",
         "megatron_lite/models/__init__.py",
         ("build_model", "fake tensors have no storage to give later: build on the device"),

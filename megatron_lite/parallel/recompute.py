@@ -11,7 +11,9 @@ only refills its saved tensors). The recompute repeats the forward bit for bit:
   recomputed;
 - the whole function runs again (no early stop), so every collective inside it runs again on
   every rank in the same order.
-`is_recomputing()` is true while a recompute runs, for code with side effects (MoE statistics).
+`is_recomputing()` is true while a recompute runs, for code with side effects (MoE statistics);
+`in_region()` while the forward of a checkpointed region runs (nothing is saved for backward
+there: the activation offloader steps aside).
 The inputs the checkpoint keeps are saved for backward through an identity autograd Function
 (`_KeepInput`), so saved-tensor hooks (the activation meter) see the bytes it holds.
 
@@ -34,6 +36,8 @@ from megatron_lite.parallel.random import RNGStatesTracker
 
 # a flag of the running thread's context, like torch's grad mode (not shared between threads)
 _RECOMPUTING = contextvars.ContextVar("megatron_lite_recomputing", default=False)
+# a checkpointed region's forward is running (in_region)
+_IN_REGION = contextvars.ContextVar("megatron_lite_in_region", default=False)
 # regions_run_by's runner, or None (the checkpoint)
 _RUNNER: contextvars.ContextVar[Callable | None] = contextvars.ContextVar(
     "megatron_lite_region_runner", default=None
@@ -43,6 +47,11 @@ _RUNNER: contextvars.ContextVar[Callable | None] = contextvars.ContextVar(
 def is_recomputing() -> bool:
     """Whether the caller runs inside a backward-time recompute of `recompute`."""
     return _RECOMPUTING.get()
+
+
+def in_region() -> bool:
+    """Whether the caller runs inside the forward of a `recompute` region."""
+    return _IN_REGION.get()
 
 
 class _KeepInput(torch.autograd.Function):
@@ -85,7 +94,11 @@ def recompute(fn: Callable, *args, tracker: RNGStatesTracker) -> torch.Tensor:
     @contextlib.contextmanager
     def forward_context():
         at_call.update(tracker.states)  # states are replaced on use, never mutated in place
-        yield
+        token = _IN_REGION.set(True)
+        try:
+            yield
+        finally:
+            _IN_REGION.reset(token)
 
     @contextlib.contextmanager
     def recompute_context():

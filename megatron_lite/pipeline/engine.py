@@ -80,6 +80,19 @@ def deallocate_output(out: torch.Tensor) -> bool:
     return True
 
 
+def backward_follows(actions: Sequence[Action]) -> set[Key]:
+    """The (microbatch, chunk) whose forward is followed by its own backward with no other
+    forward in between (1F1B's last stage: every one; no pipelining: every one)."""
+    compute = [a for a in actions if a.kind in ("forward", "backward")]
+    return {
+        (a.microbatch, a.chunk)
+        for a, b in zip(compute, compute[1:], strict=False)
+        if a.kind == "forward"
+        and b.kind == "backward"
+        and (a.microbatch, a.chunk) == (b.microbatch, b.chunk)
+    }
+
+
 class _Run:
     """State of one schedule execution on one rank."""
 
@@ -93,6 +106,8 @@ class _Run:
         self.forward_step, self.p2p, self.dtype, self.recorder = forward_step, p2p, dtype, recorder
         self.pp_rank, self.pp_size, device = pp
         self.forward_only = False
+        self.offloader = None  # an ActivationOffloader (parallel/activation_offload.py)
+        self.backward_next: set[Key] = set()  # forwards whose backward is the next compute
         self.placement, self.posted, self.split = "loop", False, False
         self.last_stage = self.pp_size * len(chunks) - 1
         self.pending: dict[tuple[str, Key], Posted] = {}  # posted receives, by what they carry
@@ -140,10 +155,18 @@ class _Run:
             else:
                 self.inputs[key] = self.outputs[(a.microbatch, prev)].detach().requires_grad_()
         x = None if stage == 0 else self.inputs[key]  # [s/cp(/tp), b, h] from the previous stage
+        offload = self.offloader is not None and not self.forward_only
         with (
-            linear_async.defer_wgrad(self.chunks[a.chunk], self.wgrads.setdefault(key, []))
-            if self.split and not self.forward_only
-            else contextlib.nullcontext()
+            (
+                linear_async.defer_wgrad(self.chunks[a.chunk], self.wgrads.setdefault(key, []))
+                if self.split and not self.forward_only
+                else contextlib.nullcontext()
+            ),
+            (
+                self.offloader.forward(key, key in self.backward_next)
+                if offload
+                else contextlib.nullcontext()
+            ),
         ):
             out = self.forward_step(self.chunks[a.chunk], self.microbatches[a.microbatch], x)
         if self.forward_only:
@@ -174,6 +197,8 @@ class _Run:
         if self.before_backward is not None:  # split: the gradients are final after W
             last = not self.split and a.microbatch == self.last_backward[a.chunk]
             self.before_backward(a.chunk, last)
+        if self.offloader is not None:  # its last offloaded layer starts coming back
+            self.offloader.begin_backward(key)
         torch.autograd.backward(out, grad_tensors=grad)
         if stage != 0:
             inp = self.inputs.pop(key)
@@ -308,6 +333,7 @@ def forward_backward(
     after_weight: AfterWeight | None = None,
     weight_phase: WeightPhase | None = None,
     schedule: str | None = None,
+    offloader=None,
 ) -> torch.Tensor:
     """Forward and backward of every microbatch through this rank's `chunks`; returns the sum of
     the unscaled losses `forward_step` returned (float64, 0-dim; zero unless this rank holds the
@@ -332,7 +358,10 @@ def forward_backward(
     chunk count), whose record gives the placement and how batches run. The zero-bubble ones
     split each backward: B runs autograd with the parallel linear layers' weight-gradient GEMMs
     queued (`linear_async.defer_wgrad`), W runs the queue; their batches are posted, each
-    compute waiting only for the receive it needs.
+    compute waiting only for the receive it needs. `offloader` (an `ActivationOffloader`)
+    is told each forward's key and whether its backward is the rank's next compute (no
+    forward in between, read from the table: its last layer is not offloaded) and each
+    backward's key (its reload starts).
     """
     pp = mappings.size(pp_group)
     pp_rank = dist.get_rank(pp_group) if pp > 1 else 0
@@ -361,6 +390,7 @@ def forward_backward(
     if weight_phase is not None:
         run.weight_phase = weight_phase
     run.last_backward = {a.chunk: a.microbatch for a in actions if a.kind == "backward"}
+    run.offloader, run.backward_next = offloader, backward_follows(actions)
     run.last_weight = {a.chunk: a.microbatch for a in actions if a.kind == "weight"}
     with torch.no_grad() if forward_only else contextlib.nullcontext():
         for step in comm_batches(actions):

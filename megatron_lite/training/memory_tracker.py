@@ -25,6 +25,11 @@ where the step is (the trainer names forward, grad sync and optimizer; transform
 name forward/backward of layer k), and the peak records the phase it happened in.
 `category_peaks` holds each category's own maximum (which need not be at the same instant as
 the peak of the total).
+
+Host copies of offloaded activations (model.activation_offload) are made inside
+`host_allocations()` (not device memory, on a CPU run too) and named by
+`offloaded_to_host(tensors)`: they count in `host_bytes` / `host_peak` until freed, on CPU
+and CUDA alike.
 """
 
 from __future__ import annotations
@@ -101,6 +106,9 @@ class MemoryTracker(TorchDispatchMode):
         self._lock = threading.RLock()  # storages are freed on autograd's threads too
         self._resize = None
         self._handles: list = []
+        self.host_bytes = 0  # offloaded activations' host copies alive now
+        self.host_peak = 0
+        self._host: set[int] = set()  # their storage keys
 
     # ------------------------------------------------------------ context
     def __enter__(self) -> MemoryTracker:
@@ -237,6 +245,42 @@ class MemoryTracker(TorchDispatchMode):
                     self.current[category] += entry[0]
                     entry[1] = category
 
+    @contextlib.contextmanager
+    def host_allocations(self) -> Iterator[None]:
+        """Storages made inside the block are not device memory (an activation offloader's
+        host copies: `offloaded_to_host` counts them next)."""
+        self._untracked += 1
+        try:
+            yield
+        finally:
+            self._untracked -= 1
+
+    def offloaded_to_host(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Count the storages of `tensors` (an activation offloader's host copies) as host
+        bytes, out of the device categories (module docstring)."""
+        for t in tensors:
+            s = _storage(t)
+            if s is None:
+                continue
+            key = s._cdata
+            with self._lock:
+                if key in self._host:
+                    continue
+                entry = self._live.pop(key, None)
+                if entry is not None:  # a CPU run counted it as a device storage
+                    self.current[entry[1]] -= entry[0]
+                    self.total -= entry[0]
+                self._host.add(key)
+                self.host_bytes += s.nbytes()
+                self.host_peak = max(self.host_peak, self.host_bytes)
+            weakref.finalize(s, self._free_host, key, s.nbytes())
+
+    def _free_host(self, key: int, nbytes: int) -> None:
+        with self._lock:
+            if key in self._host:
+                self._host.discard(key)
+                self.host_bytes -= nbytes
+
     def label_model_states(self, dp) -> None:
         """Name the data-parallel wrapper's model states (its `state_tensors()`), as the
         trainer reports them in mem/*."""
@@ -253,6 +297,7 @@ class MemoryTracker(TorchDispatchMode):
             self.peak = Peak(self.total, dict(self.current), self.where())
             self.peaks_by_phase = {}
             self.category_peaks = dict(self.current)
+            self.host_peak = self.host_bytes
 
     # ------------------------------------------------------------ counting
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

@@ -38,6 +38,7 @@ from megatron_lite import resolve
 from megatron_lite.config import Config
 from megatron_lite.data.sampler import split_sample
 from megatron_lite.parallel import host, mappings
+from megatron_lite.parallel.activation_offload import ActivationOffloader
 from megatron_lite.parallel.cross_entropy import IGNORE_INDEX
 from megatron_lite.parallel.mesh import ParallelMesh
 from megatron_lite.pipeline.engine import ForwardStep, forward_backward
@@ -109,7 +110,8 @@ class TrainStep:
     named_params: (name, parameter) of the chunks, for the guard's message; memory_tracker:
     returns the MemoryTracker that names the step's phases, or None (no tracking); rerun: the
     replay of a suspicious step (rerun.py; None or inactive: none), before_replay: drops
-    what the first run's forward recorded outside the gradients (MoE routing statistics)."""
+    what the first run's forward recorded outside the gradients (MoE routing statistics);
+    offloader: the chunks' ActivationOffloader (model.activation_offload), or None."""
 
     def __init__(
         self,
@@ -128,8 +130,10 @@ class TrainStep:
         memory_tracker: Callable[[], MemoryTracker | None] = lambda: None,
         rerun: StepRerun | None = None,
         before_replay: Callable[[], None] = lambda: None,
+        offloader: ActivationOffloader | None = None,
     ):
         self.chunks, self.dp, self.mesh, self.device = chunks, dp, mesh, device
+        self.offloader = offloader
         self.rerun = rerun if rerun is not None and rerun.active else None
         self.before_replay = before_replay  # drops what the first run's forward recorded
         # a test's fault injection: called with (step, replay) after the gradient reduction
@@ -171,6 +175,7 @@ class TrainStep:
             after_weight=self.dp.after_weight,
             weight_phase=lambda: self.phase("weight", working=True),
             schedule=p.schedule,
+            offloader=None if forward_only else self.offloader,
         )
         if recorder is not None:
             meta = {
@@ -262,6 +267,8 @@ class TrainStep:
         """The step up to the optimizer: gradients zeroed, forward and backward, the last
         reductions and the world all-reduce of [Σg², loss sum, flags] (run twice when a
         suspicious step is replayed: rerun.py)."""
+        if self.offloader is not None:
+            self.offloader.reset()  # its stats are this attempt's
         self.dp.start_step(len(microbatches))
         measure = measure or (lambda run, _n: run())
         with self.phase("forward"):  # and the backward (the tracker tells them apart)
@@ -329,4 +336,39 @@ def lm_train_step(
         memory_tracker=memory_tracker,
         rerun=rerun,
         before_replay=before_replay,
+        offloader=build_offloader(cfg, chunks, device, memory_tracker),
     )
+
+
+def build_offloader(
+    cfg: Config,
+    chunks: list[torch.nn.Module],
+    device: torch.device,
+    memory_tracker: Callable[[], MemoryTracker | None] = lambda: None,
+) -> ActivationOffloader | None:
+    """The ActivationOffloader of model.activation_offload hooked on the layers of each chunk
+    (its `layers` ModuleDict, in order), or None when the list is empty; its host copies are
+    named to the memory tracker when one runs (host bytes, out of the device's)."""
+
+    def on_host(tensors: list[torch.Tensor]) -> None:
+        tracker = memory_tracker()
+        if tracker is not None:
+            tracker.offloaded_to_host(tensors)
+
+    def host_scope():
+        tracker = memory_tracker()
+        return tracker.host_allocations() if tracker is not None else contextlib.nullcontext()
+
+    m = cfg.model
+    if not m.activation_offload:
+        return None
+    offloader = ActivationOffloader(
+        m.activation_offload,
+        min_bytes=m.activation_offload_min_bytes,
+        inflight=m.activation_offload_inflight,
+        device=device,
+        on_host=on_host,
+        host_scope=host_scope,
+    )
+    offloader.attach([list(getattr(c, "layers", {}).values()) for c in chunks])
+    return offloader

@@ -225,12 +225,28 @@ class Trainer:
             **({"skipped": True} if out.skipped else {}),
             **self.memory.step_memory(act_changes > 0),
             **moe,
+            **self._offload_record(),
             **STATS.summary(),
             **self.rerun.metrics(),
             **(self.straggler.report(self.step) if self.straggler is not None else {}),
         }
         self.step += 1
         return record
+
+    def _offload_record(self) -> dict:
+        """model.activation_offload: this rank's offload/* figures of the step (bytes moved to
+        and from the host, the host copies' peak, the most copies in flight, late reloads)."""
+        off = self.stepper.offloader
+        if off is None:
+            return {}
+        st = off.stats
+        return {
+            "offload/bytes": st.offloaded_bytes,
+            "offload/reloaded_bytes": st.reloaded_bytes,
+            "offload/peak_host_bytes": st.peak_host_bytes,
+            "offload/max_in_flight": st.max_in_flight,
+            "offload/late_reloads": st.late_reloads,
+        }
 
     def _report_compile(self, record: dict) -> None:
         """model.compile: after this run's first step (the regions compile lazily, in it) add

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from megatron_lite.config import Config
 from megatron_lite.resolve import resolve
+from megatron_lite.validation.activation_offload import _validate_activation_offload
 from megatron_lite.validation.backends import _validate_fp8, check_hardware
 from megatron_lite.validation.compile import _validate_compile
 from megatron_lite.validation.data_parallel import _validate_data_parallel
@@ -64,6 +65,7 @@ def validate(cfg: Config, world_size: int, warn: bool = True) -> Config:
     _validate_moe(r)
     _validate_mtp(r)
     _validate_recompute(r)
+    _validate_activation_offload(r)
     _validate_ffn_hidden_size(r)
     _validate_data_parallel(r)
     _validate_dropout_and_schedule(r.model, r.train)
