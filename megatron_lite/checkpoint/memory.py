@@ -26,13 +26,15 @@ is a random id that rank 0 keeps in <out_dir>/memory_checkpoints.id: a fresh lau
 (TORCHELASTIC_RESTART_COUNT unset or 0) draws a new one and removes the copies of the id it
 replaces; a group torchrun restarts (count > 0) reads it. So a copy is only ever loaded by a
 restart of the launch that wrote it, and a file whose header names another run, step, rank,
-world size or layout is ignored.
+world size or settings (model, layout, optimizer: `fingerprint`) is ignored.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
+import json
 import os
 import re
 import shutil
@@ -68,6 +70,16 @@ class Plan:
     sources: dict[int, tuple[int, str, int]]
 
 
+def fingerprint(cfg) -> str:
+    """What a copy's tensors depend on (model, layout, optimizer and its dtypes): a copy is
+    loaded only by a run whose settings give the same value."""
+    t = cfg.train
+    keys = {"model": cfg.model, "parallel": cfg.parallel}
+    keys["train"] = (t.optimizer, t.precision, t.optimizer_offload)
+    text = json.dumps({k: str(v) for k, v in keys.items()}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 def _restart_count() -> int:
     text = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return int(text) if text.isdigit() else 0
@@ -93,10 +105,8 @@ class MemoryCheckpoints:
     (a RankAgreement of all `world` ranks) and its gloo `group`."""
 
     def __init__(self, cfg, rank: int, world: int, ranks, group, root: str = SHM_ROOT):
-        from megatron_lite.checkpoint.load import layout_of
-
         self.interval, self.rank, self.world = cfg.train.memory_checkpoint_interval, rank, world
-        self.ranks, self.group, self.root, self.layout = ranks, group, root, layout_of(cfg)
+        self.ranks, self.group, self.root, self.settings = ranks, group, root, fingerprint(cfg)
         out_dir = cfg.train.out_dir
         self.run_id, stale = ranks.from_rank0(lambda: _choose_run_id(out_dir), io="write")
         self.dir = mf.run_root(root, self.run_id)
@@ -164,7 +174,7 @@ class MemoryCheckpoints:
             "step": step,
             "rank": self.rank,
             "world": self.world,
-            "layout": self.layout,
+            "settings": self.settings,
             "consumed_samples": consumed,
         }
         own = os.path.join(self.dir, mf.own_name(self.rank, step))
@@ -182,7 +192,8 @@ class MemoryCheckpoints:
         mine = [
             (s, name)
             for owner, s, name in mf.listing(self.dir)
-            if (owner == self.rank and name.startswith("rank")) or name.endswith(f".by{self.rank}.bin")
+            if (owner == self.rank and name.startswith("rank"))
+            or name.endswith(f".by{self.rank}.bin")
         ]
         keep = sorted({s for s, _ in mine if s < step}, reverse=True)[: STEPS_KEPT - 1]
         for s, name in mine:
@@ -252,9 +263,10 @@ class MemoryCheckpoints:
         except (OSError, ValueError):
             return False
         want = {"run_id": self.run_id, "step": step, "rank": owner, "world": self.world}
-        return all(header.get(k) == v for k, v in want.items()) and header.get(
-            "layout"
-        ) == self.layout
+        return (
+            all(header.get(k) == v for k, v in want.items())
+            and header.get("settings") == self.settings
+        )
 
     def plan(self) -> Plan | None:
         """The newest step whose copy is complete for every rank (its own, or a replica on

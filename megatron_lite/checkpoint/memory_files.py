@@ -8,9 +8,9 @@ groups here.
       .tmp-*                              a write in progress (renamed when complete)
 
 A file is `MAGIC`, the header's length (8 bytes, little endian), the header (JSON: run id,
-step, owner rank, world size, layout, consumed samples, and per tensor its key, dtype, shape,
-byte offset and size), then the tensors' bytes, each at a 64-byte aligned offset. Nothing in
-it is pickled: a file another program left there cannot run code when read.
+step, owner rank, world size, settings fingerprint, consumed samples, and per tensor its key,
+dtype, shape, byte offset and size), then the tensors' bytes, each at a 64-byte aligned
+offset. Nothing in it is pickled: a file another program left there cannot run code when read.
 """
 
 from __future__ import annotations

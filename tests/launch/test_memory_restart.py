@@ -56,6 +56,8 @@ def test_killed_rank_resumes_from_memory_with_same_losses(tmp_path):
     assert f"resumed from {out / 'checkpoints'}" not in output, output[-3000:]
     assert [r["step"] for r in metric_records(out)] == list(range(steps))
     want, got = read_metrics(ref_out), read_metrics(out)
-    diffs = {s: (got[s]["loss"], want[s]["loss"]) for s in want if got[s]["loss"] != want[s]["loss"]}
+    diffs = {
+        s: (got[s]["loss"], want[s]["loss"]) for s in want if got[s]["loss"] != want[s]["loss"]
+    }
     assert not diffs, f"losses after the restart differ from the uninterrupted run: {diffs}"
     assert not os.path.exists(f"/dev/shm/megatron_lite-{run_id}"), "copies left after the end"

@@ -61,11 +61,12 @@ def _run(rank, world, out_dir, overrides, crash_after, drop_own):
     return losses, start, saves, left
 
 
+@pytest.mark.slow  # three trainers on two ranks: ~20 s on 2 cores
 def test_restart_resumes_from_memory_with_the_same_losses(tmp_path):
-    """2 ranks, copies every 2 steps, disk every 4: killed after step 5 (copies of steps 2
-    and 4 left, disk at 4 is older... equal: memory wins a tie), rank 0's own copies gone:
-    the restart takes step 4 from rank 1's replica, and every loss equals the run's without
-    the restart, bitwise (the same arithmetic on the same restored bytes)."""
+    """2 ranks, copies every 2 steps, no disk checkpoints: stopped after step 5 (copies of
+    steps 2 and 4 left) and rank 0's own copies deleted: the restart takes step 4 from rank
+    1's replica, and every loss equals the run's without the restart, bitwise (the same
+    arithmetic on the same restored bytes)."""
     common = ["train.memory_checkpoint_interval=2", "train.save_interval=0"]
     ref = run_ranks(2, _run, str(tmp_path / "ref"), common, None, None, timeout=120)[0]
     got = run_ranks(2, _run, str(tmp_path / "run"), common, 5, 0, timeout=120)
@@ -74,3 +75,112 @@ def test_restart_resumes_from_memory_with_the_same_losses(tmp_path):
     assert len(saves) == 2, saves  # steps 2 and 4
     assert losses == ref[0], f"losses differ after the restart: {losses} vs {ref[0]}"
     assert left == [] and got[1][3] == [], "the copies are removed at a clean end"
+
+
+def _failing_write(rank, world, out_dir):
+    """Disk checkpoint at step 2, then rank 1's copy of step 3 fails (ENOSPC) -> each rank's
+    error, and whether step_2 on disk is still intact."""
+    import errno
+
+    from megatron_lite.checkpoint import files
+    from megatron_lite.checkpoint import memory_files as mf
+
+    write = mf.write_copy
+
+    def full(path, meta, tensors):
+        if rank == 1 and meta["step"] == 3:
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+        return write(path, meta, tensors)
+
+    mf.write_copy = full
+    overrides = ["train.memory_checkpoint_interval=3", "train.save_interval=2"]
+    trainer = _trainer(rank, world, out_dir, overrides, restart=0)
+    try:
+        trainer.train()
+    except Exception as e:  # noqa: BLE001 - the test reports what was raised
+        ckpt = os.path.join(out_dir, "checkpoints", "step_2")
+        return type(e).__name__, str(e), files.quick_check(ckpt), trainer.step
+    return None
+
+
+def test_failed_write_is_one_error_naming_key_and_path(tmp_path):
+    results = run_ranks(2, _failing_write, str(tmp_path), timeout=120)
+    for rank, result in enumerate(results):
+        assert result is not None, f"rank {rank} trained through a failed write"
+        kind, message, damage, step = result
+        assert kind == "CheckpointWriteError", (rank, kind, message)
+        assert "train.memory_checkpoint_interval=3" in message, message
+        assert "/dev/shm/megatron_lite-" in message and "rank1-step3.bin" in message, message
+        assert "No space left on device" in message and "disk checkpoints are untouched" in message
+        assert damage is None and step == 3, (damage, step)  # step_2 intact, stopped at 3
+
+
+def _small_shm(rank, world, out_dir):
+    """/dev/shm reports 1 MiB free: the start is refused on every rank."""
+    import types
+
+    from megatron_lite.checkpoint import memory
+
+    memory.os.statvfs = lambda path: types.SimpleNamespace(f_bavail=256, f_frsize=4096)
+    try:
+        _trainer(rank, world, out_dir, ["train.memory_checkpoint_interval=2"], restart=0)
+    except Exception as e:  # noqa: BLE001
+        return type(e).__name__, str(e)
+    return None
+
+
+def test_too_small_shm_is_refused_at_start_naming_the_key(tmp_path):
+    for result in run_ranks(2, _small_shm, str(tmp_path), timeout=120):
+        assert result is not None, "started with a /dev/shm too small"
+        kind, message = result
+        assert kind == "CheckpointWriteError", message
+        assert "train.memory_checkpoint_interval=2" in message and "0.00 GiB free" in message
+        assert "Fix: free space in /dev/shm" in message, message
+
+
+def _across_hosts(rank, world, root):
+    """MemoryCheckpoints on ranks that pretend to be on two hosts: the replica goes over the
+    process group; rank 0's own copy is then lost and its load comes from rank 1."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_lite.checkpoint import memory_files as mf
+    from megatron_lite.checkpoint.memory import MemoryCheckpoints
+    from megatron_lite.checkpoint.rank_agreement import RankAgreement
+    from megatron_lite.config import load_config
+
+    overrides = ["parallel.dp=2", "train.memory_checkpoint_interval=1", f"train.out_dir={root}"]
+    cfg = load_config(None, [*TINY, *overrides])
+    ranks = RankAgreement(rank, world, dist.group.WORLD)
+    shm = os.path.join(root, f"host{rank}")  # each "host" has a /dev/shm of its own
+    os.makedirs(shm)
+    mem = MemoryCheckpoints(cfg, rank, world, ranks, dist.group.WORLD, root=shm)
+    mem.hosts = ["node-a", "node-b"]
+    g = torch.Generator().manual_seed(rank)
+    state = {
+        "w": torch.randn(70_000, generator=g).to(torch.bfloat16),
+        "m": torch.randn(3, 5, generator=g, dtype=torch.float64),
+        "step": torch.tensor(7),
+    }
+    import megatron_lite.checkpoint.memory as memory
+
+    memory.CHUNK = 50_000  # bytes: several messages per copy
+    mem.save(1, 16, state)
+    replica = os.path.join(mem.dir, mf.replica_name(mem.source, 1, rank))
+    dist.barrier()
+    if rank == 0:
+        os.remove(os.path.join(mem.dir, mf.own_name(0, 1)))
+    dist.barrier()
+    plan = mem.plan()
+    targets = {k: torch.zeros_like(v) for k, v in state.items()}
+    header = mem.load(plan, targets)
+    same = all(torch.equal(targets[k], state[k]) for k in state)
+    return os.path.exists(replica), plan.sources[rank][0], header["consumed_samples"], same
+
+
+def test_replica_over_the_group_restores_a_lost_copy(tmp_path):
+    results = run_ranks(2, _across_hosts, str(tmp_path), timeout=60)
+    (replica0, holder0, consumed0, same0), (replica1, holder1, _, same1) = results
+    assert replica0 and replica1, "each rank holds its source's replica"
+    assert (holder0, holder1) == (1, 1), "rank 0 loads rank 1's replica, rank 1 its own copy"
+    assert consumed0 == 16 and same0 and same1, "the loaded tensors differ from the saved"
