@@ -159,6 +159,8 @@ class Checkpointer:
 
     def save_memory(self, step: int, consumed_samples: int) -> float:
         """An in-memory checkpoint after `step` (collective); returns the seconds it took."""
+        if self.memory is None:  # a dry run (fake process groups) keeps no copies
+            return 0.0
         t0 = time.perf_counter()
         self.memory.save(step, consumed_samples, self._memory_state()[1])
         return time.perf_counter() - t0
