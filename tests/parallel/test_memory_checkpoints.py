@@ -62,17 +62,25 @@ def _run(rank, world, out_dir, overrides, crash_after, drop_own):
 
 
 @pytest.mark.slow  # three trainers on two ranks: ~20 s on 2 cores
-def test_restart_resumes_from_memory_with_the_same_losses(tmp_path):
-    """2 ranks, copies every 2 steps, no disk checkpoints: stopped after step 5 (copies of
-    steps 2 and 4 left) and rank 0's own copies deleted: the restart takes step 4 from rank
-    1's replica, and every loss equals the run's without the restart, bitwise (the same
-    arithmetic on the same restored bytes)."""
-    common = ["train.memory_checkpoint_interval=2", "train.save_interval=0"]
+@pytest.mark.parametrize(
+    "save_interval, crash_after, drop_own, start",
+    [(0, 5, 0, 4), (3, 3, None, 3)],
+    ids=["peer-replica", "disk-newer"],
+)
+def test_restart_resumes_from_the_newest_with_the_same_losses(
+    tmp_path, save_interval, crash_after, drop_own, start
+):
+    """2 ranks, copies every 2 steps. peer-replica: no disk checkpoints, stopped after step 5
+    (copies of steps 2 and 4 left) and rank 0's own copies deleted: the restart takes step 4
+    from rank 1's replica. disk-newer: disk every 3 steps, stopped after step 3: the disk's
+    step 3 is newer than the copy of step 2 and wins. Every loss equals the run's without the
+    restart, bitwise (the same arithmetic on the same restored bytes)."""
+    common = ["train.memory_checkpoint_interval=2", f"train.save_interval={save_interval}"]
     ref = run_ranks(2, _run, str(tmp_path / "ref"), common, None, None, timeout=120)[0]
-    got = run_ranks(2, _run, str(tmp_path / "run"), common, 5, 0, timeout=120)
-    losses, start, saves, left = got[0]
-    assert start == 4, f"restarted at step {start}, expected the in-memory step 4"
-    assert len(saves) == 2, saves  # steps 2 and 4
+    got = run_ranks(2, _run, str(tmp_path / "run"), common, crash_after, drop_own, timeout=120)
+    losses, restarted_at, saves, left = got[0]
+    assert restarted_at == start, f"restarted at step {restarted_at}, expected {start}"
+    assert len(saves) == crash_after // 2, saves  # a copy every 2 steps
     assert losses == ref[0], f"losses differ after the restart: {losses} vs {ref[0]}"
     assert left == [] and got[1][3] == [], "the copies are removed at a clean end"
 
