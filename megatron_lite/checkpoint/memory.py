@@ -158,7 +158,12 @@ class MemoryCheckpoints:
                     f"{need / 2**30:.2f} GiB ({STEPS_KEPT} steps of their own copies of "
                     f"{nbytes / 2**20:.1f} MiB per rank and of the replicas they hold)",
                 )
-        self.ranks.agree(error)
+        try:
+            self.ranks.agree(error)
+        except CheckpointWriteError:
+            with contextlib.suppress(OSError):
+                os.rmdir(self.dir)  # made by this start, and empty unless a restart's
+            raise
 
     def source_of(self, r: int) -> int:
         """The rank whose replica rank `r` holds."""
