@@ -179,7 +179,7 @@ class Checkpointer:
         targets, tensors = self._memory_state()
         targets.begin()  # zeros where nothing is stored (vocabulary padding), as a disk load
         rng = {k: torch.empty_like(t) for k, t in tensors.items() if k.startswith("rng/")}
-        fill = {**{k: v for k, v in targets.buffers.items()}, **rng}
+        fill = {**targets.buffers, **rng}
         try:
             header = self.ranks.on_every_rank(
                 lambda: self.memory.load(plan, fill), f"loading in-memory step {plan.step}"
