@@ -194,3 +194,35 @@ def test_replica_over_the_group_restores_a_lost_copy(tmp_path):
     assert replica0 and replica1, "each rank holds its source's replica"
     assert (holder0, holder1) == (1, 1), "rank 0 loads rank 1's replica, rank 1 its own copy"
     assert consumed0 == 16 and same0 and same1, "the loaded tensors differ from the saved"
+
+
+def _other_runs(rank, world, out_dir):
+    """Copies of steps 1 and 2 left by a dead group; then a restart whose model settings differ
+    (model.norm_eps), and a fresh launch (restart count 0) -> (their steps, whether the dead
+    group's copies still exist after each)."""
+    import torch.distributed as dist
+
+    every = ["train.memory_checkpoint_interval=1"]
+    trainer = _trainer(rank, world, out_dir, every, restart=0)
+    for _ in range(2):
+        record = trainer.train_step()
+        trainer.signals.after_step(record, trainer.step, trainer.consumed_samples, False)
+    trainer.checkpointer.directory.release()
+    old = trainer.checkpointer.memory.dir
+    other = _trainer(rank, world, out_dir, [*every, "model.norm_eps=1e-6"], restart=1)
+    other.checkpointer.directory.release()
+    kept = os.path.exists(os.path.join(old, f"rank{rank}-step2.bin"))
+    dist.barrier()
+    fresh = _trainer(rank, world, out_dir, every, restart=0)
+    fresh.checkpointer.directory.release()
+    gone = not os.path.exists(old)
+    shutil.rmtree(fresh.checkpointer.memory.dir, ignore_errors=True)
+    return other.step, kept, fresh.step, gone
+
+
+def test_copies_are_only_loaded_by_a_restart_of_the_same_run(tmp_path):
+    for rank, (other, kept, fresh, gone) in enumerate(
+        run_ranks(2, _other_runs, str(tmp_path), timeout=120)
+    ):
+        assert other == 0 and kept, f"rank {rank}: other settings loaded the copies ({other})"
+        assert fresh == 0 and gone, f"rank {rank}: a fresh launch loaded ({fresh}) or kept them"
