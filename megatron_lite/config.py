@@ -208,6 +208,8 @@ class TrainConfig:
     profile_memory_snapshot: bool = False  # CUDA: also the allocator's history over those steps
     # checkpointing (checkpoint/; when to save: training/signals.py)
     save_interval: int = 0  # save every N steps and after the last one; 0 = never
+    # every N steps a copy in /dev/shm and at a peer rank for fast restarts; 0 = off
+    memory_checkpoint_interval: int = 0
     keep_checkpoints: int = 2  # newest checkpoints kept in ckpt_dir
     resume: str = "auto"  # auto (newest valid in ckpt_dir, if any) | none | a checkpoint path
     init_from: str | None = None  # model weights only (step 0, fresh optimizer), e.g. from HF

@@ -63,9 +63,10 @@ from megatron_lite.checkpoint.errors import (
     CheckpointReadError,
     CheckpointWriteError,
 )
-from megatron_lite.checkpoint.holdings import save_state
+from megatron_lite.checkpoint.holdings import load_targets, save_state
 from megatron_lite.checkpoint.load import Loader, LoadJob, layout_of
 from megatron_lite.checkpoint.rank_agreement import describe_error
+from megatron_lite.checkpoint.state import rng_states, set_rng_states
 from megatron_lite.parallel.mappings import CollectiveError, guarded
 
 __all__ = ["Checkpointer"]
@@ -82,6 +83,10 @@ def _async_save(state, writer, planner, group):
         pass
     out = dcp.async_save(state, storage_writer=writer, planner=planner, process_group=group, **kw)
     return getattr(out, "upload_completion", out)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 class Checkpointer:
@@ -107,6 +112,9 @@ class Checkpointer:
         self.pending = None  # Future of an async save (rank 0: including the commit)
         self._job: LoadJob | None = None  # the checkpoint _verify accepted, for resume()
         self._committer = ThreadPoolExecutor(1) if self.rank == 0 else None
+        self.memory = directory.memory  # in-memory checkpoints (memory.py), or None
+        if self.memory is not None:  # refuse to start when /dev/shm cannot hold them
+            self.memory.check_space(sum(_nbytes(t) for t in self._memory_state()[1].values()))
 
     @property
     def read_bytes(self) -> int:
@@ -125,6 +133,9 @@ class Checkpointer:
         when nothing was. Loads exactly when directory.will_load() said so (or raises)."""
         t = self.cfg.train
         try:
+            loaded = self._resume_from_memory()
+            if loaded is not None:
+                return loaded
             path = self._choose(t.resume, t.init_from)
             if path is None:
                 return None
@@ -133,6 +144,60 @@ class Checkpointer:
         except BaseException:
             self.directory.release()  # nothing is being saved yet
             raise
+
+    def _memory_state(self):
+        """(load targets, {key: tensor}): what a same-layout disk resume restores on this rank
+        (holdings.load_targets: weights, optimizer states, step counts) and its RNG states."""
+        self.dp.wait_params()
+        masters = self.dp.optimizer.weight_dtype != torch.float32
+        targets = load_targets(self.chunks, self.dp.optimizer, self.mesh, True, masters)
+        tensors = dict(targets.buffers)
+        for step, key in targets.steps:
+            tensors[key] = step.detach()
+        tensors.update({f"rng/{g}": t for g, t in rng_states(self.tracker).items()})
+        return targets, tensors
+
+    def save_memory(self, step: int, consumed_samples: int) -> float:
+        """An in-memory checkpoint after `step` (collective); returns the seconds it took."""
+        if self.memory is None:  # a dry run (fake process groups) keeps no copies
+            return 0.0
+        t0 = time.perf_counter()
+        self.memory.save(step, consumed_samples, self._memory_state()[1])
+        return time.perf_counter() - t0
+
+    def _resume_from_memory(self) -> tuple[int, int] | None:
+        """Load the in-memory step will_load() agreed on when it is not older than the newest
+        disk checkpoint (collective) -> (step, consumed samples), or None."""
+        plan = self.directory.memory_plan
+        if plan is None:
+            return None
+        disk = [int(os.path.basename(p).removeprefix("step_")) for p in self.directory.candidates()]
+        if disk and max(disk) > plan.step:
+            self.directory.say(f"in-memory step {plan.step} is older than step_{max(disk)}")
+            return None
+        t0 = time.perf_counter()
+        targets, tensors = self._memory_state()
+        targets.begin()  # zeros where nothing is stored (vocabulary padding), as a disk load
+        rng = {k: torch.empty_like(t) for k, t in tensors.items() if k.startswith("rng/")}
+        fill = {**targets.buffers, **rng}
+        try:
+            header = self.ranks.on_every_rank(
+                lambda: self.memory.load(plan, fill), f"loading in-memory step {plan.step}"
+            )
+        except CheckpointReadError as e:  # agreed on every rank; a disk load rewrites it all
+            if not disk:
+                raise
+            self.directory.say(f"{e}; falling back to the disk checkpoints")
+            return None
+        targets.finish()
+        set_rng_states(self.tracker, {k[4:]: t for k, t in rng.items()})
+        where = sorted({h for r, (h, _, _) in plan.sources.items() if h != r})
+        peers = f", {len(where)} from a peer's replica" if where else ""
+        self.directory.say(
+            f"resumed from the in-memory checkpoint of step {plan.step} in {self.memory.dir} "
+            f"({time.perf_counter() - t0:.2f}s{peers}); now at step {plan.step}"
+        )
+        return plan.step, header["consumed_samples"]
 
     def _choose(self, resume: str, init_from: str | None) -> str | None:
         """The checkpoint to load, verified and prepared in self._job (collective)."""
@@ -280,3 +345,5 @@ class Checkpointer:
         if pending:
             self.directory.say(f"waited {time.perf_counter() - t0:.3f}s for the last async save")
         self.directory.release()  # no save is pending any more
+        if self.memory is not None:  # a clean end: the copies are not needed any more
+            self.memory.remove()

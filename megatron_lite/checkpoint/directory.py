@@ -15,6 +15,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from megatron_lite.checkpoint import files
+from megatron_lite.checkpoint.memory import MemoryCheckpoints
 from megatron_lite.checkpoint.rank_agreement import RankAgreement
 from megatron_lite.checkpoint.run_dir import ckpt_dir_of, claim_run_dir
 from megatron_lite.parallel import mappings
@@ -45,6 +46,10 @@ class CheckpointDir:
         self._candidates: list[str] | None = None  # resume=auto's, listed by will_load()
         # one run per directory; a no-op when train.main already holds the lock
         self.run_lock = claim_run_dir(cfg, self.rank, self.world, self.ctl_group)
+        # train.memory_checkpoint_interval: copies in /dev/shm and at a peer (memory.py)
+        self.memory, self.memory_plan = None, None
+        if t.memory_checkpoint_interval > 0 and host != "fake":
+            self.memory = MemoryCheckpoints(cfg, self.rank, self.world, self.ranks, self.ctl_group)
 
     def say(self, msg: str) -> None:
         """A checkpoint message, printed once (rank 0)."""
@@ -56,9 +61,11 @@ class CheckpointDir:
         train.resume / train.init_from names one (collective). Lets the model skip its
         random init when a checkpoint will fill it."""
         t = self.cfg.train
+        if t.resume == "auto" and self.memory is not None:
+            self.memory_plan = self.memory.plan()  # the newest complete in-memory step
         if t.resume == "auto":
             self._candidates = self.ranks.from_rank0(lambda: files.auto_candidates(self.path))
-            if self._candidates:
+            if self._candidates or self.memory_plan is not None:
                 return True
         return t.resume not in ("auto", "none") or t.init_from is not None
 

@@ -60,6 +60,9 @@ class StopSignals:
         due = t.save_interval > 0 and (step % t.save_interval == 0 or step == t.steps)
         if due or (stop and t.save_interval > 0):
             record["ckpt_blocked_s"] = self.checkpointer.save(step, consumed_samples)
+        every = t.memory_checkpoint_interval  # a copy in host memory (checkpoint/memory.py)
+        if every > 0 and step % every == 0 and step < t.steps and not stop:
+            record["memckpt_s"] = self.checkpointer.save_memory(step, consumed_samples)
         if stop:
             self.checkpointer.wait()
             cause = f"received {self.received}" if self.received else why

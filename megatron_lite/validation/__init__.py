@@ -24,6 +24,7 @@ from megatron_lite.validation.inputs import (
     _validate_eval,
 )
 from megatron_lite.validation.log import _validate_log
+from megatron_lite.validation.memory_checkpoints import _validate_memory_checkpoints
 from megatron_lite.validation.moe import _validate_moe
 from megatron_lite.validation.mtp import _validate_mtp
 from megatron_lite.validation.parallel import (
@@ -70,6 +71,7 @@ def validate(cfg: Config, world_size: int, warn: bool = True) -> Config:
     _validate_data_parallel(r)
     _validate_dropout_and_schedule(r.model, r.train)
     _validate_checkpointing(r.train)
+    _validate_memory_checkpoints(r, world_size)
     _validate_model_ranges(r)
     _validate_model_dtypes(r)
     _validate_train_ranges(r)
