@@ -69,7 +69,7 @@ def main(argv=None) -> int:
         cfg = with_vocab(load_config(args.config, args.overrides))
         world = world_size(args, cfg)
         flags.check_world(args, world)
-        gpu = node(args)
+        gpu = node(args, _fabric(args.fabric))
         budget = usable_bytes(gpu, args.reserve)
         if not args.search:
             r = validate(cfg, world)  # reports a missing tokenizer file or mock data's vocab
@@ -102,6 +102,19 @@ def main(argv=None) -> int:
         return 1
 
 
+def _fabric(path):
+    """--fabric FILE's measured times (plan/fabric.py), or None; a bad file is a ConfigError
+    naming the flag, the file, the field and the fix."""
+    if path is None:
+        return None
+    from megatron_lite.plan.fabric import FabricError, load_fabric
+
+    try:
+        return load_fabric(path)
+    except FabricError as e:
+        raise FabricError(f"--fabric: {e}") from None
+
+
 def node(args, fabric=None):
     """The hardware.Node the flags describe: the GPU in its usual node, each flag given
     replacing that part (plan/hardware.py make_node). `fabric`: measured collective times
@@ -118,6 +131,10 @@ def _plan(args, r, world: int, gpu, budget: float) -> int:
     print(f"layout on {world} GPUs: " + _layout(r))
     print(layer_table(ranks[0].per_layer))
     print(memory_table(ranks, budget))
+    if r.train.optimizer_offload != "none":
+        from megatron_lite.plan.offload_bytes import describe
+
+        print(describe(r))
     t = step_time(r, world, gpu, args.mfu, args.gpus_per_node)
     print(time_table(t, world))
     print(budget_table(t.budget))

@@ -159,6 +159,11 @@ def parser(doc: str | None) -> argparse.ArgumentParser:
     )
     ap.add_argument("--microbatches", default=None, help=mb_help)
     ap.add_argument("--json", default=None, help="write --dry-run's figures to this JSON file")
+    fabric_help = (
+        "a fabric file of tools/bench_comm.py: its measured collective times replace the "
+        "model's where it has them (docs/bench_comm.md)"
+    )
+    ap.add_argument("--fabric", default=None, help=fabric_help)
     device_help = "--dry-run's device: cpu (default), or cuda (docs/cuda_dry_run.md)"
     ap.add_argument("--device", default=None, choices=("cpu", "cuda"), help=device_help)
     return ap

@@ -169,3 +169,43 @@ def test_unreadable_or_not_json(tmp_path):
     bad.write_text('{"format": ')
     with pytest.raises(FabricError, match="not JSON \\(line 1"):
         load_fabric(str(bad))
+
+
+def _step_seconds(capsys, argv) -> tuple[float, float]:
+    """`plan`'s predicted (step time, TP exposed seconds), from its "step time" line."""
+    from megatron_lite.plan.__main__ import main
+
+    assert main(argv) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("step time "))
+    return float(line.split()[2]), float(line.split("tp exposed ")[1].split(",")[0])
+
+
+def test_plan_fabric_replaces_the_model_s_tp_time(tmp_path, capsys):
+    # the quickstart's TP all-gathers and reduce-scatters (48 + 32 per step on the busiest
+    # rank, inside a node): a fabric that measured them at 1 ms each at every size makes TP's
+    # exposed time 80 x 1 ms (the model's NVLink figure is about 1 ms for all of them) and the
+    # step longer; a file without those ops changes nothing (Fabric.time None: the model's)
+    sizes = [2**10, 2**24]
+    slow = {
+        op: {"intra": [point(op, 2, s, 1e-3) for s in sizes]}
+        for op in ("all_gather", "reduce_scatter")
+    }
+    other = {"all_to_all": {"inter": [point("all_to_all", 2, s, 1e-3) for s in sizes]}}
+    base = ["--config", "configs/quickstart.yaml", "--gpu", "h100"]
+    plain = _step_seconds(capsys, base)
+    measured = _step_seconds(capsys, [*base, "--fabric", write(tmp_path, slow)])
+    (tmp_path / "other").mkdir()
+    unused = _step_seconds(capsys, [*base, "--fabric", write(tmp_path / "other", other)])
+    assert unused == plain
+    assert measured[1] == pytest.approx(0.080, abs=5e-4), measured
+    assert plain[1] < 0.002 and measured[0] > plain[0] + 0.078, (plain, measured)
+
+
+def test_plan_fabric_bad_file_names_the_flag(tmp_path, capsys):
+    from megatron_lite.plan.__main__ import main
+
+    bad = tmp_path / "fabric.json"
+    bad.write_text("{}")
+    assert main(["--config", "configs/quickstart.yaml", "--fabric", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "--fabric" in err and str(bad) in err, err
