@@ -114,11 +114,22 @@ def _dense(t: torch.Tensor) -> bool:
     return True
 
 
-def _empty_as(t: torch.Tensor, device, pin: bool = False) -> torch.Tensor:
-    """An uninitialized copy target of t's shape and dtype on `device`, with t's strides when
-    they are dense (the backward then reads the layout it would have read), else contiguous."""
-    stride = t.stride() if _dense(t) else torch.empty(t.shape, device="meta").stride()
-    return torch.empty_strided(t.shape, stride, dtype=t.dtype, device=device, pin_memory=pin)
+def _copy_stride(t: torch.Tensor) -> tuple[int, ...]:
+    """t's strides when they are dense (the backward then reads the layout it would have
+    read), else contiguous ones."""
+    return t.stride() if _dense(t) else torch.empty(t.shape, device="meta").stride()
+
+
+def _empty_as(t: torch.Tensor, device) -> torch.Tensor:
+    """An uninitialized copy target of t's shape and dtype on `device` (_copy_stride)."""
+    return torch.empty_strided(t.shape, _copy_stride(t), dtype=t.dtype, device=device)
+
+
+def _host_copy(t: torch.Tensor, pin: bool = False) -> torch.Tensor:
+    """The host target of t's offload copy (on the host by design: the CUDA dry run's
+    device check allows this function, plan/device_check.py HOST_SITES)."""
+    stride = _copy_stride(t)
+    return torch.empty_strided(t.shape, stride, dtype=t.dtype, device="cpu", pin_memory=pin)
 
 
 def _view_key(t: torch.Tensor) -> tuple:
@@ -308,13 +319,14 @@ class ActivationOffloader:
         """Start the group's device->host copy (CUDA: on the side stream); keep at most
         `inflight` groups in flight."""
         group.state = "issued"
-        # a dry run's fake CUDA tensors take the host-copy path: no stream, no pinned memory
-        group.cuda = self.cuda and not fake.is_fake(group.items[0].device)
+        # a CUDA dry run's fake tensors take this path too, on its stand-in streams and events
+        # (plan/fake_cuda.py): its host-sync count then sees the event waits a GPU makes
+        group.cuda = self.cuda
         if group.cuda:
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._stream), self.host_scope():
                 for p in group.items:
-                    p.host = _empty_as(p.device, "cpu", pin=True)
+                    p.host = _host_copy(p.device, pin=True)
                     p.host.copy_(p.device, non_blocking=True)
                 group.event = torch.cuda.Event()
                 group.event.record(self._stream)
@@ -335,11 +347,13 @@ class ActivationOffloader:
         if group.state != "issued":
             return
         if group.cuda:
-            group.event.synchronize()
+            # the compute stream, not the host, waits for the copy (no host sync): the device
+            # tensors are freed below, and their next use on that stream comes after it
+            torch.cuda.current_stream(self.device).wait_event(group.event)
         else:
             with self.host_scope():
                 for p in group.items:
-                    p.host = _empty_as(p.device, "cpu")
+                    p.host = _host_copy(p.device)
                     p.host.copy_(p.device)
         st = self.stats
         for p in group.items:

@@ -140,10 +140,6 @@ CALL_SITES: tuple[CallSite, ...] = (
             "ActivationOffloader._pack",
             "a dry run's fake activations are offloaded as a run's are (device and host bytes)",
         ),
-        (
-            "ActivationOffloader._issue",
-            "fake CUDA tensors are copied as on CPU: no side stream, event or pinned memory",
-        ),
     ),
     *_sites(
         "fake.active",

@@ -138,6 +138,10 @@ def _plan(args, r, world: int, gpu, budget: float) -> int:
     t = step_time(r, world, gpu, args.mfu, args.gpus_per_node)
     print(time_table(t, world))
     print(budget_table(t.budget))
+    if r.model.activation_offload:
+        from megatron_lite.plan.activation_offload import offload_report
+
+        print(offload_report(r, gpu, t.layer_forward, args.pcie_gbps, args.kernels))
     if args.chart:
         _chart([(_layout(r, short=True), ranks)], budget, args.chart)
     if args.dry_run:

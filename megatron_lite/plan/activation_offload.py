@@ -163,3 +163,29 @@ def _measure(cfg: Config, moe: bool, kernels: str) -> float:
         for h in handles:
             h.remove()
     return float(total[0])
+
+
+def offload_report(cfg: Config, node, layer_forward_s: float, host_gbps: float | None,
+                   kernels: str = "fused") -> str:  # fmt: skip
+    """`plan`'s lines for model.activation_offload: per pipeline rank the device bytes saved at
+    the peak (already out of the memory table's activations), the host bytes held, the
+    host-link bytes per step, and one layer's copy against its forward over the GPU's host
+    link (`host_gbps`; None: the GPU's PCIe generation, plan/hardware.py PCIE_GBPS)."""
+    from megatron_lite.plan.hardware import PCIE_GBPS
+    from megatron_lite.resolve import moe_layer_pattern
+
+    gbps = host_gbps if host_gbps is not None else PCIE_GBPS[node.gpu.pcie_gen]
+    moe = bool(cfg.model.num_experts) and all(moe_layer_pattern(cfg.model))
+    gib = 2**30
+    lines = [f"activation offload of {', '.join(cfg.model.activation_offload)} "
+             f"over a {gbps:g} GB/s host link per GPU per direction:"]  # fmt: skip
+    for rank in range(cfg.parallel.pp):
+        o = stage_offload(cfg, rank, layer_forward_s, gbps, moe, kernels)
+        hides = "hidden" if o.hidden else "NOT hidden (the step waits for the copies)"
+        lines.append(
+            f"  pp rank {rank}: device -{o.device_bytes_saved / gib:.2f} GiB at the peak, host "
+            f"{o.host_peak_bytes / gib:.2f} GiB, {o.pcie_bytes_per_step / 1e9:.1f} GB over "
+            f"the link per step; a layer's copy {o.copy_s * 1e3:.2f} ms vs its forward "
+            f"{o.layer_forward_s * 1e3:.2f} ms: {hides}"
+        )
+    return "\n".join(lines)

@@ -43,6 +43,8 @@ HOST_SITES = {
     ("parallel/params.py", "_draw"): "the layout-independent init draws each block on the "
     "host's generator (the same numbers for any layout), then copies it to the device",
     ("parallel/params.py", "_draw_nothing"): "_draw's host blocks, allocated for a dry run",
+    ("parallel/activation_offload.py", "_host_copy"): "model.activation_offload's host copies "
+    "of saved tensors (pinned on a GPU); their reloads are checked like any device tensor",
 }
 # torch.distributed's host tensors are meant to be on the host (object collectives, meshes)
 DISTRIBUTED = os.path.join(TORCH, "distributed")
@@ -120,9 +122,13 @@ class DeviceCheck(TorchDispatchMode):
             kind = "boolean mask"
         elif packet is aten._to_copy and inputs[0].device.type == "cuda":
             to = kwargs.get("device")
-            kind = "device-to-host copy" if to is not None and to.type == "cpu" else kind
+            host = to is not None and to.type == "cpu" and not kwargs.get("non_blocking")
+            kind = "device-to-host copy" if host else kind
         elif packet is aten.copy_ and args[0].device.type == "cpu" and args[1].is_cuda:
-            kind = "device-to-host copy"
+            # a non_blocking copy (into pinned memory, e.g. activation offload's on its side
+            # stream) returns at once: the host waits only where it waits for its event
+            non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
+            kind = None if non_blocking else "device-to-host copy"
         if kind is not None:
             self.syncs.record(kind)
 

@@ -80,6 +80,8 @@ class RankResult:
     save_extra: int = 0  # bytes a checkpoint save's state adds (see _save_state_extra)
     device: str = "cpu"  # the rank's device: cpu, or cuda:<local rank> (--device cuda)
     host_syncs: dict[str, int] = field(default_factory=dict)  # cuda: "phase|kind|line": n
+    host_peak: int = 0  # offloaded activations' host copies at most, in the steady step
+    predicted_host: float = 0.0  # the planner's (plan/activation_offload.py)
 
     def grouped(self) -> dict[str, int]:
         """The categories summed the way PLANNER_TERMS compares them."""
@@ -175,6 +177,7 @@ def tracked_steps(cfg: Config, mesh, dataset, vocab: int, audit=None) -> dict:
         with step(1):
             trainer.train_step()  # the steady state
         peak, phases = tracker.peak, dict(tracker.peaks_by_phase)
+        host_peak = tracker.host_peak
         category_peaks = dict(tracker.category_peaks)
         save_extra = _save_state_extra(trainer, mesh, tracker)  # resets the peaks
         return {
@@ -186,6 +189,7 @@ def tracked_steps(cfg: Config, mesh, dataset, vocab: int, audit=None) -> dict:
             "peaks_by_phase": phases,
             "category_peaks": category_peaks,
             "save_extra": save_extra,
+            "host_peak": host_peak,
         }
 
 
@@ -234,8 +238,20 @@ def _result(cfg: Config, world: int, rank: int, kernels: str, figures: dict, t0:
         microbatches=num_microbatches(cfg.train, p.dp),
         wall_s=time.perf_counter() - t0,
         predicted=rank_memory(cfg, world, coords["pp"], kernels),
+        predicted_host=_predicted_host(cfg, coords["pp"], kernels),
         **figures,
     )
+
+
+def _predicted_host(cfg: Config, pp_rank: int, kernels: str) -> float:
+    """The planner's host bytes of model.activation_offload on this pipeline rank (0: off)."""
+    if not cfg.model.activation_offload:
+        return 0.0
+    from megatron_lite.plan.activation_offload import stage_offload
+    from megatron_lite.resolve import moe_layer_pattern
+
+    moe = bool(cfg.model.num_experts) and all(moe_layer_pattern(cfg.model))
+    return stage_offload(cfg, pp_rank, 0.0, 1.0, moe, kernels).host_peak_bytes
 
 
 def run_rank(cfg: Config, world: int, rank: int, kernels: str = "fused",
@@ -413,5 +429,6 @@ def to_json(results: list[RankResult]) -> list[dict]:
             "predicted_peak_bytes": sum(pred.values()), "peaks_by_phase": r.peaks_by_phase,
             "comm": r.comm, "wall_s": r.wall_s, "save_extra_bytes": r.save_extra,
             "category_peaks": r.category_peaks, "device": r.device, "host_syncs": r.host_syncs,
+            "host_peak_bytes": r.host_peak, "predicted_host_bytes": r.predicted_host,
         })  # fmt: skip
     return out

@@ -102,6 +102,12 @@ def dry_run_table(results: list[RankResult]) -> str:
             f"  {'peak':24s} {res.peak / scale:9.2f} {total / scale:9.2f}  "
             + (f"{res.peak / total:6.3f}" if total else "")
         )
+        if res.host_peak or res.predicted_host:  # model.activation_offload's host copies
+            want, got = res.predicted_host, res.host_peak
+            ratio = f"{got / want:6.3f}" if want else ""
+            lines.append(
+                f"  {'host (offloaded)':24s} {got / scale:9.2f} {want / scale:9.2f}  {ratio}"
+            )
         lines.append(f"  {'initialization peak':24s} {res.init_peak / scale:9.2f}")
         lines.append(f"  {'checkpoint save extra':24s} {res.save_extra / scale:9.2f}")
         comm = _comm_line(res.comm)

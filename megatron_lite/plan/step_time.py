@@ -76,6 +76,7 @@ class StepTime:
     # and its TP gathers, and the owners' broadcasts (ZeRO-3: the gathers to the owners)
     optimizer: float = 0.0
     budget: Budget | None = None  # the communication budget per group (plan/budget.py)
+    layer_forward: float = 0.0  # one layer's forward compute for one microbatch
 
 
 def _pipeline(pp: int, vpp: int, m: int, weights: tuple, fwd: float, bwd: float, comm: float,
@@ -348,6 +349,7 @@ def step_time(cfg: Config, world: int, gpu, mfu: float, gpus_per_node: int,
         hidden=hidden + dp_hidden, total=total, tokens_per_s=tokens / total,
         mfu=model_flops / (total * world * node.peak_tflops * 1e12),
         bubble_fraction=bubble / busy if busy else 0.0, optimizer=opt, budget=budget,
+        layer_forward=t_fwd,
     )  # fmt: skip
 
 
