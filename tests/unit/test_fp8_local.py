@@ -121,6 +121,8 @@ def test_fp8_gather_weight_is_its_fp32_shard_to_every_op_and_to_a_checkpoint():
         apply_fp8(torch.nn.ModuleList([fc]), recipe, [], all_gather=gather)
         assert wrap_fp8_weights(fc) == wrapped, (recipe, gather)
     fc = ColumnParallelLinear(32, 48, None, bias=False)
+    with torch.no_grad():  # the layer's storage is uninitialized (NaN would fail equal below)
+        fc.weight.normal_()
     meta = fc.weight.meta
     apply_fp8(torch.nn.ModuleList([fc]), "tensorwise", [], all_gather=True)
     wrap_fp8_weights(fc)
