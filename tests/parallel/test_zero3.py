@@ -22,7 +22,7 @@ LLAMA = ("model.arch=llama",)  # tied embeddings
 MOE = ("model.arch=llama", "model.num_experts=4", "model.moe_router_topk=2")
 Z3 = "parallel.zero_stage=3"
 PER_MB = "parallel.zero3_grad_reduce=microbatch"
-ZBV = "parallel.pipeline_schedule=zb-v"
+ZBV = ("parallel.pipeline_schedule=zb-v", "parallel.vpp=2")
 # cp2×dp2 also matches (7e-8) but is left out to keep this file fast: FSDP2 sees CP only as
 # the membership of the dp×cp group, which the other layouts exercise
 LAYOUTS = {
@@ -34,7 +34,7 @@ LAYOUTS = {
     # reduce-scatter every microbatch (M = 2 per rank here), the fp32 shards accumulate
     "zero3_dp2_per_microbatch": (2, LLAMA, [Z3, PER_MB]),
     "zero3_pp2_dp2_per_microbatch": (4, LLAMA, [Z3, PER_MB, "parallel.pp=2"]),  # 1F1B
-    "zero3_pp2_dp2_zb_per_microbatch": (4, LLAMA, [Z3, PER_MB, "parallel.pp=2", ZBV, "parallel.vpp=2"]),
+    "zero3_pp2_dp2_zb_per_microbatch": (4, LLAMA, [Z3, PER_MB, "parallel.pp=2", *ZBV]),
 }  # fmt: skip
 
 
