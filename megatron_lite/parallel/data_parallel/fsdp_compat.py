@@ -112,16 +112,15 @@ def _param_groups(state) -> list:
     return list(groups)
 
 
-def post_backward_now(root, reduce: bool, last: bool | None = None) -> None:
+def post_backward_now(root, reduce: bool) -> None:
     """Run FSDP2's post-backward for every unit under `root` (a root `FSDPModule`) outside
     autograd, then the end of a backward, for gradients written after FSDP2's own hook ran (a
     zero-bubble schedule's W). `reduce`: reduce-scatter what the units accumulated and wait
     for it, as the step's last backward does; else only fold the new `.grad` into FSDP2's
     unsharded accumulator (in the reduce dtype, as each backward does). What torch's own
     pipelining does for its REDUCE_GRAD action (`_PipelineStageBase.perform_reduce_grad`,
-    torch 2.13): the root's flags, each group's `post_backward`, the root's final callback.
-    `last` (default `reduce`): the step's last backward, FSDP2's end-of-backward work."""
-    root.set_is_last_backward(reduce if last is None else last)
+    torch 2.13): the root's flags, each group's `post_backward`, the root's final callback."""
+    root.set_is_last_backward(reduce)
     root.set_requires_gradient_sync(reduce)
     state = root._get_fsdp_state()
     for each in state._state_ctx.all_states:
