@@ -28,12 +28,12 @@ The model states change within a step too:
   gradients it writes (the compute dtype) until after_weight reduces them, and the fp32 sharded
   gradients exist from the chunk's first backward on. The backward's end reduce-scatters the
   chunk root (its largest unit: embedding, output layer), its gradients (the compute dtype)
-  copied into the flat reduce-dtype input before they are freed: both at once. Gathered weights (the compute dtype): a forward holds
-  the chunk root (embedding, final norm, output layer) and the running layer twice (its
-  weights and the all-gather buffer kept for the next copy-out); a backward starts by
-  gathering the root again (the flat all-gather output beside its copy), then holds the root,
-  the running layer and the prefetched next one (none in a chunk of one layer); the loss
-  backward holds the root and one layer.
+  copied into the flat reduce-dtype input before they are freed: both at once. Gathered
+  weights (the compute dtype): a forward holds the chunk root (embedding, final norm, output
+  layer) and the running layer twice (its weights and the all-gather buffer kept for the next
+  copy-out); a backward starts by gathering the root again (the flat all-gather output beside
+  its copy), then holds the root, the running layer and the prefetched next one (none in a
+  chunk of one layer); the loss backward holds the root and one layer.
 """
 
 from __future__ import annotations

@@ -238,7 +238,6 @@ def test_planner_terms_match_the_dry_run_of_a_full_size_layer(layout):
     config, world, overrides, stages = LAYOUTS[layout]
     results = _dry_run(config, world, overrides)
     assert [r["coords"]["pp"] for r in results] == stages
-    gib = 2**30
     for res in results:
         at = f"pp rank {res['coords']['pp']}"
         for term, got in res["compared"].items():
