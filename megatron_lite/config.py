@@ -135,6 +135,8 @@ class ParallelConfig:
     overlap_param_gather: bool = True  # all-gather updated weights during the next forward
     grad_reduce_dtype: str = "fp32"  # fp32 | bf16
     reshard_after_forward: bool = True  # zero_stage 3: free gathered weights after each forward
+    zero3_grad_reduce: str = "step"  # zero_stage 3: step (one reduce-scatter per step,
+    # unsharded accumulation) | microbatch (one per microbatch, sharded accumulation)
 
 
 @dataclass

@@ -67,9 +67,12 @@ def dp_time(r: Config, links, m: int, t_fwd: float, layers: int, budget: Budget)
         hybrid = n < full
         link = links[f"{name}_shard"] if hybrid else links[name]
         last = min(1.0, p.ddp_bucket_size / count)  # the last bucket's share
-        # ZeRO-2 reduce-scatters every microbatch (buffers.py): the earlier ones hide behind
-        # their own backward and the next forward, the last one as ZeRO-1's
-        earlier = m - 1 if p.zero_stage == 2 else 0
+        # ZeRO-2 reduce-scatters every microbatch (buffers.py), ZeRO-3 too under
+        # zero3_grad_reduce=microbatch (fsdp.py; with HSDP the replicas' all-reduce follows
+        # each): the earlier ones hide behind their own backward and the next forward, the
+        # last one as ZeRO-1's
+        per_mb = p.zero_stage == 3 and p.zero3_grad_reduce == "microbatch"
+        earlier = m - 1 if p.zero_stage == 2 or per_mb else 0
         gather = 0.0
         if p.zero_stage == 0:
             reduce = budget.add("DP", "all_reduce", g_bytes * count, n, link, 1, label)
@@ -82,25 +85,28 @@ def dp_time(r: Config, links, m: int, t_fwd: float, layers: int, budget: Budget)
                 ar = budget.add("DP", "all_reduce", g_bytes * own, full, links[name], 1, label)
                 reduce += ar
         else:
-            reduce = budget.add("DP", "reduce_scatter", g_bytes * count, n, link, 1, label)
+            reduce = budget.add("DP", "reduce_scatter", g_bytes * count, n, link, 1 + earlier,
+                                label)  # fmt: skip
             gathered = w_bytes * count - (w_bytes - 1) * fp8
             gather = 2 * m * budget.add("DP", "all_gather", gathered, n, link, 2 * m,
                                         label)  # fmt: skip
             last = 1.0 / max(layers, 1)
         rep = 0.0
-        if hybrid:  # the shard's all-reduce across the replicas, once per step
+        reps = 1 + earlier if per_mb else 1
+        if hybrid:  # the shard's all-reduce across the replicas, once per step (or reduction)
             flat = count - own if p.zero_stage in (1, 2) else count
             rep = budget.add("DP", "all_reduce", g_bytes * flat / n, full // n,
-                             links[f"{name}_replica"], 1, label)  # fmt: skip
+                             links[f"{name}_replica"], reps, label)  # fmt: skip
         if not p.overlap_grad_reduce:
-            exposed += (1 + earlier) * reduce + rep + gather
+            exposed += (1 + earlier) * reduce + reps * rep + gather
             continue
         window_b = 2 * t_fwd * layers  # the last microbatch's backward
         window_f = t_fwd * layers * (m if p.zero_stage == 3 else 1)
         final = reduce + rep  # the last microbatch's reduction, then the replicas'
         e = max(final * last, final - window_b) + max(gather * last, gather - window_f)
-        e += earlier * max(0.0, reduce - window_b - t_fwd * layers)
+        each = reduce + (rep if per_mb else 0.0)  # an earlier microbatch's reductions
+        e += earlier * max(0.0, each - window_b - t_fwd * layers)
         exposed += e
-        hidden += (1 + earlier) * reduce + rep + gather - e
+        hidden += (1 + earlier) * reduce + reps * rep + gather - e
     budget.expose("DP", exposed)
     return exposed, hidden

@@ -33,7 +33,8 @@ def model_states(cfg: Config, pp_rank: int) -> dict[str, float]:
     n_dense = p.dp_shard or p.dp * p.cp
     n_expert = p.dp_shard or max(p.dp * p.cp // p.ep, 1)
     extra = dict(
-        microbatches=num_microbatches(cfg.train, p.dp),
+        # (zero3_grad_reduce=microbatch keeps no unsharded gradients between microbatches)
+        microbatches=num_microbatches(cfg.train, p.dp) if p.zero3_grad_reduce == "step" else 1,
         reduce_bytes=2 if p.grad_reduce_dtype == "bf16" else 4,
         optimizer=get_optimizer(cfg.train.optimizer),
     )

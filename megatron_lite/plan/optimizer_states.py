@@ -111,7 +111,10 @@ def split_states(cfg: Config, pp_rank: int, transient: bool) -> dict[str, float]
         if transient:
             extra = dict(
                 in_flight=zero2_in_flight(split.flat, p.ddp_bucket_size, largest),
-                microbatches=num_microbatches(cfg.train, p.dp),
+                # (zero3_grad_reduce=microbatch: no unsharded gradients between microbatches)
+                microbatches=num_microbatches(cfg.train, p.dp)
+                if p.zero3_grad_reduce == "step"
+                else 1,
                 reduce_bytes=2 if p.grad_reduce_dtype == "bf16" else 4,
             )
         terms = split_formula_bytes(split, cfg.train.precision, p.zero_stage, n, **extra)

@@ -22,12 +22,18 @@ The model states change within a step too:
 - ZeRO-3 (FSDP2): the sharded gradients exist only from the step's last reduce-scatter to the
   optimizer step (none at these moments); with M > 1 each chunk keeps unsharded gradients (the
   reduce dtype) from its first backward (under a split backward the linear weights' from its
-  first W, which computes them). Gathered weights (the compute dtype): a forward holds
-  the chunk root (embedding, final norm, output layer) and the running layer twice (its
-  weights and the all-gather buffer kept for the next copy-out); a backward starts by
-  gathering the root again (the flat all-gather output beside its copy), then holds the root,
-  the running layer and the prefetched next one (none in a chunk of one layer); the loss
-  backward holds the root and one layer.
+  first W, which computes them). Under parallel.zero3_grad_reduce=microbatch it keeps none
+  between microbatches: a backward holds the running layer's gradients made so far (the first
+  microbatch's moments, every microbatch) until its reduce-scatter, a W the chunk's weight
+  gradients it writes (the compute dtype) until after_weight reduces them, and the fp32 sharded
+  gradients exist from the chunk's first backward on. The backward's end reduce-scatters the
+  chunk root (its largest unit: embedding, output layer), its gradients (the compute dtype)
+  copied into the flat reduce-dtype input before they are freed: both at once. Gathered
+  weights (the compute dtype): a forward holds the chunk root (embedding, final norm, output
+  layer) and the running layer twice (its weights and the all-gather buffer kept for the next
+  copy-out); a backward starts by gathering the root again (the flat all-gather output beside
+  its copy), then holds the root, the running layer and the prefetched next one (none in a
+  chunk of one layer); the loss backward holds the root and one layer.
 """
 
 from __future__ import annotations
@@ -98,6 +104,7 @@ class _Chunk:
     layer: float  # ZeRO-3: its largest layer unit's parameters
     layers: int  # its layer count
     params: float  # its parameters (dense + expert)
+    shard: float  # ZeRO-3: its parameters' elements on this rank (dense / n, experts / n_edp)
     cuts: tuple[list, list]  # ZeRO-2: (dense, expert) buckets, (elements, parameters) each
     ends: tuple[list, list]  # the running sums of their parameters (_live_buckets)
     after: int  # dense parameters after its layers (final norm, output layer)
@@ -215,7 +222,8 @@ def _chunks(cfg: Config, pp_rank: int, shape) -> list[_Chunk]:
         chunks.append(_Chunk(
             kept=kept, rebuilt=rebuilt, rerun_offset=offset, last_moe=bool(moe and moe[-1]),
             loss=loss, embedding=stage == 0, root=root,
-            layer=max(units, default=0), layers=len(layers), params=root + sum(layers), cuts=cuts,
+            layer=max(units, default=0), layers=len(layers), params=root + sum(layers),
+            shard=sum(n / shards[e] for n, e in chunk_param_list(cfg, pp_rank, c)), cuts=cuts,
             ends=ends, after=len(head_params(cfg, pp_rank, c)[1]),
             left=_left_in_flight(cfg, pp_rank, c, cuts, ends),
         ))  # fmt: skip
@@ -310,6 +318,9 @@ def _moments(cfg: Config, pp_rank: int, kernels: str, pending: list[float]):
     bwd = {e: backward_moments(cfg, shape, e) for e in kinds}
     # ZeRO-3 with M > 1: a chunk's later backwards add into its unsharded gradients
     later = {e: backward_moments(cfg, shape, e, accumulated=True) for e in kinds}
+    # ... (step), or reduce-scatter each microbatch into the fp32 shards (microbatch)
+    keep = p.zero_stage == 3 and m > 1 and p.zero3_grad_reduce == "step"
+    per_mb = p.zero_stage == 3 and m > 1 and not keep
     kept = embedding = grads = 0.0  # saved by the held pairs; gradients beyond the static
     in_flight = [0, 0]  # ZeRO-2: the (dense, expert) buckets the last backward left in flight
     last_chunk = None  # and its chunk
@@ -343,7 +354,7 @@ def _moments(cfg: Config, pp_rank: int, kernels: str, pending: list[float]):
         ch = chunks[c]
         root, layer = (A * ch.root, A * ch.layer) if p.zero_stage == 3 else (0.0, 0.0)
         held = min(ch.layers, 2)  # a backward's running layer and the one it prefetches
-        if kind == "weight" and p.zero_stage == 3 and m > 1 and not ch.weighted:
+        if kind == "weight" and keep and not ch.weighted:
             ch.weighted = True  # the unsharded gradients of the weights W computes, from now on
             grads += reduce_bytes * ch.deferred_weights
         now = grads + 4 * sum(in_flight)
@@ -351,7 +362,9 @@ def _moments(cfg: Config, pp_rank: int, kernels: str, pending: list[float]):
             state = ("weight", c, round(kept), round(now), round(pending[0]))
             if state not in seen:
                 seen.add(state)
-                yield "weight", (now, kept, embedding, 0.0, 0.0)
+                # (per microbatch: W's own gradients, until after_weight reduce-scatters them)
+                written = A * ch.deferred_weights if per_mb else 0.0
+                yield "weight", (now, kept, embedding, 0.0, written)
             pending[0] -= ch.deferred
             continue
         if kind == "forward":
@@ -402,7 +415,7 @@ def _moments(cfg: Config, pp_rank: int, kernels: str, pending: list[float]):
             if ch.last_moe and objective:  # then the router's gradient first (see above)
                 g = zero2(ch, c, 1, 0, None, router=True)
                 yield "backward", (g, kept + recv * (not ch.loss), embedding, 0.0, rerun)
-        accumulated = p.zero_stage == 3 and m > 1 and ch.backwarded
+        accumulated = keep and ch.backwarded
         layers_kept = ch.kept - (head["mtp"] if ch.loss else 0.0)  # (the MTP's freed above)
         for w, freed, group, arrived, arriving in (later if accumulated else bwd)[ch.last_moe]:
             if ch.rebuilt:  # what the backward frees is of the rebuilt part first
@@ -430,9 +443,14 @@ def _moments(cfg: Config, pp_rank: int, kernels: str, pending: list[float]):
             yield "backward", (g, act, embedding, 0.0, emb_grad + emb_out + root + queued)
             g = zero2(ch, c, 0, total - 1, total - 1)
             yield "backward", (g, act, embedding, 0.0, emb_grad + root + queued)
+        if per_mb:  # the root's reduce-scatter at the backward's end (_reduce_root)
+            grads += 0.0 if ch.backwarded else 4 * ch.shard
+            ch.backwarded = True  # its fp32 sharded gradients from now on
+            g = grads + (A + reduce_bytes) * ch.root
+            yield "backward", (g, kept + (0.0 if ch.loss else recv), embedding, 0.0, 0.0)
         embedding -= head["embedding"] if ch.embedding else 0.0
         in_flight, last_chunk = list(ch.left), c
-        if p.zero_stage == 3 and m > 1 and not ch.backwarded:
+        if keep and not ch.backwarded:
             ch.backwarded = True  # its unsharded gradients from now on (W's from its first W)
             grads += reduce_bytes * (ch.params - ch.deferred_weights)
         pending[0] += ch.deferred  # B done: its weight GEMMs wait for W

@@ -53,6 +53,7 @@ def build_data_parallel(chunks, mesh, cfg: Config, device=None) -> DataParallelW
         nvme_path=t.nvme_path,
         nvme_buffer_mb=t.nvme_buffer_mb,
         reshard_after_forward=p.reshard_after_forward,
+        zero3_grad_reduce=p.zero3_grad_reduce,
         tie_embeddings=resolve.embedding_copy(cfg.model),  # a copy on the last stage
         device=device,
     )

@@ -25,6 +25,7 @@ def _validate_data_parallel(cfg: Config) -> None:
     p, t = cfg.parallel, cfg.train
     _check(rules.zero_stage(p.zero_stage), "parallel.zero_stage", p.zero_stage, "use 0, 1, 2 or 3")
     _choice("parallel.grad_reduce_dtype", p.grad_reduce_dtype, tuple(rules.REDUCE_DTYPES))
+    _choice("parallel.zero3_grad_reduce", p.zero3_grad_reduce, ("step", "microbatch"))
     _choice("train.optimizer_offload", t.optimizer_offload, ("none", "cpu", "nvme"))
     if t.optimizer_offload == "nvme":
         _validate_nvme(cfg)

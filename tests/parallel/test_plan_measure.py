@@ -48,6 +48,18 @@ CASES = {
     ),  # fmt: skip
     "pp2-fp32-none": (2, ["parallel.pp=2", "train.global_batch_size=4"]),
     "dp2-zero1-bf16-none": (2, ["parallel.zero_stage=1", "train.global_batch_size=4"] + BF16),
+    # ZeRO-3, 2 microbatches per rank: the unsharded gradients kept between them (step), or
+    # not (zero3_grad_reduce=microbatch: the fp32 shards only)
+    "dp2-zero3-step-bf16": (2, ["parallel.zero_stage=3", "train.global_batch_size=8"] + BF16),
+    "dp2-zero3-per-microbatch-bf16": (
+        2,
+        [
+            "parallel.zero_stage=3",
+            "train.global_batch_size=8",
+            "parallel.zero3_grad_reduce=microbatch",
+        ]
+        + BF16,
+    ),
 }
 
 

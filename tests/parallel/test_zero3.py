@@ -21,6 +21,8 @@ from tests.parallel.test_checkpoint import AT, SAVE, STEPS, ckpt, losses, train
 LLAMA = ("model.arch=llama",)  # tied embeddings
 MOE = ("model.arch=llama", "model.num_experts=4", "model.moe_router_topk=2")
 Z3 = "parallel.zero_stage=3"
+PER_MB = "parallel.zero3_grad_reduce=microbatch"
+ZBV = ("parallel.pipeline_schedule=zb-v", "parallel.vpp=2")
 # cp2×dp2 also matches (7e-8) but is left out to keep this file fast: FSDP2 sees CP only as
 # the membership of the dp×cp group, which the other layouts exercise
 LAYOUTS = {
@@ -29,7 +31,15 @@ LAYOUTS = {
     "zero3_pp2_vpp2_dp2": (4, LLAMA, [Z3, "parallel.pp=2", "parallel.vpp=2"]),
     "zero3_ep2_dp4": (4, MOE, [Z3, "parallel.ep=2"]),  # experts sharded over edp = 2
     "zero3_dp4_shard2": (4, LLAMA, [Z3, "parallel.dp_shard=2"]),
+    # reduce-scatter every microbatch (M = 2 per rank here), the fp32 shards accumulate
+    "zero3_dp2_per_microbatch": (2, LLAMA, [Z3, PER_MB]),
+    "zero3_pp2_dp2_per_microbatch": (4, LLAMA, [Z3, PER_MB, "parallel.pp=2"]),  # 1F1B
+    "zero3_pp2_dp2_zb_per_microbatch": (4, LLAMA, [Z3, PER_MB, "parallel.pp=2", *ZBV]),
 }  # fmt: skip
+
+
+SLOW = ("zero3_ep2_dp4", "zero3_dp4_shard2", "zero3_pp2_dp2_per_microbatch",
+        "zero3_pp2_dp2_zb_per_microbatch")  # fmt: skip
 
 
 # MoE under ZeRO-3 stays in the suite through test_moe's shared_ep2_zero3 and test_muon's;
@@ -37,10 +47,7 @@ LAYOUTS = {
 @pytest.mark.parity
 @pytest.mark.parametrize(
     "layout",
-    [
-        pytest.param(k, marks=pytest.mark.slow) if k in ("zero3_ep2_dp4", "zero3_dp4_shard2") else k
-        for k in LAYOUTS
-    ],
+    [pytest.param(k, marks=pytest.mark.slow) if k in SLOW else k for k in LAYOUTS],
 )
 def test_zero3_loss_parity(layout, tmp_path):
     world, model, overrides = LAYOUTS[layout]
@@ -60,6 +67,23 @@ def test_zero3_bf16_tracks_the_bf16_single_rank(tmp_path):
     diff = max_rel_diff(got, bf16)
     print(f"BF16 zero3 dp2 vs bf16 one rank: {diff:.2e} (bf16 vs fp32: {band:.2e})")
     assert diff < 0.1 * band, f"zero3: {diff:.2e} not 10x tighter than bf16 vs fp32 {band:.2e}"
+
+
+@pytest.mark.slow  # (the suite's budget)
+@pytest.mark.parity
+def test_zero3_per_microbatch_bf16_tracks_the_bf16_single_rank(tmp_path):
+    """Per-microbatch reduce-scatters in fp32, summed into the fp32 shards: the bf16 single
+    rank's sums (its fp32 main gradients) within the same 10% of the bf16-vs-fp32 band as the
+    once-per-step accumulation (test above; measured: equal, on microbatches of the reference's
+    size; at micro-batch 1 against its 2 the GEMMs' bf16 rounding differs, 0.3x the band)."""
+    fp32 = reference_losses((*LLAMA, *SHORT))
+    bf16 = reference_losses((*LLAMA, *SHORT, "train.precision=bf16"))
+    band = max_rel_diff(bf16, fp32)
+    args = [*LLAMA, *SHORT, "train.precision=bf16", Z3, PER_MB]
+    got = train_losses(2, args, str(tmp_path))  # m = 2 microbatches of the reference's size
+    diff = max_rel_diff(got, bf16)
+    print(f"BF16 zero3 per-microbatch dp2 vs bf16 one rank: {diff:.2e} (band {band:.2e})")
+    assert diff < 0.1 * band, f"per-microbatch: {diff:.2e} not 10x tighter than {band:.2e}"
 
 
 @pytest.mark.slow  # in CI's slow tier (bash tests/run.sh -m slow): keeps the suite under 10 min
@@ -242,3 +266,36 @@ def test_zero3_zero_bubble_reduces_each_unit_once_per_step(schedule, units):
     records = train_records(4, overrides, ["comm_calls/reduce_scatter_fsdp"])
     got = [r["comm_calls/reduce_scatter_fsdp"] for r in records]
     assert got == [units, units], f"reduce-scatters per step on rank 0: {got}, not {units}"
+
+
+@pytest.mark.parametrize(
+    "world, overrides, count",
+    [
+        # dp2, m = 4 per rank: 4 layers + the chunk root, each reduce-scatters every microbatch
+        (2, [], 5 * 4),
+        # pp2 zb-h1, rank 0 holds 2 layers + its root (the embedding alone): B reduce-scatters
+        # what it completed (norms, the embedding), each W the layer's linear weights
+        pytest.param(4, ["parallel.pp=2", "parallel.pipeline_schedule=zb-h1"], (2 * 2 + 1) * 4,
+                     marks=pytest.mark.slow),
+    ],
+)  # fmt: skip
+def test_zero3_per_microbatch_reduces_every_microbatch(world, overrides, count):
+    """parallel.zero3_grad_reduce=microbatch: every microbatch's backward reduce-scatters each
+    unit (FSDP2's default with accumulation), not only the step's last (the parity of these
+    sums with the one-rank run: test_zero3_loss_parity's *_per_microbatch layouts)."""
+    from tests.parallel.parity import train_records
+
+    args = [*LLAMA, Z3, PER_MB, *overrides, "train.steps=2", "train.micro_batch_size=1"]
+    records = train_records(world, args, ["comm_calls/reduce_scatter_fsdp"])
+    got = [r["comm_calls/reduce_scatter_fsdp"] for r in records]
+    assert got == [count, count], f"reduce-scatters per step on rank 0: {got}, not {count}"
+
+
+def test_zero3_grad_reduce_value_is_checked():
+    from megatron_lite.config import load_config
+    from megatron_lite.validation import validate
+
+    cfg = load_config(None, [*TINY, "data.mock=true", Z3, "parallel.zero3_grad_reduce=layer"])
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, 2)
+    assert "parallel.zero3_grad_reduce" in str(e.value) and "microbatch" in str(e.value)

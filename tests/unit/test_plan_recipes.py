@@ -94,3 +94,18 @@ def test_a_fabric_changes_the_predicted_step():
     assert before == pytest.approx(6.27, rel=0.01)  # the model's, test above
     # the replica all-reduce follows the last microbatch's backward: what it adds is exposed
     assert measured.total > model.total
+
+
+def test_per_microbatch_zero3_reduces_and_all_reduces_across_nodes_every_microbatch():
+    """parallel.zero3_grad_reduce=microbatch on the 70B HSDP recipe (32 microbatches): FSDP2
+    reduce-scatters inside the node and all-reduces the shards across the replica pair after
+    every microbatch's backward: 32 of each per step, 32× the hand-counted cross-node bytes."""
+    args = parse_args(plan_argv(HSDP))
+    cfg = load_config(args.config, ["parallel.zero3_grad_reduce=microbatch"])
+    cfg = validate(with_vocab(cfg), 16)
+    t = step_time(cfg, 16, node(args, None), args.mfu, args.gpus_per_node, simulate=False)
+    cross_bytes, _ = t.budget.cross_node()
+    assert cross_bytes == pytest.approx(32 * 2 * llama3_70b_params() / 8, rel=1e-9)
+    ops = {v.scope: v.ops for v in t.budget.table() if v.group == "DP"}
+    assert ops == {"intra": {"reduce_scatter": 32.0, "all_gather": 64.0},
+                   "inter": {"all_reduce": 32.0}}  # fmt: skip

@@ -37,6 +37,7 @@ def build_data_parallel(
     nvme_path: str | None = None,
     nvme_buffer_mb: int = 1024,
     reshard_after_forward: bool = True,
+    zero3_grad_reduce: str = "step",
     tie_embeddings: bool = False,
     layers_of: Callable[[torch.nn.Module], Iterable[torch.nn.Module]] | None = None,
     device: torch.device | str | None = None,
@@ -71,6 +72,9 @@ def build_data_parallel(
         buffer of `nvme_buffer_mb` MiB, which must hold the largest piece's state; nvme.py,
         docs/offload.md). Stage 3 refuses both.
     reshard_after_forward: stage 3: free each layer's gathered weights after its forward.
+    zero3_grad_reduce: stage 3 with several microbatches: "step" reduce-scatters once per step
+        (unsharded gradients kept between microbatches), "microbatch" once per microbatch
+        (only the shards kept; fsdp.py).
     tie_embeddings: with pp > 1, sum the input embedding (the parameter named
         `embedding.weight` in the first stage's chunk) and its last-stage copy (marked
         `set_meta(..., tied_copy=True)`) over the embedding group.
@@ -114,6 +118,7 @@ def build_data_parallel(
             param_dtype=dtype,
             reduce_dtype=grad_reduce_dtype,
             device=device,
+            grad_reduce=zero3_grad_reduce,
             **common,
             **fsdp_args,
         )

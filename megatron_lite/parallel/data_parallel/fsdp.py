@@ -18,17 +18,29 @@ get uninitialized storage on `device`: the whole model never exists on one rank,
 of building it falls as 1/N. Fill them with `params.init_parameters` (each rank draws its own
 rows) or a checkpoint load, and recompute the buffers that were on meta.
 
-Gradients are summed (the loss is already the mean over the global batch). Over microbatches
-they accumulate unsharded, in `reduce_dtype`, without communication: each chunk reduce-scatters
-once, in the backward of the step's last microbatch. Which backward that is, the pipeline engine
-knows from its schedule table: it calls `before_backward(chunk, is_last)` before running each
-backward, outside autograd, and that sets FSDP2's flags (a backward nobody announced syncs, as
-FSDP2 does by default: correct, one reduce-scatter per microbatch). So with M > 1
-microbatches a rank holds the unsharded gradients of its whole model (Ψ in the reduce dtype)
-from the first microbatch's backward to the last's, beside the 4Ψ/N shards: one reduce-scatter
-per step instead of M, for that memory (memory.py and the planner count it). Then, as in
-`DataParallel`, sequence-parallel replicas are summed over TP and the tied embedding over the
-first/last pipeline stage, on the local shards (every such rank shards alike).
+Gradients are summed (the loss is already the mean over the global batch). Over microbatches,
+`grad_reduce` picks where they accumulate (config: parallel.zero3_grad_reduce):
+- "step" (default): unsharded, in `reduce_dtype`, without communication: each chunk
+  reduce-scatters once, in the backward of the step's last microbatch. Which backward that is,
+  the pipeline engine knows from its schedule table: it calls `before_backward(chunk, is_last)`
+  before running each backward, outside autograd, and that sets FSDP2's flags (a backward
+  nobody announced syncs, as FSDP2 does by default: correct, one reduce-scatter per
+  microbatch). So with M > 1 microbatches a rank holds the unsharded gradients of its whole
+  model (Ψ in the reduce dtype) from the first microbatch's backward to the last's, beside the
+  4Ψ/N shards: one reduce-scatter per step instead of M, for that memory.
+- "microbatch": every backward reduce-scatters (FSDP2's default, TorchTitan's and DeepSpeed's
+  with accumulation), each unit right after its gradients are complete; FSDP2 adds the reduced
+  shards into the sharded parameter's fp32 `.grad` (the masters' dtype), so between
+  microbatches a rank keeps Ψ/N·4 bytes of gradient shards and no unsharded gradient; during a
+  backward one unit's unsharded gradients at a time, until its reduce-scatter. M reduce-scatters
+  per step instead of 1 (each overlaps the rest of its backward). Every backward is also FSDP2's
+  "last" (`set_is_last_backward(True)`, its default): its end-of-backward callback drops the
+  last reduce-scatter's flat input, which otherwise lives to the next backward (the dry run
+  measured the chunk root's, embedding and output layer: 2 GiB of Llama-3 8B at tp2, through
+  the next forward).
+memory.py and the planner count what each keeps. Then, as in `DataParallel`,
+sequence-parallel replicas are summed over TP and the tied embedding over the first/last
+pipeline stage, on the local shards (every such rank shards alike).
 
 Zero-bubble schedules (zb-h1, zb-v, dualpipev) split each backward: B computes the input
 gradients and queues the linear layers' weight-gradient GEMMs, W runs them later. FSDP2's
@@ -38,7 +50,9 @@ W. W writes each weight's gradient into FSDP2's unsharded parameter (`.grad`), w
 would have; after_weight runs FSDP2's post-backward again (fsdp_compat.post_backward_now, as
 torch's own pipelining does for FSDP2), which folds it into the accumulator in the reduce dtype
 as after a backward, and after the chunk's last W reduce-scatters it: the same accumulation
-(bf16 gradients summed in fp32), the same single reduce-scatter per step.
+(bf16 gradients summed in fp32), the same single reduce-scatter per step. Under "microbatch" B
+reduce-scatters what it completed (the gradients W does not write: norms, embeddings) and each W
+the rest of its microbatch, so two reduce-scatters per unit and microbatch, the same bytes.
 """
 
 from __future__ import annotations
@@ -68,6 +82,9 @@ except ImportError:  # pragma: no cover - older torch
     FSDPModule = MixedPrecisionPolicy = fully_shard = None
 
 from torch.distributed.device_mesh import DeviceMesh
+
+# parallel.zero3_grad_reduce: where gradients accumulate over microbatches (module docstring)
+GRAD_REDUCE = ("step", "microbatch")
 
 
 def sharding_mesh(mesh: ParallelMesh, name: str, dp_shard: int | None, device_type: str):
@@ -202,7 +219,15 @@ class FullyShardedDataParallel:
         optimizer_args: dict | None = None,
         layers_of: Callable[[torch.nn.Module], Iterable[torch.nn.Module]] | None = None,
         device: torch.device | str | None = None,
+        grad_reduce: str = "step",
     ):
+        if grad_reduce not in GRAD_REDUCE:
+            raise ValueError(
+                f"FullyShardedDataParallel: grad_reduce={grad_reduce!r} is not one of "
+                f"{GRAD_REDUCE}. Fix: pass grad_reduce='step' (one reduce-scatter per step) or "
+                f"'microbatch' (one per microbatch, sharded accumulation)"
+            )
+        self.per_microbatch = grad_reduce == "microbatch"
         if fully_shard is None:
             raise RuntimeError(
                 f"parallel.zero_stage=3 needs torch >= 2.6 (torch.distributed.fsdp.fully_shard); "
@@ -262,16 +287,18 @@ class FullyShardedDataParallel:
 
     def before_backward(self, chunk: int, is_last: bool) -> None:
         """Before chunk `chunk`'s backward of one microbatch, outside autograd (the pipeline
-        engine calls it): FSDP2 reduce-scatters in the step's last backward only."""
-        self.chunks[chunk].set_requires_gradient_sync(is_last)
-        self.chunks[chunk].set_is_last_backward(is_last)
+        engine calls it): FSDP2 reduce-scatters in the step's last backward only, or under
+        grad_reduce="microbatch" in every backward, each then FSDP2's last (module docstring)."""
+        self.chunks[chunk].set_requires_gradient_sync(is_last or self.per_microbatch)
+        self.chunks[chunk].set_is_last_backward(is_last or self.per_microbatch)
         (self.unsynced.discard if is_last else self.unsynced.add)(chunk)
 
     def after_weight(self, chunk: int, is_last: bool) -> None:
         """After each W of chunk `chunk` under a split schedule (the engine calls it): the new
         weight gradients join FSDP2's accumulated ones; after the step's last W every gradient
-        of the chunk is complete, and they are reduce-scattered."""
-        post_backward_now(self.chunks[chunk], reduce=is_last)
+        of the chunk is complete, and they are reduce-scattered (under "microbatch": after
+        every W, into the sharded gradients)."""
+        post_backward_now(self.chunks[chunk], reduce=is_last or self.per_microbatch)
         if is_last:
             self.unsynced.discard(chunk)
 
@@ -319,7 +346,9 @@ class FullyShardedDataParallel:
         devices of `device_type`; grads include the unsharded gradients of the step's peak."""
         # with gradient accumulation FSDP2 keeps the unsharded gradients in the reduce dtype
         # from the first microbatch's backward to the last's reduce-scatter (memory.py)
-        unsharded = self.reduce_dtype.itemsize if self.expected > 1 else 0
+        # (under "microbatch" only one unit's at a time, transiently: the planner's peak.py)
+        keep = self.expected > 1 and not self.per_microbatch
+        unsharded = self.reduce_dtype.itemsize if keep else 0
         opt = self.optimizer
         out = sharded_state_bytes(self.params, opt.inner, device_type, unsharded, opt.masters)
         # a whole-matrix optimizer's owner holds its parameters' whole fp32 gradients from

@@ -40,8 +40,9 @@ holds them:
 - ZeRO-3 with M > 1 microbatches: FSDP2 reduce-scatters once per step, in the last
   microbatch's backward (fsdp.py: `set_requires_gradient_sync` off before), so it keeps every
   unsharded gradient from the first microbatch's backward on, in the reduce dtype (r bytes:
-  4 fp32, 2 bf16): grads = 4Ψ/N + r·Ψ. With M = 1 only the unit being reduced holds one (the
-  planner's working set).
+  4 fp32, 2 bf16): grads = 4Ψ/N + r·Ψ. With M = 1, or under parallel.zero3_grad_reduce=microbatch
+  (a reduce-scatter in every backward, the fp32 shards accumulating), only the unit being
+  reduced holds them (the planner's walk, plan/peak.py): grads = 4Ψ/N.
 """
 
 from __future__ import annotations
