@@ -7,13 +7,27 @@ planner-vs-dry-run tolerance of tests/unit/test_dry_run_planner.py, on the quick
 by one byte per FP8-gathered element per gather (plan/peak.py fp8_gathered_elements, which
 the step time's ZeRO-3 gather uses)."""
 
+import functools
+
 import pytest
 
-from tests.unit.test_dry_run_planner import TOLERANCE, _dry_run
+from tests.unit.test_dry_run_planner import TOLERANCE
+from tests.unit.test_dry_run_planner import _dry_run as _dry_run_uncached
 
 pytest.importorskip("torchao.float8")
 
 QUICKSTART = ("configs/quickstart.yaml", 8, ["model.fp8=tensorwise", "train.precision=bf16"])
+
+
+@functools.cache
+def _cached(config: str, world: int, overrides: tuple[str, ...]) -> list[dict]:
+    return _dry_run_uncached(config, world, list(overrides))
+
+
+def _dry_run(config: str, world: int, overrides: list[str]) -> list[dict]:
+    """The dry run's figures, once per layout in a session (ZeRO-3's FP8 run serves two tests;
+    the results are read, never modified)."""
+    return _cached(config, world, tuple(overrides))
 
 
 # ZeRO-3 with FP8: the first weight gradient of a layer's backward (fc2's, bf16, out of the
