@@ -38,12 +38,12 @@ class NvmeSwapError(RuntimeError):
 
 
 def _start_time(pid: int) -> str | None:
-    """The process's start time in clock ticks (field 22 of /proc/<pid>/stat), None if gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
+    """The process's start time in clock ticks (the run lock's reader of /proc/<pid>/stat),
+    as the directory name spells it; None if gone."""
+    from megatron_lite.checkpoint.lock_file import process_start_ticks
+
+    ticks = process_start_ticks(pid)
+    return None if ticks is None else str(ticks)
 
 
 def swap_dir_name(rank: int, pid: int | None = None) -> str:
