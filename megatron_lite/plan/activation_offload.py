@@ -36,7 +36,7 @@ from megatron_lite.pipeline.engine import backward_follows
 from megatron_lite.pipeline.schedules import get_schedule, get_schedule_spec, virtual_stage
 from megatron_lite.plan import modules
 from megatron_lite.plan.saved import _fake_stage, _to_training_dtype
-from megatron_lite.resolve import num_microbatches, stage_layers
+from megatron_lite.resolve import moe_layer_pattern, num_microbatches, stage_layers
 
 
 @dataclass(frozen=True)
@@ -101,12 +101,15 @@ def stage_offload(
     pp_rank: int,
     layer_forward_s: float,
     host_gbps: float,
-    moe: bool = False,
+    moe: bool | None = None,
     kernels: str = "fused",
 ) -> OffloadPlan:
     """`offload_plan` of pipeline rank `pp_rank` under cfg (resolved: parallel.dp set): its
     schedule table, its chunks' layers, one layer's measured bytes (an MoE layer's when
-    `moe`; `kernels`: fused, what a GPU runs, or torch, what the CPU runs)."""
+    `moe`; None: when every layer is one; `kernels`: fused, what a GPU runs, or torch, what
+    the CPU runs)."""
+    if moe is None:
+        moe = bool(cfg.model.num_experts) and all(moe_layer_pattern(cfg.model))
     p = cfg.parallel
     m = num_microbatches(cfg.train, p.dp)
     spec = get_schedule_spec(p.pipeline_schedule, p.vpp)
@@ -172,15 +175,13 @@ def offload_report(cfg: Config, node, layer_forward_s: float, host_gbps: float |
     host-link bytes per step, and one layer's copy against its forward over the GPU's host
     link (`host_gbps`; None: the GPU's PCIe generation, plan/hardware.py PCIE_GBPS)."""
     from megatron_lite.plan.hardware import PCIE_GBPS
-    from megatron_lite.resolve import moe_layer_pattern
 
     gbps = host_gbps if host_gbps is not None else PCIE_GBPS[node.gpu.pcie_gen]
-    moe = bool(cfg.model.num_experts) and all(moe_layer_pattern(cfg.model))
     gib = 2**30
     lines = [f"activation offload of {', '.join(cfg.model.activation_offload)} "
              f"over a {gbps:g} GB/s host link per GPU per direction:"]  # fmt: skip
     for rank in range(cfg.parallel.pp):
-        o = stage_offload(cfg, rank, layer_forward_s, gbps, moe, kernels)
+        o = stage_offload(cfg, rank, layer_forward_s, gbps, kernels=kernels)
         hides = "hidden" if o.hidden else "NOT hidden (the step waits for the copies)"
         lines.append(
             f"  pp rank {rank}: device -{o.device_bytes_saved / gib:.2f} GiB at the peak, host "

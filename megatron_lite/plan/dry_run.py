@@ -248,10 +248,8 @@ def _predicted_host(cfg: Config, pp_rank: int, kernels: str) -> float:
     if not cfg.model.activation_offload:
         return 0.0
     from megatron_lite.plan.activation_offload import stage_offload
-    from megatron_lite.resolve import moe_layer_pattern
 
-    moe = bool(cfg.model.num_experts) and all(moe_layer_pattern(cfg.model))
-    return stage_offload(cfg, pp_rank, 0.0, 1.0, moe, kernels).host_peak_bytes
+    return stage_offload(cfg, pp_rank, 0.0, 1.0, kernels=kernels).host_peak_bytes
 
 
 def run_rank(cfg: Config, world: int, rank: int, kernels: str = "fused",

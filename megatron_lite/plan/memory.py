@@ -96,8 +96,7 @@ def _offloaded(r: Config, pp_rank: int, terms: dict[str, float], kernels: str) -
         return terms
     from megatron_lite.plan.activation_offload import stage_offload
 
-    moe = bool(r.model.num_experts) and all(moe_layer_pattern(r.model))
-    saved = stage_offload(r, pp_rank, 0.0, 1.0, moe, kernels).device_bytes_saved
+    saved = stage_offload(r, pp_rank, 0.0, 1.0, kernels=kernels).device_bytes_saved
     return {**terms, "activations": max(terms["activations"] - saved, 0.0)}
 
 
