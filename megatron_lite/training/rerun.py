@@ -43,6 +43,7 @@ from __future__ import annotations
 import math
 import socket
 import struct
+import types
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -50,6 +51,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_lite.checkpoint.state import rng_states, set_rng_states
 from megatron_lite.parallel import mappings
 from megatron_lite.parallel.random import RNGStatesTracker
 
@@ -70,6 +72,9 @@ class Attempt:
 
 def _bits(x: float) -> int:
     return struct.unpack("<q", struct.pack("<d", x))[0]
+
+
+_NO_TRACKER = types.SimpleNamespace(states={})  # a run without one: torch's generators alone
 
 
 class StepRerun:
@@ -93,19 +98,13 @@ class StepRerun:
         self.counts["reproduced_nonfinite"] = 0
         self.messages: list[str] = []  # what rank 0 printed (every rank keeps them)
 
-    def capture(self) -> tuple:
-        """The RNG states a replay restores (before the step's forward)."""
-        cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
-        tracked = dict(self.tracker.states) if self.tracker is not None else {}
-        return torch.get_rng_state(), cuda, tracked
+    def capture(self) -> dict[str, torch.Tensor]:
+        """The RNG states a replay restores (before the step's forward): a checkpoint's own
+        (checkpoint/state.py rng_states)."""
+        return rng_states(self.tracker or _NO_TRACKER)
 
-    def restore(self, saved: tuple) -> None:
-        cpu, cuda, tracked = saved
-        torch.set_rng_state(cpu)
-        if cuda is not None:
-            torch.cuda.set_rng_state(cuda, self.device)
-        if self.tracker is not None:
-            self.tracker.states.update(tracked)
+    def restore(self, saved: dict[str, torch.Tensor]) -> None:
+        set_rng_states(self.tracker or _NO_TRACKER, saved)
 
     def trigger(self, loss: float, grad_norm: float) -> str | None:
         """What is suspicious about these world-reduced numbers (None: nothing)."""
