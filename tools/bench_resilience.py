@@ -101,54 +101,20 @@ def _rank(rank, world, a, out_dir):
     import torch
     import torch.distributed as dist
 
+    os.environ.setdefault("MEGATRON_LITE_QUIET", "1")
     torch.set_num_threads(1)
     everyone = [None] * world
     dist.all_gather_object(everyone, _steps(rank, world, a, out_dir))
     return everyone
 
 
-def _rank_main(rank, world, store, a, out_dir, queue):
-    import datetime
-
-    import torch.distributed as dist
-
-    os.environ.setdefault("MEGATRON_LITE_QUIET", "1")
-    try:
-        dist.init_process_group(
-            "gloo", store=dist.FileStore(store, world), rank=rank, world_size=world,
-            timeout=datetime.timedelta(seconds=600),
-        )  # fmt: skip
-        out = _rank(rank, world, a, out_dir)
-        dist.destroy_process_group()
-        if rank == 0:
-            queue.put(("ok", out))
-    except BaseException as e:
-        import traceback
-
-        queue.put(("error", f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}"))
-
-
 def spawn(a) -> list:
-    """Every rank's (off, on, bookkeeping) lists, from `a.world` spawned gloo ranks."""
-    import multiprocessing as mp
+    """Every rank's (off, on, bookkeeping) lists, from `a.world` spawned gloo ranks (the
+    benchmarks' shared launcher, bench_context_parallel.spawn)."""
+    from tools.bench_context_parallel import spawn as spawn_ranks
 
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
-        args = (a.world, os.path.join(tmp, "store"), a, tmp, queue)
-        procs = [ctx.Process(target=_rank_main, args=(r, *args)) for r in range(a.world)]
-        for p in procs:
-            p.start()
-        try:
-            status, out = queue.get(timeout=a.timeout)
-        finally:
-            for p in procs:
-                p.join(timeout=30)
-                if p.is_alive():
-                    p.kill()
-    if status != "ok":
-        raise RuntimeError(out)
-    return out
+        return spawn_ranks(a.world, _rank, a, tmp, timeout=a.timeout)
 
 
 def summarize(everyone: list, budget: float) -> tuple[dict, list[str]]:
