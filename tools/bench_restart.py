@@ -85,13 +85,14 @@ def _build(overrides: list[str], world: int, restart: int):
     return trainer, time.perf_counter() - t0, timing["s"], timing["cpu"]
 
 
-def bench_rank(rank: int, world: int, overrides: list[str], a, store: str, queue) -> None:
+def bench_rank(rank: int, world: int, overrides: list[str], a) -> dict | None:
+    """One rank of a case (its process group started by the shared launcher): rank 0's
+    results."""
     import shutil
 
     import torch.distributed as dist
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     # train.steps one past the last step trained: the copy is made there (not at a clean end)
     base = [*overrides, f"train.steps={a.steps + 1}", f"train.save_interval={a.steps}"]
     base += [f"train.out_dir={a.out_dir}", "log.progress=false", "log.memory_steps=0"]
@@ -119,42 +120,18 @@ def bench_rank(rank: int, world: int, overrides: list[str], a, store: str, queue
     dist.barrier()
     if rank == 0:
         shutil.rmtree(memdir, ignore_errors=True)
-        queue.put(results)
-    dist.destroy_process_group()
+    return results
 
 
 def run_case(name: str, a) -> dict:
-    """Run one case on its ranks (spawned) -> rank 0's results."""
-    import multiprocessing as mp
-    import queue as queue_module
+    """Run one case on its ranks (spawned by the benchmarks' shared launcher,
+    bench_context_parallel.spawn) -> rank 0's results."""
+    from tools.bench_context_parallel import spawn
 
     world, overrides = CASES[name]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         a.out_dir = os.path.join(tmp, "run")
-        store = os.path.join(tmp, "store")
-        args = (world, overrides, a, store, queue)
-        procs = [ctx.Process(target=bench_rank, args=(r, *args)) for r in range(world)]
-        for proc in procs:
-            proc.start()
-        deadline = time.monotonic() + a.timeout
-        try:
-            while True:
-                try:
-                    return queue.get(timeout=1.0)
-                except queue_module.Empty:
-                    dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode]
-                    if dead or time.monotonic() > deadline:
-                        raise RuntimeError(
-                            f"{name}: ranks (rank, exit code) {dead} failed or "
-                            f"timed out after {a.timeout}s"
-                        ) from None
-        finally:
-            for proc in procs:
-                proc.join(timeout=60)
-                if proc.is_alive():
-                    proc.kill()
+        return spawn(world, bench_rank, overrides, a, timeout=a.timeout)
 
 
 def report(name: str, res: dict) -> None:
